@@ -1,0 +1,28 @@
+# pdmesh: `make up` installs and runs the main job; `make test` installs and runs the suite.
+PY := .venv/bin/python
+MODEL_DIR ?= .cache/models/tiny-qwen3
+
+.PHONY: install up test lint bench clean
+
+install:
+	@bash scripts/setup.sh
+
+up: install
+	@bash scripts/ensure_redis.sh
+	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m shared.cli make-tiny-model $(MODEL_DIR) --arch qwen3
+	$(PY) -m shared.cli generate --model $(MODEL_DIR) --device auto \
+		--prompt "def fibonacci(n):" --prompt "import os" --max-tokens 32
+
+test: install
+	@bash scripts/ensure_redis.sh
+	$(PY) -m pytest -q tests
+
+lint: install
+	.venv/bin/ruff check shared services tests
+
+bench: install
+	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m shared.cli make-tiny-model $(MODEL_DIR) --arch qwen3
+	$(PY) -m shared.cli bench offline --model $(MODEL_DIR)
+
+clean:
+	rm -rf .venv .cache

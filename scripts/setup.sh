@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs everything pdmesh needs into .venv at the repository root, on a fresh Debian
+# machine as root: apt packages, the venv, pip packages. Idempotent: a stamp keyed on the
+# dependency files skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+STAMP=$VENV/.pdmesh-installed
+key=$(cat pyproject.toml requirements/*.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ]; then
+  exit 0
+fi
+
+apt_pkgs=()
+# Mooncake's wheel links libibverbs; redis backs the registry; venv for Debian's python3.
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_pkgs+=(libibverbs1)
+command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
+python3 -c 'import ensurepip' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: apt-get install ${apt_pkgs[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+  else
+    echo "setup: please install Debian packages: ${apt_pkgs[*]}" >&2
+  fi
+fi
+
+python3 - <<'PY'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"pdmesh needs Python 3.11+, found {sys.version.split()[0]}")
+PY
+
+[ -x $VENV/bin/python ] || python3 -m venv $VENV
+PIP="$VENV/bin/pip install --disable-pip-version-check -q"
+
+# Which accelerator stack: npu if the Ascend driver is there, cuda if nvidia-smi is, else cpu.
+target=${PDMESH_INSTALL_TARGET:-}
+if [ -z "$target" ]; then
+  if command -v npu-smi >/dev/null 2>&1; then target=npu
+  elif command -v nvidia-smi >/dev/null 2>&1; then target=cuda
+  else target=cpu
+  fi
+fi
+echo "setup: installing for $target into $VENV"
+if [ "$target" = cpu ]; then
+  # Pin the CPU build first, so nothing later can pull a CUDA torch.
+  $PIP -r requirements/cpu.txt
+fi
+$PIP -e ".[$target]" -r requirements/test.txt
+echo "$key" > "$STAMP"

@@ -1,0 +1,1 @@
+"""pdmesh decode service (built by a later issue; see ../../README.md)."""

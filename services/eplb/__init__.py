@@ -1,0 +1,1 @@
+"""pdmesh eplb service (built by a later issue; see ../../README.md)."""

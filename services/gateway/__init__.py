@@ -1,0 +1,1 @@
+"""pdmesh gateway service (built by a later issue; see ../../README.md)."""

@@ -1,0 +1,1 @@
+"""pdmesh kvstore service (built by a later issue; see ../../README.md)."""

@@ -1,0 +1,1 @@
+"""pdmesh prefill service (built by a later issue; see ../../README.md)."""

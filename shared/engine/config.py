@@ -1,0 +1,45 @@
+"""Engine configuration: one frozen dataclass, flag names as ``vllm serve`` spells them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when nothing else is said on a CPU
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"  # auto | npu | cuda | cpu
+    dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
+    seed: int = 0
+    block_size: int = 128
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)... see resolve
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    # KV cache size: explicit block count, or bytes, or a fraction of device memory.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size: must be in [1, 1024], got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")

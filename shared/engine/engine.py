@@ -1,0 +1,175 @@
+"""The engine core: requests in, tokens out, one step at a time.
+
+    step():  schedule -> run model -> sample -> update
+
+Everything a step decides lives in the scheduler and its policy; everything it computes
+lives in the model runner and the kernels. The engine validates requests on the way in,
+so a bad one raises ValueError naming the field and never reaches a step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.block_manager import KVCacheManager
+from shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shared.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from shared.engine.policy import make_policy
+from shared.engine.request import Request, RequestStatus
+from shared.engine.sampler import Sampler
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler
+from shared.kernels import get_backend, resolve_device
+from shared.models.config import ModelConfig, parse_dtype
+from shared.models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.backend = get_backend(self.device)
+        model_cfg = ModelConfig.from_folder(config.model)
+        self.dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
+        t0 = time.perf_counter()
+        self.model_config, self.model = load_model(config.model, self.backend, self.dtype)
+        self.max_model_len = self._resolve_max_model_len()
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
+                                                                           config.max_num_seqs)
+        num_blocks = self._resolve_num_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 fingerprint=self.fingerprint())
+        kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size,
+                                      self.dtype, self.backend.device)
+        self.runner = ModelRunner(self.model, self.backend, self.kv, kv_caches)
+        self.sampler = Sampler(self.backend, self.model_config.vocab_size)
+        self.scheduler = Scheduler(self.kv, make_policy(config.scheduling_policy),
+                                   config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.max_model_len)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens",
+                 time.perf_counter() - t0, self.model_config.architecture, self.device,
+                 str(self.dtype).removeprefix("torch."), num_blocks, config.block_size)
+
+    # -- configuration ----------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """What makes KV interchangeable: the model, its KV layout and block size."""
+        c = self.model_config
+        return (f"{c.architecture}:{c.num_layers}x{c.num_kv_heads}x{c.head_dim}:"
+                f"{self.dtype}:{self.config.block_size}:{self.config.model}")
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ValueError(f"max_model_len: {asked} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        return asked
+
+    def _resolve_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device == "cpu":
+            # Enough for every seat at full length, at most the default CPU budget.
+            full = cfg.max_num_seqs * self.max_model_len // cfg.block_size + cfg.max_num_seqs
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, full * per_block)
+        else:
+            budget = self._device_kv_budget()
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
+                             f"({per_block} bytes each)")
+        return int(blocks)
+
+    def _device_kv_budget(self) -> int:
+        """gpu_memory_utilization of device memory, less what weights already took and a
+        reserve for activations."""
+        mod = torch.npu if self.device == "npu" else torch.cuda  # type: ignore[attr-defined]
+        free, total = mod.mem_get_info()
+        used = total - free
+        reserve = int(0.05 * total)
+        return max(0, int(total * self.config.gpu_memory_utilization) - used - reserve)
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        self._validate(prompt_token_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._requests:
+            raise ValueError(f"request_id: {rid!r} is already in flight")
+        req = Request(rid, list(prompt_token_ids), params,
+                      eos_token_ids=self.model_config.eos_token_ids, priority=priority)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[:5]} outside the vocabulary [0, {vocab})")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens is longer than max_model_len "
+                             f"({self.max_model_len})")
+        longest = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if self.kv.blocks_for(longest) > self.kv.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt)}) + max_tokens needs "
+                f"{self.kv.blocks_for(longest)} KV blocks, the cache has {self.kv.num_blocks}")
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits, sample_idx = self.runner.execute(sched)
+        sampled = self.sampler(logits, [sched.requests[i] for i in sample_idx])
+        for i, lp in zip(sample_idx, sampled.logprobs, strict=True):
+            if lp is not None:
+                sched.requests[i].logprobs.append(lp)
+        tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
+        finished = self.scheduler.update(sched, tokens)
+        for req in finished:
+            self._requests.pop(req.request_id, None)
+        done = {id(r) for r in finished}
+        return [StepOutput(sched.requests[i], [tokens[i]], id(sched.requests[i]) in done)
+                for i in sample_idx]

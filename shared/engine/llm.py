@@ -1,0 +1,144 @@
+"""The offline API, shaped like vLLM's so its users already know it.
+
+    llm = LLM(model="path/to/folder", device="cpu")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+    outs[0].outputs[0].text, .token_ids, .finish_reason, .logprobs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import EngineCore
+from shared.engine.request import Logprob, Request
+from shared.engine.sampling_params import SamplingParams
+from shared.models.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class LLM:
+    def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 block_size: int = 128, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 scheduling_policy: str = "fcfs", tokenizer: str | None = None):
+        self.engine = EngineCore(EngineConfig(
+            model=model, device=device, dtype=dtype, seed=seed, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, scheduling_policy=scheduling_policy,
+        ))
+        self.tokenizer = Tokenizer(tokenizer or model)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Every prompt is validated before any
+        runs, so a bad one raises ValueError and nothing is left half-done."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"sampling_params: {len(params)} given for "
+                                 f"{len(prompt_list)} prompts")
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority: {len(priority)} given for {len(prompt_list)} prompts")
+        token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        for toks, sp in zip(token_lists, params, strict=True):
+            self.engine._validate(toks, sp)
+
+        reqs: list[Request] = []
+        try:
+            for i, (toks, sp) in enumerate(zip(token_lists, params, strict=True)):
+                prio = priority[i] if priority is not None else 0
+                reqs.append(self.engine.add_request(toks, sp, priority=prio))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        finally:
+            for r in reqs:  # on an interrupt, leave no request holding KV blocks
+                if not r.is_finished:
+                    self.engine.abort(r.request_id)
+        return [self._output(r, p) for r, p in zip(reqs, prompt_list, strict=True)]
+
+    def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ValueError(f"prompts[{index}]: must be a string or a list of token ids")
+
+    def _output(self, req: Request, prompt: Prompt) -> RequestOutput:
+        sp = req.sampling_params
+        ids = req.output_token_ids
+        logprobs = None
+        cumulative = None
+        if sp.logprobs is not None:
+            logprobs = req.logprobs
+            for step in logprobs:
+                for tid, lp in step.items():
+                    lp.decoded_token = self.tokenizer.id_to_token(tid)
+            cumulative = sum(step[t].logprob for step, t in zip(logprobs, ids, strict=False))
+        completion = CompletionOutput(
+            index=0,
+            text=self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens),
+            token_ids=list(ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, list | tuple):
+        if not prompts:
+            raise ValueError("prompts: at least one prompt is required")
+        return list(prompts)
+    raise ValueError("prompts: must be a string, a list of token ids, or a list of those")

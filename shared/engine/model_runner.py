@@ -1,0 +1,112 @@
+"""Owns the model and its paged KV cache; turns a scheduled step into logits.
+
+Inputs are built on the host with numpy (one flat varlen batch), copied to the device
+once, and the attention metadata is prepared once per step for all layers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from shared.engine.block_manager import NULL_BLOCK_ID, KVCacheManager
+from shared.engine.scheduler import SchedulerOutput
+from shared.kernels import AttentionMetadata, KernelBackend
+from shared.models.config import ModelConfig
+from shared.models.transformer import CausalLM, KVCache
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, one block."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[KVCache]:
+    """``num_blocks`` usable blocks plus the null block 0, which alone is zeroed: a slot
+    is read only after it was written, or is padding redirected to the null block
+    (masked, and finite, since NaN * 0 would still be NaN)."""
+    shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = []
+    for _ in range(cfg.num_layers):
+        k = torch.empty(shape, dtype=dtype, device=device)
+        v = torch.empty(shape, dtype=dtype, device=device)
+        k[NULL_BLOCK_ID].zero_()
+        v[NULL_BLOCK_ID].zero_()
+        caches.append((k, v))
+    return caches
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, backend: KernelBackend, kv: KVCacheManager,
+                 kv_caches: list[KVCache]):
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+        self.kv_caches = kv_caches
+        self.block_size = kv.block_size
+        self.device = backend.device
+
+    def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Run the model on one step. Returns (logits [S, V] float32, the positions in
+        ``step.requests`` of the S requests that computed their last token and sample)."""
+        bs = self.block_size
+        reqs, counts = step.requests, step.num_tokens
+        num_seqs = len(reqs)
+        starts = [r.num_computed_tokens for r in reqs]
+        seq_lens = [s + n for s, n in zip(starts, counts, strict=True)]
+        tables = [self.kv.block_ids(r) for r in reqs]
+        width = max(len(t) for t in tables)
+        block_table = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, :len(t)] = t
+
+        if step.total_tokens == num_seqs:  # pure decode: one token each
+            input_ids = np.fromiter((r.token_ids[s] for r, s in zip(reqs, starts, strict=True)),
+                                    dtype=np.int64, count=num_seqs)
+            positions = np.asarray(starts, dtype=np.int64)
+            seq_idx = np.arange(num_seqs)
+        else:
+            ids: list[int] = []
+            for r, s, n in zip(reqs, starts, counts, strict=True):
+                ids.extend(r.token_ids[s:s + n])
+            input_ids = np.asarray(ids, dtype=np.int64)
+            seq_idx = np.repeat(np.arange(num_seqs), counts)
+            offsets = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+            positions = np.repeat(np.asarray(starts, dtype=np.int64), counts) + offsets
+        slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
+                      if n == r.num_tokens]
+        logits_rows = qsl[1:][sample_idx] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(starts, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            query_lens_host=list(counts),
+            seq_lens_host=seq_lens,
+            context_lens_host=starts,
+            max_query_len=max(counts),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        self.backend.prepare_attention(meta)
+        logits = self.model.forward(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_caches,
+            meta,
+            torch.from_numpy(logits_rows.astype(np.int64)).to(dev),
+        )
+        return logits, sample_idx

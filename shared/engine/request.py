@@ -1,0 +1,104 @@
+"""A request inside the engine, and its lifecycle.
+
+    WAITING ──schedule──▶ RUNNING ──stop/length──▶ FINISHED_STOPPED / FINISHED_LENGTH
+       ▲                    │
+       └────preempt─────────┘  (blocks freed, KV recomputed when it runs again)
+    any unfinished state ──abort──▶ FINISHED_ABORTED
+
+``token_ids`` holds prompt then output; ``num_computed_tokens`` of them have KV in the
+paged cache. A request samples a new token in the step that computes its last token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {RequestStatus.WAITING, *_FINISHED},
+}
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely under the raw model distribution
+    decoded_token: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)  # prompt + output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hits at first schedule; -1 until scheduled
+    num_preemptions: int = 0
+    stop_reason: int | None = None  # the stop token that ended it, if any
+    block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def transition(self, new: RequestStatus) -> None:
+        if new not in _TRANSITIONS.get(self.status, set()):
+            raise RuntimeError(f"request {self.request_id}: {self.status.name} -> {new.name}")
+        self.status = new
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,140 @@
+"""Turn one step's logits into tokens, batched across requests.
+
+Order, as vLLM applies it: raw logprobs (if asked) -> min_tokens masking of stop tokens
+-> repetition / presence / frequency penalties -> greedy argmax, or temperature ->
+top-k / top-p (device kernel) -> min-p -> sample (seeded rows from their own generator).
+Fast path: an all-greedy batch without penalties or logprobs is one argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.request import Logprob, Request
+from shared.kernels import KernelBackend
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: {token: Logprob} for the sampled token and the top-n, or None
+    logprobs: list[dict[int, Logprob] | None]
+
+
+class Sampler:
+    def __init__(self, backend: KernelBackend, vocab_size: int):
+        self.backend = backend
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits [B, V] float32, one row per request in ``reqs``."""
+        params = [r.sampling_params for r in reqs]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(p.min_tokens for p in params):
+            logits = self._mask_early_stops(logits, reqs)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, reqs)
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, reqs, greedy)
+        token_list = tokens.tolist()
+        lps: list[dict[int, Logprob] | None] = [None] * len(reqs)
+        if raw_logprobs is not None:
+            lps = self._logprobs(raw_logprobs, tokens, params)
+        return SamplerOutput(token_list, lps)
+
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            sp = r.sampling_params
+            if r.num_output_tokens < sp.min_tokens:
+                stops = set(sp.stop_token_ids)
+                if not sp.ignore_eos:
+                    stops.update(r.eos_token_ids)
+                stops = {t for t in stops if t < self.vocab_size}
+                rows += [i] * len(stops)
+                cols += list(stops)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        b, v = logits.shape
+        dev = logits.device
+        out_counts = torch.zeros((b, v), dtype=torch.float32, device=dev)
+        seen = torch.zeros((b, v), dtype=torch.bool, device=dev)  # prompt or output
+        rep, pres, freq = [], [], []
+        for i, r in enumerate(reqs):
+            sp = r.sampling_params
+            rep.append(sp.repetition_penalty)
+            pres.append(sp.presence_penalty)
+            freq.append(sp.frequency_penalty)
+            out = r.output_token_ids
+            if out:
+                idx = torch.tensor(out, dtype=torch.long, device=dev)
+                out_counts[i].index_add_(0, idx, torch.ones(len(out), device=dev))
+            if sp.repetition_penalty != 1.0:
+                seen[i, torch.tensor(r.token_ids, dtype=torch.long, device=dev)] = True
+        rep_t = torch.tensor(rep, device=dev).unsqueeze(1)
+        pres_t = torch.tensor(pres, device=dev).unsqueeze(1)
+        freq_t = torch.tensor(freq, device=dev).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / rep_t, logits * rep_t)
+        logits = torch.where(seen, penalized, logits)
+        logits = logits - freq_t * out_counts - pres_t * (out_counts > 0).float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], greedy: list[bool]
+                ) -> torch.Tensor:
+        dev = logits.device
+        params = [r.sampling_params for r in reqs]
+        argmax = logits.argmax(dim=-1)
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params,
+                                                                          strict=True)],
+                             dtype=torch.float32, device=dev)
+        scaled = logits / temps.unsqueeze(1)
+        top_k = top_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                                 dtype=torch.long, device=dev)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        scaled = self.backend.top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None}
+        sampled = self.backend.random_sample(probs, generators)
+        greedy_t = torch.tensor(greedy, device=dev)
+        return torch.where(greedy_t, argmax, sampled)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params: list
+                  ) -> list[dict[int, Logprob] | None]:
+        n_max = max(p.logprobs or 0 for p in params)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
+        ranks = (raw > chosen.unsqueeze(1)).sum(dim=-1) + 1  # [B]
+        top_vals, top_ids = raw.topk(n_max, dim=-1) if n_max else (None, None)
+        chosen_l, ranks_l, tokens_l = chosen.tolist(), ranks.tolist(), tokens.tolist()
+        top_vals_l = top_vals.tolist() if top_vals is not None else None
+        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        out: list[dict[int, Logprob] | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            d = {tokens_l[i]: Logprob(chosen_l[i], ranks_l[i])}
+            for j in range(p.logprobs):
+                assert top_ids_l is not None and top_vals_l is not None
+                tid = top_ids_l[i][j]
+                if tid not in d:
+                    d[tid] = Logprob(top_vals_l[i][j], j + 1)
+            out.append(d)
+        return out

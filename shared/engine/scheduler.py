@@ -1,0 +1,152 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+There are no prefill or decode phases: each request has ``num_computed_tokens`` of its
+``num_tokens`` in the cache, and every step hands out a token budget
+(``max_num_batched_tokens``) to close those gaps, running requests first, then waiting
+ones while seats (``max_num_seqs``) and blocks last. A long prompt simply takes several
+steps (chunked prefill). When a running request cannot get a block, the policy's
+victim is preempted: its blocks are freed and it waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import KVCacheManager
+from shared.engine.policy import SchedulingPolicy
+from shared.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work, in batch order."""
+
+    requests: list[Request]  # scheduled this step
+    num_tokens: list[int]  # new tokens computed for each, same order
+    preempted: list[Request] = field(default_factory=list)  # lost their blocks this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.kv = kv
+        self.waiting = policy
+        self.running: list[Request] = []
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemptions = 0  # since start, for metrics and tests
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.add(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [])
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, n, out, scheduled):
+                continue  # req itself was preempted; self.running[i] is the next one
+            out.requests.append(req)
+            out.num_tokens.append(n)
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out  # memory is tight: admit nothing new this step
+        while (len(self.waiting) and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting.peek()
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            hit_tokens = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.pop()
+            req.num_computed_tokens += hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit_tokens
+            req.transition(RequestStatus.RUNNING)
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_tokens.append(n)
+            budget -= n
+        return out
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput,
+                   scheduled: set[int]) -> bool:
+        """Allocate for ``req``, preempting victims until it fits. False if ``req`` went."""
+        while not self.kv.allocate(req, n):
+            candidates = [r for r in self.running if id(r) not in scheduled]
+            victim = self.waiting.victim(candidates)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.preemptions += 1
+        req.transition(RequestStatus.WAITING)
+        self.waiting.readd(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what stopped.
+
+        ``sampled`` maps a position in ``out.requests`` to its new token; only requests
+        whose last known token was computed this step have one. Returns the finished.
+        """
+        finished = []
+        for idx, (req, n) in enumerate(zip(out.requests, out.num_tokens, strict=True)):
+            req.num_computed_tokens += n
+            token = sampled.get(idx)
+            if token is None:
+                continue
+            req.append_token(token)
+            status = self.stop_status(req, token)
+            if status is not None:
+                self.finish(req, status)
+                finished.append(req)
+        return finished
+
+    def stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Stop a request wherever it is and give its blocks back."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.transition(status)
+        self.kv.free(req)

@@ -1,0 +1,264 @@
+"""The one interface every device backend implements.
+
+Each op is written once per backend behind :class:`KernelBackend`. Model code calls
+these methods and never branches on the device. Tensor layouts are fixed here and
+shared by all backends:
+
+    hidden states      [num_tokens, hidden]              (a flat, varlen batch)
+    q                  [num_tokens, num_heads, head_dim]
+    k, v               [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache   [num_blocks, block_size, num_kv_heads, head_dim]  (one per layer)
+
+    a paged cache, block_size = 4:
+      block_tables[seq] = [7, 2, 9]     seq_len = 10
+      slots:  7*4+0 .. 7*4+3 | 2*4+0 .. 2*4+3 | 9*4+0, 9*4+1
+              tokens 0..3      tokens 4..7      tokens 8, 9
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention ops need to know about one step's flat batch.
+
+    Sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of q/k/v. Its
+    first ``context_lens[i]`` tokens are already in the paged cache; the step adds
+    ``query_lens[i]`` more, so it attends over ``seq_lens[i] = context + query`` keys.
+    Invariants: ``query_lens >= 1``, ``seq_lens <= block_tables.shape[1] * block_size``.
+    Block 0 is the engine's null block (never allocated, kept zero): block tables are
+    padded with it, and a backend may point any padded read there.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on device
+    seq_lens: torch.Tensor  # [num_seqs] int32, on device
+    context_lens: torch.Tensor  # [num_seqs] int32, on device
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, on device
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    context_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # What a backend precomputes once per step and reuses in every layer.
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token this step."""
+        return self.max_query_len == 1
+
+    @property
+    def has_context(self) -> bool:
+        """Some sequence attends to tokens computed in an earlier step."""
+        return max(self.context_lens_host, default=0) > 0
+
+
+class KernelBackend(ABC):
+    """Device kernels. Subclasses override what their device does better.
+
+    The defaults below are plain, vectorized torch and are correct on any device;
+    the attention ops are abstract because each device pages differently.
+    """
+
+    name: str = "base"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    # -- per step ---------------------------------------------------------------------
+    def prepare_attention(self, meta: AttentionMetadata) -> None:
+        """Precompute, once per step, whatever the attention ops reuse in every layer."""
+
+    # -- normalization ----------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, statistics in float32 (as Hugging Face computes it)."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(rms_norm(x + residual), x + residual)``."""
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    # -- position ---------------------------------------------------------------------
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style (rotate-half) rotary embedding.
+
+        q [T, H, D], k [T, KVH, D], cos/sin [T, D] already gathered for the positions.
+        """
+        cos = cos.unsqueeze(1).to(q.dtype)
+        sin = sin.unsqueeze(1).to(q.dtype)
+        return _rope(q, cos, sin), _rope(k, cos, sin)
+
+    # -- KV cache and attention -------------------------------------------------------
+    def write_kv_cache(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter k/v [T, KVH, D] into their slots of the paged caches."""
+        num_blocks, block_size, kvh, d = k_cache.shape
+        k_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, k)
+        v_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, v)
+
+    @abstractmethod
+    def paged_attention_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention for a varlen batch of chunks; q [T, H, D] -> [T, H, D].
+
+        k/v are this step's keys/values, already written to the caches; a backend may
+        use them directly when no sequence has earlier context.
+        """
+
+    @abstractmethod
+    def paged_attention_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One new token per sequence; q [B, H, D] -> [B, H, D]."""
+
+    # -- MLP and MoE ------------------------------------------------------------------
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def moe_gating_topk(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax over experts (float32), top-k, optional renormalization.
+
+        router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64).
+        """
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def grouped_matmul(
+        self, x: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]
+    ) -> torch.Tensor:
+        """Rows of x sorted by group; group e is multiplied by weight[e].
+
+        x [N, K], weight [E, M, K] (nn.Linear layout), sum(group_sizes) == N -> [N, M].
+        """
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        start = 0
+        for e, n in enumerate(group_sizes):
+            if n:
+                out[start : start + n] = x[start : start + n] @ weight[e].t()
+                start += n
+        return out
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Routed SwiGLU experts: sum_k w_k * down_e(silu(gate_e x) * up_e x).
+
+        x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H].
+        Tokens are sorted by expert so each expert runs one matmul (no per-token loop).
+        """
+        num_tokens, top_k = topk_ids.shape
+        num_experts = w13.shape[0]
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # [T*k]
+        token_of = order // top_k  # source token of each sorted row
+        group_sizes = torch.bincount(flat_ids, minlength=num_experts).tolist()
+        xs = x.index_select(0, token_of)  # [T*k, H]
+        h = self.silu_and_mul(self.grouped_matmul(xs, w13, group_sizes))
+        ys = self.grouped_matmul(h, w2, group_sizes)  # [T*k, H]
+        ys = ys * topk_weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of, ys)
+        return out
+
+    # -- sampling ---------------------------------------------------------------------
+    def top_k_top_p(
+        self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Mask logits [B, V] outside each row's top-k and nucleus top-p with -inf.
+
+        top_k [B] int64 (V or more means off); top_p [B] float32 (1.0 means off).
+        """
+        if top_k is None and top_p is None:
+            return logits
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+        vocab = logits.shape[-1]
+        if top_k is not None:
+            kth = (vocab - top_k.clamp(1, vocab)).unsqueeze(1)  # index of k-th largest
+            threshold = sorted_logits.gather(1, kth)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+        if top_p is not None:
+            probs = sorted_logits.softmax(dim=-1)
+            cum = probs.cumsum(dim=-1)
+            drop = cum <= (1.0 - top_p.unsqueeze(1))
+            drop[:, -1] = False  # always keep the most likely token
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+    def random_sample(
+        self, probs: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> torch.Tensor:
+        """Sample one token per row of probs [B, V] by the exponential race.
+
+        argmax(p / E) with E ~ Exp(1) draws from p; rows in ``generators`` draw their
+        noise from their own seeded generator so they reproduce exactly.
+        """
+        noise = torch.empty_like(probs)
+        if len(generators) < probs.shape[0]:
+            noise.exponential_()
+        for row, gen in generators.items():
+            if gen.device == probs.device:
+                noise[row].exponential_(generator=gen)
+            else:  # a host generator seeds a device row: draw on the host, copy over
+                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen)
+        return probs.div(noise).argmax(dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)

@@ -1,0 +1,94 @@
+"""Plain reference implementations, written for clarity, not speed.
+
+The conformance suite checks every backend present against these: attention is computed
+one sequence at a time from the block table with an explicit softmax, MoE one token at a
+time, top-k/top-p one row at a time. Nothing here is on a serving path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.kernels.base import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.double()
+    y = xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    return (weight.double() * y).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, N, D], cos/sin [T, D]: x*cos + rotate_half(x)*sin, rotate_half = (-x2, x1)."""
+    d = x.shape[-1] // 2
+    xd = x.double()
+    rot = torch.cat((-xd[..., d:], xd[..., :d]), dim=-1)
+    return (xd * cos.double()[:, None] + rot * sin.double()[:, None]).to(x.dtype)
+
+
+def gather_sequence(cache: torch.Tensor, block_table: list[int], length: int) -> torch.Tensor:
+    """[num_blocks, bs, KVH, D] -> the sequence's first ``length`` tokens, [length, KVH, D]."""
+    bs = cache.shape[1]
+    rows = [cache[block_table[j // bs], j % bs] for j in range(length)]
+    return torch.stack(rows)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys; q [T, H, D]."""
+    out = torch.empty_like(q)
+    h = q.shape[1]
+    kvh = k_cache.shape[2]
+    tables = meta.block_tables.tolist()
+    starts = meta.query_start_loc.tolist()
+    for i in range(meta.num_seqs):
+        seq_len, ctx = meta.seq_lens_host[i], meta.context_lens_host[i]
+        k = gather_sequence(k_cache, tables[i], seq_len).double()  # [L, KVH, D]
+        v = gather_sequence(v_cache, tables[i], seq_len).double()
+        k = k.repeat_interleave(h // kvh, dim=1)
+        v = v.repeat_interleave(h // kvh, dim=1)
+        for t in range(starts[i], starts[i + 1]):
+            pos = ctx + (t - starts[i])  # this query's position; it sees keys 0..pos
+            scores = torch.einsum("hd,lhd->hl", q[t].double(), k[: pos + 1]) * scale
+            probs = torch.softmax(scores, dim=-1)
+            out[t] = torch.einsum("hl,lhd->hd", probs, v[: pos + 1]).to(q.dtype)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    g = x[..., :d].double()
+    return (g * torch.sigmoid(g) * x[..., d:].double()).to(x.dtype)
+
+
+def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+        ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hcat = w13[e].double() @ x[t].double()
+            h = silu_and_mul(hcat)
+            out[t] += float(weights[t, j]) * (w2[e].double() @ h)
+    return out.to(x.dtype)
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Row by row: keep the k largest, then the smallest set of the largest whose
+    probability reaches p (ties at the boundary kept)."""
+    out = torch.full_like(logits, float("-inf"))
+    for i in range(logits.shape[0]):
+        row = logits[i]
+        order = torch.argsort(row, descending=True)
+        keep = order[: top_k[i]]
+        probs = torch.softmax(row[keep].double(), dim=-1)
+        cum = 0.0
+        n = 0
+        for p in probs.tolist():
+            n += 1
+            cum += p
+            if cum >= top_p[i] - 1e-9:
+                break
+        keep = keep[:n]
+        out[i, keep] = row[keep]
+    return out

@@ -1,0 +1,154 @@
+"""Load a Hugging Face-style model folder: config.json + *.safetensors (memory-mapped).
+
+Checkpoint names are Hugging Face's. Experts come either one per tensor
+(``mlp.experts.{e}.gate_proj.weight``, real checkpoints) or already stacked
+(``mlp.experts.gate_up_proj``, as newer transformers releases write them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.kernels import KernelBackend
+from shared.models.config import ModelConfig
+from shared.models.transformer import (
+    AttentionWeights,
+    CausalLM,
+    DenseMLPWeights,
+    LayerWeights,
+    ModelWeights,
+    MoEWeights,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointReader:
+    """Tensor name -> tensor across every safetensors file of a folder, read lazily."""
+
+    def __init__(self, folder: Path, handles: dict[str, object]):
+        self.folder = folder
+        self._where = handles  # tensor name -> safe_open handle
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if name not in self._where:
+            raise ValueError(f"model: tensor {name!r} missing from the safetensors in {self.folder}")
+        t = self._where[name].get_tensor(name)  # type: ignore[attr-defined]
+        return t.to(device=device, dtype=dtype)
+
+    def maybe(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return self.get(name, dtype, device) if name in self._where else None
+
+
+@contextmanager
+def open_checkpoint(folder: str | Path) -> Iterator[CheckpointReader]:
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {folder}")
+    with ExitStack() as stack:
+        where: dict[str, object] = {}
+        for f in files:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                where[name] = handle
+        yield CheckpointReader(folder, where)
+
+
+def load_model(
+    folder: str | Path, backend: KernelBackend, dtype: torch.dtype
+) -> tuple[ModelConfig, CausalLM]:
+    """Read config and weights; weights land on the backend's device in ``dtype``."""
+    config = ModelConfig.from_folder(folder)
+    dev = backend.device
+    with open_checkpoint(folder) as ckpt:
+        weights = _read_weights(config, ckpt, dtype, dev)
+    return config, CausalLM(config, weights, backend)
+
+
+def _read_weights(
+    cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype, dev: torch.device
+) -> ModelWeights:
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(name, dtype, dev)
+
+    embed = get("model.embed_tokens.weight")
+    if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings:
+        lm_head = get("lm_head.weight")
+    else:
+        lm_head = embed
+    layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
+    return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
+                        lm_head=lm_head)
+
+
+def _read_layer(
+    cfg: ModelConfig, ckpt: CheckpointReader, i: int, dtype: torch.dtype, dev: torch.device
+) -> LayerWeights:
+    p = f"model.layers.{i}."
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(p + name, dtype, dev)
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return ckpt.maybe(p + name, dtype, dev)
+
+    qkv = torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+    biases = [maybe(f"self_attn.{n}_proj.bias") for n in "qkv"]
+    if cfg.qkv_bias and any(b is None for b in biases):
+        raise ValueError(f"model: layer {i} lacks q/k/v biases that {cfg.architecture} needs")
+    qkv_bias = torch.cat(biases, dim=0) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
+    attn = AttentionWeights(
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=get("self_attn.o_proj.weight"),
+        q_norm=get("self_attn.q_norm.weight") if cfg.qk_norm else None,
+        k_norm=get("self_attn.k_norm.weight") if cfg.qk_norm else None,
+    )
+    mlp: DenseMLPWeights | MoEWeights
+    if cfg.moe is not None and cfg.moe.is_moe_layer(i):
+        mlp = _read_experts(cfg, ckpt, p, dtype, dev)
+    else:
+        mlp = DenseMLPWeights(
+            gate_up=torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], dim=0),
+            down=get("mlp.down_proj.weight"),
+        )
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight"),
+        post_attn_norm=get("post_attention_layernorm.weight"),
+        attn=attn,
+        mlp=mlp,
+    )
+
+
+def _read_experts(
+    cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dtype, dev: torch.device
+) -> MoEWeights:
+    assert cfg.moe is not None
+    router = ckpt.get(p + "mlp.gate.weight", dtype, dev)
+    if ckpt.has(p + "mlp.experts.gate_up_proj"):
+        w13 = ckpt.get(p + "mlp.experts.gate_up_proj", dtype, dev)
+        w2 = ckpt.get(p + "mlp.experts.down_proj", dtype, dev)
+    else:
+        e = p + "mlp.experts.{}.{}_proj.weight"
+        w13 = torch.stack([
+            torch.cat([ckpt.get(e.format(j, "gate"), dtype, dev),
+                       ckpt.get(e.format(j, "up"), dtype, dev)], dim=0)
+            for j in range(cfg.moe.num_experts)
+        ])
+        w2 = torch.stack([ckpt.get(e.format(j, "down"), dtype, dev)
+                          for j in range(cfg.moe.num_experts)])
+    expected = (cfg.moe.num_experts, 2 * cfg.moe.intermediate_size, cfg.hidden_size)
+    if tuple(w13.shape) != expected:
+        raise ValueError(f"model: {p}mlp.experts gate/up has shape {tuple(w13.shape)}, "
+                         f"expected {expected}")
+    return MoEWeights(router=router, w13=w13.contiguous(), w2=w2.contiguous())

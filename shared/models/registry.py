@@ -1,0 +1,34 @@
+"""Which Hugging Face architectures pdmesh runs, and what sets them apart.
+
+All of them are the same pre-norm decoder (:mod:`shared.models.transformer`); the
+traits below switch its few differences on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchitectureTraits:
+    qkv_bias: bool = False  # Qwen2: biases on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
+    moe: bool = False  # Qwen3-MoE: routed experts instead of the dense MLP
+
+
+ARCHITECTURES: dict[str, ArchitectureTraits] = {
+    "LlamaForCausalLM": ArchitectureTraits(),
+    "MistralForCausalLM": ArchitectureTraits(),
+    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchitectureTraits(qk_norm=True),
+    "Qwen3MoeForCausalLM": ArchitectureTraits(qk_norm=True, moe=True),
+}
+
+
+def architecture_traits(name: str) -> ArchitectureTraits:
+    if name not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json: unsupported architecture {name!r}; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[name]

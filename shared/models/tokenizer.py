@@ -1,0 +1,85 @@
+"""A model folder's tokenizer: tokenizer.json via the `tokenizers` library, and the chat
+template from tokenizer_config.json rendered with jinja2 (as transformers renders it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"model: {tok_file} not found (the tokenizer)")
+        self._tok = _HFTokenizer.from_file(str(tok_file))
+        cfg_file = folder / "tokenizer_config.json"
+        self.config: dict[str, Any] = {}
+        if cfg_file.is_file():
+            with open(cfg_file) as f:
+                self.config = json.load(f)
+        self.chat_template: str | None = self.config.get("chat_template")
+        tmpl_file = folder / "chat_template.jinja"
+        if self.chat_template is None and tmpl_file.is_file():
+            self.chat_template = tmpl_file.read_text()
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos = bool(self.config.get("add_bos_token", False))
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(
+                x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # {"content": "<s>", ...} in older configs
+        return tok.get("content")
+    return tok

@@ -1,0 +1,147 @@
+"""The pre-norm decoder that Llama, Qwen2, Qwen3 and Qwen3-MoE share.
+
+Plain classes holding tensors (no nn.Module hooks on the hot path); every op goes
+through the kernel backend. Projections are fused at load: q|k|v into one matrix,
+gate|up into one, experts stacked into [E, 2I, H] and [E, H, I].
+
+    tokens -> embed -> [ norm -> attention -> +res -> norm -> mlp/moe -> +res ] x L
+           -> norm (only the rows that need logits) -> lm_head -> float32 logits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.kernels import AttentionMetadata, KernelBackend
+from shared.models.config import ModelConfig
+from shared.models.rotary import rotary_tables
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), one layer
+
+
+@dataclass
+class AttentionWeights:
+    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
+    o: torch.Tensor  # [hidden, H * D]
+    q_norm: torch.Tensor | None  # [D]
+    k_norm: torch.Tensor | None  # [D]
+
+
+@dataclass
+class DenseMLPWeights:
+    gate_up: torch.Tensor  # [2I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+
+@dataclass
+class MoEWeights:
+    router: torch.Tensor  # [E, hidden]
+    w13: torch.Tensor  # [E, 2I, hidden]  (gate | up)
+    w2: torch.Tensor  # [E, hidden, I]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    post_attn_norm: torch.Tensor  # [hidden]
+    attn: AttentionWeights
+    mlp: DenseMLPWeights | MoEWeights
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [V, hidden]  (the embedding itself when tied)
+
+
+class CausalLM:
+    """forward(tokens of a flat varlen batch) -> logits for the rows asked for."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: KernelBackend):
+        self.config = config
+        self.w = weights
+        self.backend = backend
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        cos, sin = rotary_tables(config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, config.rope_scaling)
+        self.cos = cos.to(backend.device)  # [max_pos, D] float32
+        self.sin = sin.to(backend.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.embed.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [B] int64: rows whose next-token logits are needed
+    ) -> torch.Tensor:  # [B, V] float32
+        be = self.backend
+        eps = self.config.rms_norm_eps
+        cos = self.cos.index_select(0, positions)  # [T, D]
+        sin = self.sin.index_select(0, positions)
+        h = self.w.embed.index_select(0, input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.w.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = h
+                x = be.rms_norm(h, layer.input_norm, eps)
+            else:
+                x, residual = be.add_rms_norm(h, residual, layer.input_norm, eps)
+            h = self._attention(layer.attn, x, cos, sin, kv, meta)
+            x, residual = be.add_rms_norm(h, residual, layer.post_attn_norm, eps)
+            h = self._mlp(layer.mlp, x)
+        assert residual is not None
+        last = (h + residual).index_select(0, logits_rows)  # [B, hidden]
+        last = be.rms_norm(last, self.w.final_norm, eps)
+        return F.linear(last, self.w.lm_head).float()
+
+    def _attention(
+        self,
+        w: AttentionWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        be, cfg = self.backend, self.config
+        t = x.shape[0]
+        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None and w.k_norm is not None:
+            q = be.rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = be.rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = be.rotary_embedding(q, k, cos, sin)
+        k_cache, v_cache = kv
+        be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = be.paged_attention_decode(q, k_cache, v_cache, meta, self.scale)
+        else:
+            o = be.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale)
+        return F.linear(o.reshape(t, self.q_size), w.o)  # [T, hidden]
+
+    def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor) -> torch.Tensor:
+        be = self.backend
+        if isinstance(w, DenseMLPWeights):
+            return F.linear(be.silu_and_mul(F.linear(x, w.gate_up)), w.down)
+        moe = self.config.moe
+        assert moe is not None
+        router_logits = F.linear(x, w.router)  # [T, E]
+        weights, ids = be.moe_gating_topk(router_logits, moe.top_k, moe.norm_topk_prob)
+        return be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)

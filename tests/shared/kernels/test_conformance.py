@@ -1,0 +1,207 @@
+"""Every kernel backend present on this machine against the plain reference.
+
+Parametrized by device: on a CPU box this checks the cpu backend; on an NPU or CUDA
+box the same tests check those backends too (nothing here skips for lack of one; a
+missing device is simply not in the parameter list, which pytest reports by name).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.kernels import AttentionMetadata, available_devices, get_backend
+from shared.kernels import reference as ref
+
+DEVICES = available_devices()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(),
+                               rtol=TOL[dtype] * 2, atol=TOL[dtype] * 2)
+
+
+@pytest.fixture(params=DEVICES)
+def backend(request):
+    return get_backend(request.param)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(backend, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    res = torch.randn(7, 64, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+    dev = backend.device
+    close(backend.rms_norm(x.to(dev), w.to(dev), 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+    y, summed = backend.add_rms_norm(x.to(dev), res.to(dev), w.to(dev), 1e-6)
+    close(summed, x + res, dtype)
+    close(y, ref.rms_norm(x + res, w, 1e-6), dtype)
+    # per-head norm on a 3-D view (Qwen3's q/k norm)
+    x3 = torch.randn(5, 4, 32, generator=g).to(dtype)
+    w3 = (1 + 0.1 * torch.randn(32, generator=g)).to(dtype)
+    close(backend.rms_norm(x3.to(dev), w3.to(dev), 1e-6), ref.rms_norm(x3, w3, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding(backend, dtype):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(6, 8, 32, generator=g).to(dtype)
+    k = torch.randn(6, 2, 32, generator=g).to(dtype)
+    angles = torch.rand(6, 16, generator=g) * 6.0
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    dev = backend.device
+    q2, k2 = backend.rotary_embedding(q.to(dev), k.to(dev), cos.to(dev), sin.to(dev))
+    close(q2, ref.rotary(q, cos, sin), dtype)
+    close(k2, ref.rotary(k, cos, sin), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(backend, dtype):
+    x = torch.randn(9, 2 * 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+    close(backend.silu_and_mul(x.to(backend.device)), ref.silu_and_mul(x), dtype)
+
+
+def _paged_batch(ctx_lens, q_lens, block_size, kvh=2, h=8, d=32, dtype=torch.float32, seed=3):
+    """Random caches with some context already written, plus new q/k/v for each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    blocks_per = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not contiguous
+    tables, cursor = [], 0
+    for n in blocks_per:
+        tables.append(perm[cursor:cursor + n])
+        cursor += n
+    width = max(blocks_per)
+    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    shape = (num_blocks, block_size, kvh, d)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    slots = []
+    for t, c, q in zip(tables, ctx_lens, q_lens, strict=True):
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+    total = sum(q_lens)
+    q = torch.randn(total, h, d, generator=g).to(dtype)
+    k = torch.randn(total, kvh, d, generator=g).to(dtype)
+    v = torch.randn(total, kvh, d, generator=g).to(dtype)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=block_table,
+        query_lens_host=list(q_lens), seq_lens_host=seq_lens, context_lens_host=list(ctx_lens),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=block_size)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def _to(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(dev), query_start_loc=meta.query_start_loc.to(dev),
+        seq_lens=meta.seq_lens.to(dev), context_lens=meta.context_lens.to(dev),
+        block_tables=meta.block_tables.to(dev), query_lens_host=meta.query_lens_host,
+        seq_lens_host=meta.seq_lens_host, context_lens_host=meta.context_lens_host,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        block_size=meta.block_size)
+
+
+def _run_attention(backend, ctx_lens, q_lens, block_size, dtype):
+    q, k, v, kc, vc, meta = _paged_batch(ctx_lens, q_lens, block_size, dtype=dtype)
+    dev = backend.device
+    dmeta = _to(meta, dev)
+    kc_d, vc_d = kc.to(dev), vc.to(dev)
+    backend.write_kv_cache(k.to(dev), v.to(dev), kc_d, vc_d, dmeta.slot_mapping)
+    # reference cache: the same writes, done one slot at a time
+    flat_k, flat_v = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
+    for row, slot in enumerate(meta.slot_mapping.tolist()):
+        flat_k[slot], flat_v[slot] = k[row], v[row]
+    close(kc_d, kc, dtype)
+    close(vc_d, vc, dtype)
+    backend.prepare_attention(dmeta)
+    scale = q.shape[-1] ** -0.5
+    if dmeta.is_decode:
+        out = backend.paged_attention_decode(q.to(dev), kc_d, vc_d, dmeta, scale)
+    else:
+        out = backend.paged_attention_prefill(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d,
+                                              dmeta, scale)
+    close(out, ref.paged_attention(q, kc, vc, meta, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("case", ["decode", "fresh_prefill", "chunked_prefill", "mixed"])
+def test_paged_attention(backend, dtype, block_size, case):
+    ctx_lens, q_lens = {
+        "decode": ([5, 40, 0, 130], [1, 1, 1, 1]),
+        "fresh_prefill": ([0, 0, 0], [7, 33, 1]),
+        "chunked_prefill": ([16, 3, 128], [20, 9, 5]),
+        "mixed": ([37, 0, 200, 12], [1, 21, 1, 17]),
+    }[case]
+    _run_attention(backend, ctx_lens, q_lens, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_gating_and_experts(backend, dtype):
+    g = torch.Generator().manual_seed(4)
+    num_tokens, hidden, inter, experts, top_k = 11, 32, 24, 6, 2
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    logits = torch.randn(num_tokens, experts, generator=g).to(dtype)
+    w13 = (0.2 * torch.randn(experts, 2 * inter, hidden, generator=g)).to(dtype)
+    w2 = (0.2 * torch.randn(experts, hidden, inter, generator=g)).to(dtype)
+    dev = backend.device
+    weights, ids = backend.moe_gating_topk(logits.to(dev), top_k, renormalize=True)
+    probs = torch.softmax(logits.double(), dim=-1)
+    exp_w, exp_ids = probs.topk(top_k, dim=-1)
+    exp_w = exp_w / exp_w.sum(-1, keepdim=True)
+    assert torch.equal(ids.cpu().long(), exp_ids)
+    close(weights.float(), exp_w, dtype)
+    out = backend.fused_moe(x.to(dev), w13.to(dev), w2.to(dev), exp_w.to(dev, dtype),
+                            exp_ids.to(dev))
+    close(out, ref.moe(x, w13, w2, exp_w.to(dtype), exp_ids), dtype)
+
+
+def test_grouped_matmul(backend):
+    g = torch.Generator().manual_seed(5)
+    sizes = [3, 0, 5, 1]
+    x = torch.randn(sum(sizes), 16, generator=g)
+    w = torch.randn(4, 8, 16, generator=g)
+    out = backend.grouped_matmul(x.to(backend.device), w.to(backend.device), sizes)
+    expected = torch.cat([x[s:s + n] @ w[e].t() for e, (s, n) in
+                          enumerate(zip([0, 3, 3, 8], sizes, strict=True))])
+    close(out, expected, torch.float32)
+
+
+def test_top_k_top_p(backend):
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 50, generator=g) * 3
+    top_k = [50, 5, 1, 50, 10]
+    top_p = [1.0, 1.0, 1.0, 0.6, 0.3]
+    dev = backend.device
+    out = backend.top_k_top_p(logits.to(dev), torch.tensor(top_k, device=dev),
+                              torch.tensor(top_p, device=dev))
+    expected = ref.top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(out.cpu()), torch.isinf(expected))
+    kept = ~torch.isinf(expected)
+    close(out.cpu()[kept], expected[kept], torch.float32)
+
+
+def test_random_sample_follows_distribution_and_seeds(backend):
+    dev = backend.device
+    probs = torch.tensor([[0.7, 0.2, 0.1, 0.0]] * 4000, device=dev)
+    counts = torch.bincount(backend.random_sample(probs, {}).cpu(), minlength=4).double()
+    freq = counts / counts.sum()
+    assert counts[3] == 0
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64),
+                               atol=0.03, rtol=0)
+    p = torch.softmax(torch.randn(3, 100, generator=torch.Generator().manual_seed(7)), -1)
+    runs = []
+    for _ in range(2):
+        gens = {0: torch.Generator().manual_seed(11), 2: torch.Generator().manual_seed(12)}
+        runs.append(backend.random_sample(p.to(dev), gens).cpu())
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
