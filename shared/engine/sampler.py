@@ -39,7 +39,7 @@ class Sampler:
             logits = self._apply_penalties(logits, reqs)
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = self.backend.greedy(logits)
         else:
             tokens = self._sample(logits, reqs, greedy)
         token_list = tokens.tolist()
@@ -94,7 +94,7 @@ class Sampler:
                 ) -> torch.Tensor:
         dev = logits.device
         params = [r.sampling_params for r in reqs]
-        argmax = logits.argmax(dim=-1)
+        argmax = self.backend.greedy(logits)
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params,
                                                                           strict=True)],
                              dtype=torch.float32, device=dev)

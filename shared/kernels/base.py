@@ -101,16 +101,30 @@ class KernelBackend(ABC):
         return self.rms_norm(summed, weight, eps), summed
 
     # -- position ---------------------------------------------------------------------
-    def rotary_embedding(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Neox-style (rotate-half) rotary embedding.
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head's vector, scaled by that head's weight.
 
-        q [T, H, D], k [T, KVH, D], cos/sin [T, D] already gathered for the positions.
+        x [T, N, D], weight [N, D] (e.g. q_norm repeated over the query heads, then k_norm
+        over the KV heads: Qwen3's q/k norm in one call).
         """
-        cos = cos.unsqueeze(1).to(q.dtype)
-        sin = sin.unsqueeze(1).to(q.dtype)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    # -- position ---------------------------------------------------------------------
+    def rotary_embedding(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Neox-style (rotate-half) rotary embedding of every head of x.
+
+        x [T, N, D] (query and key heads side by side), cos/sin [T, D] gathered for the
+        tokens' positions -> [T, N, D].
+        """
+        cos = cos.unsqueeze(1).to(x.dtype)
+        sin = sin.unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, rotated, sin)
 
     # -- KV cache and attention -------------------------------------------------------
     def write_kv_cache(
@@ -178,13 +192,14 @@ class KernelBackend(ABC):
     ) -> torch.Tensor:
         """Rows of x sorted by group; group e is multiplied by weight[e].
 
-        x [N, K], weight [E, M, K] (nn.Linear layout), sum(group_sizes) == N -> [N, M].
+        x [N, K], weight [E, K, M] (input-major, as ``x @ weight[e]``),
+        sum(group_sizes) == N -> [N, M].
         """
-        out = x.new_empty((x.shape[0], weight.shape[1]))
+        out = x.new_empty((x.shape[0], weight.shape[2]))
         start = 0
         for e, n in enumerate(group_sizes):
             if n:
-                out[start : start + n] = x[start : start + n] @ weight[e].t()
+                torch.mm(x[start : start + n], weight[e], out=out[start : start + n])
                 start += n
         return out
 
@@ -198,10 +213,10 @@ class KernelBackend(ABC):
     ) -> torch.Tensor:
         """Routed SwiGLU experts: sum_k w_k * down_e(silu(gate_e x) * up_e x).
 
-        x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H].
+        x [T, H], w13 [E, H, 2I], w2 [E, I, H], topk_* [T, k] -> [T, H].
         Tokens are sorted by expert so each expert runs one matmul (no per-token loop).
         """
-        num_tokens, top_k = topk_ids.shape
+        top_k = topk_ids.shape[1]
         num_experts = w13.shape[0]
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # [T*k]
@@ -216,6 +231,10 @@ class KernelBackend(ABC):
         return out
 
     # -- sampling ---------------------------------------------------------------------
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax token of each row of logits [B, V] -> [B] int64."""
+        return logits.argmax(dim=-1)
+
     def top_k_top_p(
         self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
     ) -> torch.Tensor:
@@ -257,8 +276,3 @@ class KernelBackend(ABC):
                 noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen)
         return probs.div(noise).argmax(dim=-1)
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)

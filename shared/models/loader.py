@@ -83,12 +83,17 @@ def _read_weights(
 
     embed = get("model.embed_tokens.weight")
     if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings:
-        lm_head = get("lm_head.weight")
+        lm_head = _input_major(get("lm_head.weight"))
     else:
-        lm_head = embed
+        lm_head = embed.t()
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
                         lm_head=lm_head)
+
+
+def _input_major(w: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's [out, in] (or stacked [E, out, in]) -> contiguous [in, out]."""
+    return w.transpose(-1, -2).contiguous()
 
 
 def _read_layer(
@@ -107,21 +112,19 @@ def _read_layer(
     if cfg.qkv_bias and any(b is None for b in biases):
         raise ValueError(f"model: layer {i} lacks q/k/v biases that {cfg.architecture} needs")
     qkv_bias = torch.cat(biases, dim=0) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
-    attn = AttentionWeights(
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        o=get("self_attn.o_proj.weight"),
-        q_norm=get("self_attn.q_norm.weight") if cfg.qk_norm else None,
-        k_norm=get("self_attn.k_norm.weight") if cfg.qk_norm else None,
-    )
+    qk_norm = None
+    if cfg.qk_norm:
+        qk_norm = torch.cat([get("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
+                             get("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
+    attn = AttentionWeights(qkv=_input_major(qkv), qkv_bias=qkv_bias,
+                            o=_input_major(get("self_attn.o_proj.weight")), qk_norm=qk_norm)
     mlp: DenseMLPWeights | MoEWeights
     if cfg.moe is not None and cfg.moe.is_moe_layer(i):
         mlp = _read_experts(cfg, ckpt, p, dtype, dev)
     else:
-        mlp = DenseMLPWeights(
-            gate_up=torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], dim=0),
-            down=get("mlp.down_proj.weight"),
-        )
+        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], dim=0)
+        mlp = DenseMLPWeights(gate_up=_input_major(gate_up),
+                              down=_input_major(get("mlp.down_proj.weight")))
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
         post_attn_norm=get("post_attention_layernorm.weight"),
@@ -151,4 +154,4 @@ def _read_experts(
     if tuple(w13.shape) != expected:
         raise ValueError(f"model: {p}mlp.experts gate/up has shape {tuple(w13.shape)}, "
                          f"expected {expected}")
-    return MoEWeights(router=router, w13=w13.contiguous(), w2=w2.contiguous())
+    return MoEWeights(router=_input_major(router), w13=_input_major(w13), w2=_input_major(w2))

@@ -54,9 +54,21 @@ def test_rotary_embedding(backend, dtype):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     dev = backend.device
-    q2, k2 = backend.rotary_embedding(q.to(dev), k.to(dev), cos.to(dev), sin.to(dev))
-    close(q2, ref.rotary(q, cos, sin), dtype)
-    close(k2, ref.rotary(k, cos, sin), dtype)
+    qk = torch.cat((q, k), dim=1)  # query and key heads side by side, as the model calls it
+    out = backend.rotary_embedding(qk.to(dev), cos.to(dev), sin.to(dev))
+    close(out, ref.rotary(qk, cos, sin), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm(backend, dtype):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 10, 32, generator=g).to(dtype)  # 8 query heads + 2 KV heads
+    q_w, k_w = 1 + 0.1 * torch.randn(32, generator=g), 1 + 0.1 * torch.randn(32, generator=g)
+    w = torch.cat((q_w.expand(8, 32), k_w.expand(2, 32))).to(dtype)
+    dev = backend.device
+    expected = torch.cat((ref.rms_norm(x[:, :8], q_w.to(dtype), 1e-6),
+                          ref.rms_norm(x[:, 8:], k_w.to(dtype), 1e-6)), dim=1)
+    close(backend.head_rms_norm(x.to(dev), w.to(dev), 1e-6), expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,12 +147,16 @@ def _run_attention(backend, ctx_lens, q_lens, block_size, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize("case", ["decode", "fresh_prefill", "chunked_prefill", "mixed"])
+@pytest.mark.parametrize("case", ["decode", "decode_uniform", "decode_single", "fresh_prefill",
+                                  "chunked_prefill", "uniform_chunks", "mixed"])
 def test_paged_attention(backend, dtype, block_size, case):
     ctx_lens, q_lens = {
         "decode": ([5, 40, 0, 130], [1, 1, 1, 1]),
+        "decode_uniform": ([150, 150, 150], [1, 1, 1]),  # no padding, no mask
+        "decode_single": ([77], [1]),
         "fresh_prefill": ([0, 0, 0], [7, 33, 1]),
         "chunked_prefill": ([16, 3, 128], [20, 9, 5]),
+        "uniform_chunks": ([32, 32], [16, 16]),
         "mixed": ([37, 0, 200, 12], [1, 21, 1, 17]),
     }[case]
     _run_attention(backend, ctx_lens, q_lens, block_size, dtype)
@@ -161,7 +177,9 @@ def test_moe_gating_and_experts(backend, dtype):
     exp_w = exp_w / exp_w.sum(-1, keepdim=True)
     assert torch.equal(ids.cpu().long(), exp_ids)
     close(weights.float(), exp_w, dtype)
-    out = backend.fused_moe(x.to(dev), w13.to(dev), w2.to(dev), exp_w.to(dev, dtype),
+    # the engine stores experts input-major: w13 [E, H, 2I], w2 [E, I, H]
+    out = backend.fused_moe(x.to(dev), w13.transpose(1, 2).contiguous().to(dev),
+                            w2.transpose(1, 2).contiguous().to(dev), exp_w.to(dev, dtype),
                             exp_ids.to(dev))
     close(out, ref.moe(x, w13, w2, exp_w.to(dtype), exp_ids), dtype)
 
@@ -170,11 +188,17 @@ def test_grouped_matmul(backend):
     g = torch.Generator().manual_seed(5)
     sizes = [3, 0, 5, 1]
     x = torch.randn(sum(sizes), 16, generator=g)
-    w = torch.randn(4, 8, 16, generator=g)
+    w = torch.randn(4, 16, 8, generator=g)  # [E, K, M]
     out = backend.grouped_matmul(x.to(backend.device), w.to(backend.device), sizes)
-    expected = torch.cat([x[s:s + n] @ w[e].t() for e, (s, n) in
+    expected = torch.cat([x[s:s + n] @ w[e] for e, (s, n) in
                           enumerate(zip([0, 3, 3, 8], sizes, strict=True))])
     close(out, expected, torch.float32)
+
+
+def test_greedy(backend):
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(9))
+    got = backend.greedy(logits.to(backend.device)).cpu()
+    assert got.tolist() == [int(torch.argmax(row)) for row in logits]
 
 
 def test_top_k_top_p(backend):
