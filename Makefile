@@ -15,6 +15,7 @@ up: install
 
 test: install
 	@bash scripts/ensure_redis.sh
+	.venv/bin/ruff check shared services tests
 	$(PY) -m pytest -q tests
 
 lint: install

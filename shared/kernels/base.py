@@ -83,7 +83,7 @@ class KernelBackend(ABC):
         self.device = device
 
     # -- per step ---------------------------------------------------------------------
-    def prepare_attention(self, meta: AttentionMetadata) -> None:
+    def prepare_attention(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Precompute, once per step, whatever the attention ops reuse in every layer."""
 
     # -- normalization ----------------------------------------------------------------
@@ -112,15 +112,23 @@ class KernelBackend(ABC):
         return weight * xf.to(x.dtype)
 
     # -- position ---------------------------------------------------------------------
+    def rotary_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Turn the model's [max_pos, D] cos/sin tables into the form this backend's
+        ``rotary_embedding`` takes (called once, at load). Default: unchanged."""
+        return cos, sin
+
     def rotary_embedding(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """Neox-style (rotate-half) rotary embedding of every head of x.
 
-        x [T, N, D] (query and key heads side by side), cos/sin [T, D] gathered for the
-        tokens' positions -> [T, N, D].
+        x [T, N, D] (query and key heads side by side); cos/sin [T, D] are the rows, for
+        the tokens' positions, of the tables ``rotary_tables`` returned -> [T, N, D]:
+        x * cos + cat(-x2, x1) * sin.
         """
-        cos = cos.unsqueeze(1).to(x.dtype)
+        cos = cos.unsqueeze(1).to(x.dtype)  # [T, 1, D]
         sin = sin.unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -41,7 +41,8 @@ class CheckpointReader:
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if name not in self._where:
-            raise ValueError(f"model: tensor {name!r} missing from the safetensors in {self.folder}")
+            raise ValueError(
+                f"model: tensor {name!r} missing from the safetensors in {self.folder}")
         t = self._where[name].get_tensor(name)  # type: ignore[attr-defined]
         return t.to(device=device, dtype=dtype)
 

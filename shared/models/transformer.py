@@ -72,8 +72,8 @@ class CausalLM:
         self.kv_size = config.num_kv_heads * config.head_dim
         cos, sin = rotary_tables(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
-        self.cos = cos.to(backend.device)  # [max_pos, D] float32
-        self.sin = sin.to(backend.device)
+        # [max_pos, D] float32, in the form the backend's rotary kernel takes
+        self.cos, self.sin = backend.rotary_tables(cos.to(backend.device), sin.to(backend.device))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -55,7 +55,8 @@ def test_rotary_embedding(backend, dtype):
     cos, sin = emb.cos(), emb.sin()
     dev = backend.device
     qk = torch.cat((q, k), dim=1)  # query and key heads side by side, as the model calls it
-    out = backend.rotary_embedding(qk.to(dev), cos.to(dev), sin.to(dev))
+    cos_t, sin_t = backend.rotary_tables(cos.to(dev), sin.to(dev))
+    out = backend.rotary_embedding(qk.to(dev), cos_t, sin_t)
     close(out, ref.rotary(qk, cos, sin), dtype)
 
 

@@ -1,0 +1,101 @@
+"""Model folders: tiny-model determinism, loading errors, dtypes, tokenizer and chat template."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shared.engine import LLM, SamplingParams
+from shared.models import ModelConfig, Tokenizer
+from shared.models.tiny import make_tiny_model
+
+
+def digest(path) -> str:
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_tiny_model_is_deterministic_by_seed(tmp_path, bpe_tokenizer):
+    a = make_tiny_model(tmp_path / "a", "qwen3_moe", seed=3, tokenizer=bpe_tokenizer)
+    b = make_tiny_model(tmp_path / "b", "qwen3_moe", seed=3, tokenizer=bpe_tokenizer)
+    c = make_tiny_model(tmp_path / "c", "qwen3_moe", seed=4, tokenizer=bpe_tokenizer)
+    assert digest(a) == digest(b) != digest(c)
+    cfg = ModelConfig.from_folder(a)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (256, 768, 4, 8, 2, 32, 4096)
+    assert cfg.moe is not None and (cfg.moe.num_experts, cfg.moe.top_k,
+                                    cfg.moe.intermediate_size) == (8, 2, 256)
+
+
+def test_tokenizer_round_trip_and_chat_template(qwen3_path):
+    tok = Tokenizer(qwen3_path)
+    text = "def add(a, b):\n    return a + b  # é ✓"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == 4096
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token_id == ModelConfig.from_folder(qwen3_path).eos_token_ids[0]
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_missing_file_is_named(tmp_path, qwen3_path, missing):
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3_path, folder)
+    (folder / missing).unlink()
+    expected = "safetensors" if missing == "model.safetensors" else missing
+    with pytest.raises(FileNotFoundError, match=expected):
+        LLM(str(folder), device="cpu")
+
+
+def test_unknown_architecture_and_missing_tensor(tmp_path, qwen3_path):
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3_path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
+        LLM(str(folder), device="cpu")
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    cfg["num_hidden_layers"] = 5  # the checkpoint has 4
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model.layers.4"):
+        LLM(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_tracks_float32(qwen3_path, dtype):
+    """Half precision loads, runs, and its first-token logits stay close to float32."""
+    prompts = [[11, 12, 13, 14, 15], list(range(100, 140))]
+    ref = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+    half = LLM(str(qwen3_path), device="cpu", dtype=dtype, block_size=16)
+    assert half.engine.model.dtype == getattr(torch, dtype)
+    p = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
+    a, b = ref.generate(prompts, p), half.generate(prompts, p)
+    for x, y in zip(a, b, strict=True):
+        lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        first = x.outputs[0].token_ids[0]
+        assert first in ly  # float32's choice is among the half model's top 5
+        assert abs(lx[first].logprob - ly[first].logprob) < 0.1
+
+
+def test_cli_make_tiny_model_and_generate(tmp_path):
+    out = tmp_path / "cli-model"
+    run = subprocess.run([sys.executable, "-m", "shared.cli", "make-tiny-model", str(out),
+                          "--arch", "llama", "--seed", "7"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert ModelConfig.from_folder(out).architecture == "LlamaForCausalLM"
+    gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", str(out),
+                          "--device", "cpu", "--prompt", "import os", "--max-tokens", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert "[5 tokens, finish_reason=length]" in gen.stdout
+    bad = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model",
+                          str(tmp_path / "nope"), "--device", "cpu"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "config.json" in bad.stderr
