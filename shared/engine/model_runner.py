@@ -66,11 +66,14 @@ class ModelRunner:
         for i, t in enumerate(tables):
             block_table[i, :len(t)] = t
 
-        if step.total_tokens == num_seqs:  # pure decode: one token each
+        if step.total_tokens == num_seqs:  # pure decode: one token each (the common step)
             input_ids = np.fromiter((r.token_ids[s] for r, s in zip(reqs, starts, strict=True)),
                                     dtype=np.int64, count=num_seqs)
             positions = np.asarray(starts, dtype=np.int64)
-            seq_idx = np.arange(num_seqs)
+            slots = np.fromiter((t[s // bs] * bs + s % bs for t, s in zip(tables, starts,
+                                                                             strict=True)),
+                                dtype=np.int64, count=num_seqs)
+            qsl = np.arange(num_seqs + 1, dtype=np.int32)
         else:
             ids: list[int] = []
             for r, s, n in zip(reqs, starts, counts, strict=True):
@@ -79,10 +82,9 @@ class ModelRunner:
             seq_idx = np.repeat(np.arange(num_seqs), counts)
             offsets = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
             positions = np.repeat(np.asarray(starts, dtype=np.int64), counts) + offsets
-        slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-
-        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(counts, out=qsl[1:])
+            slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+            qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+            np.cumsum(counts, out=qsl[1:])
         sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
                       if n == r.num_tokens]
         logits_rows = qsl[1:][sample_idx] - 1
@@ -91,8 +93,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.from_numpy(np.asarray(seq_lens, dtype=np.int32)).to(dev),
+            context_lens=torch.from_numpy(np.asarray(starts, dtype=np.int32)).to(dev),
             block_tables=torch.from_numpy(block_table).to(dev),
             query_lens_host=list(counts),
             seq_lens_host=seq_lens,

@@ -65,6 +65,14 @@ class CPUBackend(KernelBackend):
         seq_lens = np.asarray(meta.seq_lens_host)
         key_pos = np.arange(meta.max_seq_len)
         tables = meta.block_tables.cpu().numpy()
+        if meta.num_seqs == 1:
+            used = tables[0, : -(-meta.max_seq_len // bs)]
+            if used.size == 1 or bool((np.diff(used) == 1).all()):
+                # one sequence in consecutive blocks: its keys are a slice of the cache
+                state["key_range"] = (int(used[0]) * bs, meta.max_seq_len)
+                state["mask"] = None
+                if meta.is_decode:
+                    return
         slots = tables[:, key_pos // bs].astype(np.int64) * bs + key_pos % bs  # [B, Lk]
         ragged = bool(seq_lens.min() < meta.max_seq_len)
         in_seq = key_pos < seq_lens[:, None]  # [B, Lk]
@@ -107,9 +115,14 @@ class CPUBackend(KernelBackend):
     def _gather(self, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Paged cache -> [B, KVH, Lk, D] for this step's sequences."""
         num_blocks, bs, kvh, d = cache.shape
+        flat = cache.view(num_blocks * bs, kvh, d)
+        key_range = meta.backend_state.get("key_range")
+        if key_range is not None:  # no copy at all
+            start, length = key_range
+            return flat[start:start + length].unsqueeze(0).transpose(1, 2)
         slots = meta.backend_state["key_slots"]  # [B, Lk]
         # index_select on the flat slot axis is several times faster than fancy indexing
-        rows = cache.view(num_blocks * bs, kvh, d).index_select(0, slots.view(-1))
+        rows = flat.index_select(0, slots.view(-1))
         return rows.view(slots.shape[0], slots.shape[1], kvh, d).transpose(1, 2)
 
     def paged_attention_prefill(

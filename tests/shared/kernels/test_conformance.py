@@ -78,13 +78,17 @@ def test_silu_and_mul(backend, dtype):
     close(backend.silu_and_mul(x.to(backend.device)), ref.silu_and_mul(x), dtype)
 
 
-def _paged_batch(ctx_lens, q_lens, block_size, kvh=2, h=8, d=32, dtype=torch.float32, seed=3):
-    """Random caches with some context already written, plus new q/k/v for each sequence."""
+def _paged_batch(ctx_lens, q_lens, block_size, kvh=2, h=8, d=32, dtype=torch.float32, seed=3,
+                 consecutive=False):
+    """Random caches with some context already written, plus new q/k/v for each sequence.
+    Blocks are scattered unless ``consecutive`` (as a lone request's often are)."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
     blocks_per = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not contiguous
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    if consecutive:
+        perm = list(range(2, num_blocks)) + [0, 1]
     tables, cursor = [], 0
     for n in blocks_per:
         tables.append(perm[cursor:cursor + n])
@@ -124,8 +128,9 @@ def _to(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
         block_size=meta.block_size)
 
 
-def _run_attention(backend, ctx_lens, q_lens, block_size, dtype):
-    q, k, v, kc, vc, meta = _paged_batch(ctx_lens, q_lens, block_size, dtype=dtype)
+def _run_attention(backend, ctx_lens, q_lens, block_size, dtype, consecutive=False):
+    q, k, v, kc, vc, meta = _paged_batch(ctx_lens, q_lens, block_size, dtype=dtype,
+                                         consecutive=consecutive)
     dev = backend.device
     dmeta = _to(meta, dev)
     kc_d, vc_d = kc.to(dev), vc.to(dev)
@@ -161,6 +166,12 @@ def test_paged_attention(backend, dtype, block_size, case):
         "mixed": ([37, 0, 200, 12], [1, 21, 1, 17]),
     }[case]
     _run_attention(backend, ctx_lens, q_lens, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("ctx_lens", "q_lens"), [([300], [1]), ([40], [1]), ([150], [30])])
+def test_paged_attention_consecutive_blocks(backend, dtype, ctx_lens, q_lens):
+    _run_attention(backend, ctx_lens, q_lens, 16, dtype, consecutive=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
