@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -124,6 +124,15 @@ class BlockPool:
         self._cached.clear()
 
 
+@dataclass
+class _Held:
+    """The blocks one request holds, in token order."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # block ids, kept beside the blocks
+    registered: int = 0  # how many leading blocks are findable by hash
+
+
 class KVCacheManager:
     """Which blocks each request holds; allocation with prefix-cache reuse."""
 
@@ -133,8 +142,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.hasher = BlockHasher(block_size, fingerprint)
-        self._blocks: dict[str, list[KVBlock]] = {}
-        self._registered: dict[str, int] = {}  # how many leading blocks are hashed
+        self._held: dict[str, _Held] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,7 +156,9 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request.request_id, ())]
+        """The request's block table (read-only: the manager's own list)."""
+        held = self._held.get(request.request_id)
+        return held.ids if held is not None else []
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Longest run of the request's leading full blocks already in the cache.
@@ -172,37 +182,38 @@ class KVCacheManager:
         """Room for ``num_new_tokens`` beyond what the request has computed (plus the
         ``cached`` prefix hits it is about to adopt). False, changing nothing, if the
         pool cannot supply it."""
-        cached = cached or []
-        held = self._blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(cached) * self.block_size
-        needed = self.blocks_for(num_computed + num_new_tokens) - len(held) - len(cached)
-        # cached hits sitting in the free list stop being allocatable once touched
-        reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
-        if needed > self.pool.num_free - reclaimed:
-            if not held:
-                del self._blocks[request.request_id]
+        held = self._held.get(request.request_id)
+        num_held = len(held.blocks) if held is not None else 0
+        num_cached = len(cached) if cached else 0
+        num_tokens = request.num_computed_tokens + num_cached * self.block_size + num_new_tokens
+        needed = self.blocks_for(num_tokens) - num_held - num_cached
+        if cached:
+            # cached hits sitting in the free list stop being allocatable once touched
+            reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
+            if needed > self.pool.num_free - reclaimed:
+                return False
+        elif needed > self.pool.num_free:
             return False
-        self.pool.touch(cached)
-        held.extend(cached)
+        if held is None:
+            held = self._held[request.request_id] = _Held()
+        if cached:
+            self.pool.touch(cached)
+            held.blocks.extend(cached)
+            held.ids.extend(b.block_id for b in cached)
         if needed > 0:
-            held.extend(self.pool.allocate(needed))
+            new = self.pool.allocate(needed)
+            held.blocks.extend(new)
+            held.ids.extend(b.block_id for b in new)
         if self.enable_prefix_caching:
-            self._register_full_blocks(request, num_computed + num_new_tokens)
+            full = min(num_tokens, request.num_tokens) // self.block_size
+            if full > held.registered:  # blocks that this step fills become findable
+                hashes = self.hasher.update(request)
+                for i in range(held.registered, full):
+                    self.pool.register(held.blocks[i], hashes[i])
+                held.registered = full
         return True
 
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        held = self._blocks[request.request_id]
-        done = self._registered.get(request.request_id, 0)
-        full = min(num_tokens, request.num_tokens) // self.block_size
-        if full <= done:
-            return
-        hashes = self.hasher.update(request)
-        for i in range(done, full):
-            self.pool.register(held[i], hashes[i])
-        self._registered[request.request_id] = full
-
     def free(self, request: Request) -> None:
-        blocks = self._blocks.pop(request.request_id, None)
-        self._registered.pop(request.request_id, None)
-        if blocks:
-            self.pool.free(blocks)
+        held = self._held.pop(request.request_id, None)
+        if held is not None:
+            self.pool.free(held.blocks)

@@ -61,10 +61,13 @@ class ModelRunner:
         starts = [r.num_computed_tokens for r in reqs]
         seq_lens = [s + n for s, n in zip(starts, counts, strict=True)]
         tables = [self.kv.block_ids(r) for r in reqs]
-        width = max(len(t) for t in tables)
-        block_table = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_table[i, :len(t)] = t
+        width = max(map(len, tables))
+        if num_seqs == 1:
+            block_table = np.asarray(tables, dtype=np.int32)
+        else:  # rows padded with the null block
+            block_table = np.zeros((num_seqs, width), dtype=np.int32)
+            for i, t in enumerate(tables):
+                block_table[i, :len(t)] = t
 
         if step.total_tokens == num_seqs:  # pure decode: one token each (the common step)
             input_ids = np.fromiter((r.token_ids[s] for r, s in zip(reqs, starts, strict=True)),

@@ -65,9 +65,13 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    stop_ids: frozenset[int] = field(init=False)  # tokens that end it: stop ids, eos
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        sp = self.sampling_params
+        eos = () if sp.ignore_eos else self.eos_token_ids
+        self.stop_ids = frozenset((*sp.stop_token_ids, *eos))
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 

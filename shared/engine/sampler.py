@@ -31,6 +31,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [B, V] float32, one row per request in ``reqs``."""
         params = [r.sampling_params for r in reqs]
+        if all(p.is_plain_greedy for p in params):  # the common case: one argmax
+            return SamplerOutput(self.backend.greedy(logits).tolist(), [None] * len(reqs))
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(p.min_tokens for p in params):

@@ -38,6 +38,12 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing else to compute: no penalties, logprobs or min_tokens."""
+        return (self.temperature < SAMPLING_EPS and self.logprobs is None
+                and not self.min_tokens and not self.has_penalties)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -60,7 +60,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._make_room(req, n, out, scheduled):
+            if not self.kv.allocate(req, n) and not self._make_room(req, n, out, scheduled):
                 continue  # req itself was preempted; self.running[i] is the next one
             out.requests.append(req)
             out.num_tokens.append(n)
@@ -130,13 +130,12 @@ class Scheduler:
 
     def stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+        num_output = req.num_output_tokens
+        if token in req.stop_ids and num_output >= sp.min_tokens:
             if token in sp.stop_token_ids:
                 req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
