@@ -105,6 +105,7 @@ class ModelRunner:
             max_query_len=max(counts),
             max_seq_len=max(seq_lens),
             block_size=bs,
+            block_tables_host=block_table,
         )
         self.backend.prepare_attention(meta)
         logits = self.model.forward(

@@ -48,6 +48,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # block_tables as built on the host (numpy, int32), so backends need no device read
+    block_tables_host: Any = None
     # What a backend precomputes once per step and reuses in every layer.
     backend_state: dict[str, Any] = field(default_factory=dict)
 

@@ -64,7 +64,9 @@ class CPUBackend(KernelBackend):
         bs = meta.block_size
         seq_lens = np.asarray(meta.seq_lens_host)
         key_pos = np.arange(meta.max_seq_len)
-        tables = meta.block_tables.cpu().numpy()
+        tables = meta.block_tables_host
+        if tables is None:
+            tables = meta.block_tables.cpu().numpy()
         if meta.num_seqs == 1:
             used = tables[0, : -(-meta.max_seq_len // bs)]
             if used.size == 1 or bool((np.diff(used) == 1).all()):
