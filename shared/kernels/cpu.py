@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.kernels.base import AttentionMetadata, KernelBackend
+from shared.kernels.decode_mirror import DecodeKVMirror
 
 
 class CPUBackend(KernelBackend):
@@ -26,6 +27,7 @@ class CPUBackend(KernelBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         _keep_freed_memory()
+        self._mirror = DecodeKVMirror()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -67,6 +69,8 @@ class CPUBackend(KernelBackend):
         tables = meta.block_tables_host
         if tables is None:
             tables = meta.block_tables.cpu().numpy()
+        if not meta.is_decode:
+            self._mirror.invalidate()
         if meta.num_seqs == 1:
             used = tables[0, : -(-meta.max_seq_len // bs)]
             if used.size == 1 or bool((np.diff(used) == 1).all()):
@@ -74,17 +78,16 @@ class CPUBackend(KernelBackend):
                 state["key_range"] = (int(used[0]) * bs, meta.max_seq_len)
                 state["mask"] = None
                 if meta.is_decode:
+                    self._mirror.invalidate()
                     return
-        slots = tables[:, key_pos // bs].astype(np.int64) * bs + key_pos % bs  # [B, Lk]
         ragged = bool(seq_lens.min() < meta.max_seq_len)
         in_seq = key_pos < seq_lens[:, None]  # [B, Lk]
-        if ragged:  # keys past a sequence's end read the zeroed null block, not stale data
-            slots = np.where(in_seq, slots, 0)
-        state["key_slots"] = torch.from_numpy(np.ascontiguousarray(slots)).to(self.device)
         if meta.is_decode:
             # [B, 1, 1, Lk] additive mask (faster than a boolean one in torch's CPU flash
             # attention); none at all when every sequence has the same length
             state["mask"] = _additive(in_seq[:, None, None, :], self.device) if ragged else None
+            state["mirror"] = self._mirror.plan(tables, seq_lens, bs, meta.slot_mapping,
+                                                self.device)
             return
         # Varlen rows -> padded [B, Lq] and back.
         qlens = np.asarray(meta.query_lens_host)
@@ -114,6 +117,22 @@ class CPUBackend(KernelBackend):
             return out[0]
         return out[meta.backend_state["q_valid"]]
 
+    def _key_slots(self, meta: AttentionMetadata) -> torch.Tensor:
+        """[B, Lk] cache slot of every key of every sequence, built once per step."""
+        state = meta.backend_state
+        if "key_slots" not in state:
+            bs = meta.block_size
+            tables = meta.block_tables_host
+            if tables is None:
+                tables = meta.block_tables.cpu().numpy()
+            seq_lens = np.asarray(meta.seq_lens_host)
+            key_pos = np.arange(meta.max_seq_len)
+            slots = tables[:, key_pos // bs].astype(np.int64) * bs + key_pos % bs
+            # keys past a sequence's end read the zeroed null block, not stale data
+            slots = np.where(key_pos < seq_lens[:, None], slots, 0)
+            state["key_slots"] = torch.from_numpy(np.ascontiguousarray(slots)).to(self.device)
+        return state["key_slots"]
+
     def _gather(self, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Paged cache -> [B, KVH, Lk, D] for this step's sequences."""
         num_blocks, bs, kvh, d = cache.shape
@@ -122,7 +141,7 @@ class CPUBackend(KernelBackend):
         if key_range is not None:  # no copy at all
             start, length = key_range
             return flat[start:start + length].unsqueeze(0).transpose(1, 2)
-        slots = meta.backend_state["key_slots"]  # [B, Lk]
+        slots = self._key_slots(meta)  # [B, Lk]
         # index_select on the flat slot axis is several times faster than fancy indexing
         rows = flat.index_select(0, slots.view(-1))
         return rows.view(slots.shape[0], slots.shape[1], kvh, d).transpose(1, 2)
@@ -166,10 +185,15 @@ class CPUBackend(KernelBackend):
         kvh = k_cache.shape[2]
         qg = q.view(b, kvh, h // kvh, d)  # query heads of one KV head side by side
         mask = meta.backend_state["mask"]
+        kv = None
+        plan = meta.backend_state.get("mirror")
+        if plan is not None:
+            kv = self._mirror.kv(k_cache, v_cache, plan, meta.max_seq_len)
+        if kv is None:
+            kv = self._gather(k_cache, meta), self._gather(v_cache, meta)
         out = F.scaled_dot_product_attention(
             qg,
-            self._gather(k_cache, meta),
-            self._gather(v_cache, meta),
+            *kv,
             attn_mask=None if mask is None else mask.to(q.dtype),
             scale=scale,
         )

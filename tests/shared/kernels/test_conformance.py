@@ -241,3 +241,56 @@ def test_random_sample_follows_distribution_and_seeds(backend):
         gens = {0: torch.Generator().manual_seed(11), 2: torch.Generator().manual_seed(12)}
         runs.append(backend.random_sample(p.to(dev), gens).cpu())
     assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_in_sequence(backend, dtype):
+    """Several decode steps in a row, as the engine runs them: backends may carry state
+    from one step to the next (the CPU backend's KV mirror), so every step is checked,
+    across block boundaries, a batch that shrinks, and one that changes."""
+    g = torch.Generator().manual_seed(10)
+    bs, kvh, h, d, num_blocks = 4, 2, 8, 32, 64
+    dev = backend.device
+    kc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    kc_d, vc_d = kc.to(dev), vc.to(dev)
+    free = list(range(1, num_blocks))
+    seqs = {i: {"len": n, "blocks": [free.pop(0) for _ in range(-(-n // bs))]}
+            for i, n in enumerate([5, 9, 3])}
+    schedule = [[0, 1, 2]] * 5 + [[0, 2]] * 3 + [[2, 0]] * 2 + [[0, 1, 2]] * 2
+    for active in schedule:
+        for i in active:  # room for one more token each
+            s = seqs[i]
+            if s["len"] + 1 > len(s["blocks"]) * bs:
+                s["blocks"].append(free.pop(0))
+        lens = [seqs[i]["len"] + 1 for i in active]
+        width = max(len(seqs[i]["blocks"]) for i in active)
+        table = torch.zeros(len(active), width, dtype=torch.int32)
+        for row, i in enumerate(active):
+            table[row, :len(seqs[i]["blocks"])] = torch.tensor(seqs[i]["blocks"])
+        slots = [seqs[i]["blocks"][(n - 1) // bs] * bs + (n - 1) % bs
+                 for i, n in zip(active, lens, strict=True)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(len(active) + 1,
+                                                                           dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            context_lens=torch.tensor([n - 1 for n in lens], dtype=torch.int32),
+            block_tables=table, query_lens_host=[1] * len(active), seq_lens_host=lens,
+            context_lens_host=[n - 1 for n in lens], max_query_len=1, max_seq_len=max(lens),
+            block_size=bs, block_tables_host=table.numpy())
+        q = torch.randn(len(active), h, d, generator=g).to(dtype)
+        k = torch.randn(len(active), kvh, d, generator=g).to(dtype)
+        v = torch.randn(len(active), kvh, d, generator=g).to(dtype)
+        dmeta = _to(meta, dev)
+        dmeta.block_tables_host = meta.block_tables_host
+        backend.write_kv_cache(k.to(dev), v.to(dev), kc_d, vc_d, dmeta.slot_mapping)
+        for row, slot in enumerate(slots):
+            kc.view(-1, kvh, d)[slot], vc.view(-1, kvh, d)[slot] = k[row], v[row]
+        backend.prepare_attention(dmeta)
+        out = backend.paged_attention_decode(q.to(dev), kc_d, vc_d, dmeta, d ** -0.5)
+        close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
+        for i, n in zip(active, lens, strict=True):
+            seqs[i]["len"] = n
+    mirror = getattr(backend, "_mirror", None)  # the CPU backend's; others keep no state
+    if mirror is not None:
+        assert mirror.appends >= 6 and mirror.rebuilds >= 3
