@@ -26,7 +26,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.kernels import get_backend, resolve_device
 from shared.models.config import ModelConfig, parse_dtype
-from shared.models.loader import load_model
+from shared.models.loader import load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class EngineCore:
         model_cfg = ModelConfig.from_folder(config.model)
         self.dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         t0 = time.perf_counter()
-        self.model_config, self.model = load_model(config.model, self.backend, self.dtype)
+        self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
+                                                   model_cfg)
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
                                                                            config.max_num_seqs)
@@ -72,10 +73,11 @@ class EngineCore:
 
     # -- configuration ----------------------------------------------------------------
     def fingerprint(self) -> str:
-        """What makes KV interchangeable: the model, its KV layout and block size."""
+        """What makes KV interchangeable: the model's content, its KV layout (layers, KV
+        heads, head size, dtype) and the block size. The root of every block hash."""
         c = self.model_config
-        return (f"{c.architecture}:{c.num_layers}x{c.num_kv_heads}x{c.head_dim}:"
-                f"{self.dtype}:{self.config.block_size}:{self.config.model}")
+        return (f"{model_fingerprint(self.config.model)}:{c.num_layers}x{c.num_kv_heads}x"
+                f"{c.head_dim}:{str(self.dtype).removeprefix('torch.')}:{self.config.block_size}")
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -1,12 +1,19 @@
 """CPU backend: vectorized torch, one batched call per op, no per-token Python loops.
 
-Paged attention gathers each sequence's blocks into a padded [B, L] view once per layer
-(the gather indices and masks are built once per step) and runs torch's fused
-scaled-dot-product attention. Grouped-query attention folds the query heads that share a
-KV head into the query-length axis, so K/V are never repeated:
+Paged attention reads each sequence's keys as a dense [B, KVH, L, D] view and runs
+torch's fused scaled-dot-product attention:
+
+- a lone sequence whose blocks are consecutive is a plain slice of the cache (no copy);
+- decode steps read a mirror of the batch's keys carried over from the previous step,
+  one row appended per sequence (:mod:`shared.kernels.decode_mirror`);
+- anything else gathers the blocks' rows (indices and masks built once per step with
+  numpy and reused by every layer).
+
+Grouped-query attention folds the query heads that share a KV head into the
+query-length axis, so K/V are never repeated:
 
     q [B, H, Lq, D]  ->  [B, KVH, G*Lq, D]   (G = H / KVH)
-    k [B, KVH, Lk, D]                         (as gathered, no copy per query head)
+    k [B, KVH, Lk, D]                         (as read, no copy per query head)
 """
 
 from __future__ import annotations

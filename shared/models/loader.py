@@ -7,6 +7,7 @@ Checkpoint names are Hugging Face's. Experts come either one per tensor
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -65,11 +66,35 @@ def open_checkpoint(folder: str | Path) -> Iterator[CheckpointReader]:
         yield CheckpointReader(folder, where)
 
 
+def model_fingerprint(folder: str | Path) -> str:
+    """A content fingerprint of a model folder, the same wherever the folder lives.
+
+    config.json whole, and per safetensors file its size, header (tensor names, shapes,
+    offsets) and 64 KiB samples at 16 evenly spaced offsets: two checkpoints that share
+    a layout but not weights differ in the samples. Milliseconds, even for large models.
+    """
+    folder = Path(folder)
+    h = hashlib.blake2b(digest_size=16)
+    h.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f.name.encode() + size.to_bytes(8, "little"))
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(header_len, size)))
+            for i in range(16):
+                fh.seek(size * i // 16)
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()
+
+
 def load_model(
-    folder: str | Path, backend: KernelBackend, dtype: torch.dtype
+    folder: str | Path, backend: KernelBackend, dtype: torch.dtype,
+    config: ModelConfig | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
-    """Read config and weights; weights land on the backend's device in ``dtype``."""
-    config = ModelConfig.from_folder(folder)
+    """Read config (unless given) and weights; weights land on the backend's device in
+    ``dtype``."""
+    config = config or ModelConfig.from_folder(folder)
     dev = backend.device
     with open_checkpoint(folder) as ckpt:
         weights = _read_weights(config, ckpt, dtype, dev)

@@ -99,3 +99,13 @@ def test_cli_make_tiny_model_and_generate(tmp_path):
                           str(tmp_path / "nope"), "--device", "cpu"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "config.json" in bad.stderr
+
+
+def test_fingerprint_follows_content_not_path(tmp_path, qwen3_path, bpe_tokenizer):
+    from shared.models.loader import model_fingerprint
+
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(qwen3_path, copy)
+    assert model_fingerprint(copy) == model_fingerprint(qwen3_path)
+    other = make_tiny_model(tmp_path / "other", "qwen3", seed=1, tokenizer=bpe_tokenizer)
+    assert model_fingerprint(other) != model_fingerprint(qwen3_path)  # same layout
