@@ -163,7 +163,13 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        logits, sample_idx = self.runner.execute(sched)
+        try:
+            logits, sample_idx = self.runner.execute(sched)
+        except BaseException:
+            # This step's full blocks were made findable by hash before being computed:
+            # forget every cached prefix rather than serve one that was never filled.
+            self.kv.pool.reset_prefix_cache()
+            raise
         sampled = self.sampler(logits, [sched.requests[i] for i in sample_idx])
         for i, lp in zip(sample_idx, sampled.logprobs, strict=True):
             if lp is not None:

@@ -180,7 +180,8 @@ class KernelBackend(ABC):
 
     # -- MLP and MoE ------------------------------------------------------------------
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+        """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]. x is a temporary of the
+        caller's and may be overwritten (the result may be a view of it)."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

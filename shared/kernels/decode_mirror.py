@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 CAP_STEP = 64  # mirror length grows in steps of this many tokens
-MAX_MIRROR_BYTES = 256 << 20  # K + V over all layers; beyond this, plain gathers
+# A layer's mirror may take at most what that layer's paged cache takes (so the KV
+# memory at most doubles), and all layers together at most this; beyond, plain gathers.
+MAX_MIRROR_BYTES = 4 << 30
 
 
 @dataclass
@@ -106,7 +108,8 @@ class DecodeKVMirror:
         key = k_cache.data_ptr()
         if plan.rebuild:
             size = 2 * plan.key_slots.numel() * kvh * d * k_cache.element_size()
-            if b.nbytes + size > MAX_MIRROR_BYTES:
+            cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
+            if size > cache_bytes or b.nbytes + size > MAX_MIRROR_BYTES:
                 self._too_big = (plan.key_slots.shape[0], plan.cap)
                 self._batch = None
                 return None

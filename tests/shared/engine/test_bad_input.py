@@ -80,3 +80,24 @@ def test_bad_engine_config(qwen3_path):
         LLM(str(qwen3_path), device="cpu", dtype="float8")
     with pytest.raises(ValueError, match="device"):
         LLM(str(qwen3_path), device="tpu")
+
+
+def test_failed_step_leaks_nothing_and_poisons_no_cache(qwen3_path, monkeypatch):
+    llm = LLM(str(qwen3_path), device="cpu", block_size=16)
+    prompts = [list(range(100, 150)), list(range(100, 140))]  # a shared 32-token prefix
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.kv.pool.reset_prefix_cache()
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def fail_once(step):
+        runner.execute = real
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(runner, "execute", fail_once)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(prompts, params)
+    assert full(llm) and not llm.engine.has_unfinished()
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert again == expected
