@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 MODEL_DIR ?= .cache/models/tiny-qwen3
 
-.PHONY: install up test lint bench clean
+.PHONY: install up test lint bench proto clean
 
 install:
 	@bash scripts/setup.sh
@@ -24,6 +24,9 @@ lint: install
 bench: install
 	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m shared.cli make-tiny-model $(MODEL_DIR) --arch qwen3
 	$(PY) -m shared.cli bench offline --model $(MODEL_DIR)
+
+proto: install
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. shared/proto/*.proto
 
 clean:
 	rm -rf .venv .cache

@@ -1,4 +1,4 @@
-"""`pdmesh` command line: make-tiny-model, generate, bench."""
+"""`pdmesh` command line: make-tiny-model, generate, bench, kvstore."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def _bench_offline(a: argparse.Namespace) -> int:
     return run_offline_bench(a)
 
 
+def _kvstore(a: argparse.Namespace) -> int:
+    from services.kvstore.main import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared.engine.args import add_engine_args
     from shared.models.tiny import ARCHS, SIZES
@@ -87,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     off.add_argument("--json", default=None, help="also write the figures here")
     off.set_defaults(func=_bench_offline)
+    k = sub.add_parser("kvstore", help="the KV pool service: Mooncake master + pool index")
+    from services.kvstore.main import add_args as add_kvstore_args
+
+    add_kvstore_args(k)
+    k.set_defaults(func=_kvstore)
     return p
 
 

@@ -1,0 +1,66 @@
+"""`pdmesh kvstore`: the Mooncake master under supervision plus the pool index over gRPC.
+
+    pdmesh kvstore --host 127.0.0.1 --port 50100 [--master-port P --metadata-port H]
+
+Ports left at 0 are chosen free. The line ``kvstore ready: {json}`` on stdout tells a
+launcher where everything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+
+from services.kvstore.index import PoolIndex
+from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
+from services.kvstore.server import KVStoreServicer
+from shared.kvpool.mooncake import MooncakePool
+from shared.proto import kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
+    p.add_argument("--master-port", type=int, default=0)
+    p.add_argument("--metadata-port", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--master-log", default=None)
+
+
+def run(a: argparse.Namespace) -> int:
+    ports = MasterPorts(a.host, a.master_port or free_port(a.host),
+                        a.metadata_port or free_port(a.host), a.metrics_port or free_port(a.host))
+    supervisor = MasterSupervisor(ports, log_path=a.master_log)
+    supervisor.start()
+    server = None
+    pool = None
+    try:
+        pool = MooncakePool(ports.master_address, ports.metadata_url, local_hostname=a.host,
+                            segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
+        index = PoolIndex(pool, supervisor.metrics)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, supervisor), server)
+        port = server.add_insecure_port(f"{a.host}:{a.port}")
+        server.start()
+        print("kvstore ready: " + json.dumps({
+            "grpc": f"{a.host}:{port}", "master": ports.master_address,
+            "metadata": ports.metadata_url, "master_pid": supervisor.pid}), flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        if server is not None:
+            server.stop(grace=2).wait()
+        if pool is not None:
+            pool.close()
+        supervisor.stop()
+    return 0

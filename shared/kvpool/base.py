@@ -1,0 +1,95 @@
+"""The KV pool interface: content-addressed KV blocks shared between processes.
+
+A pool value is one KV block of every layer, concatenated:
+
+    key  = "<model fingerprint + KV layout>/<chained block hash, hex>"
+    value = K[layer 0][block] | V[layer 0][block] | K[layer 1][block] | ... | V[layer L-1][block]
+
+Values move between the pool and a paged KV cache with no Python-side copies: a block
+is described by its memory regions (one (address, nbytes) per layer and K/V, straight
+into the cache tensors), and backends copy region by region. Because keys are the
+content's chained hash, the same prefix gives the same keys in any instance: the pool is
+also a cross-instance prefix cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+Region = tuple[int, int]  # (address, nbytes)
+
+
+@dataclass
+class PoolStats:
+    keys: int
+    bytes: int
+    hits: int  # keys found by lookups and gets
+    misses: int
+
+
+class KVPool(ABC):
+    """Put, get and find KV blocks by key. Implementations are thread-safe."""
+
+    @abstractmethod
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Which keys the pool holds (counted as hits / misses)."""
+
+    def prefix_hits(self, keys: list[str]) -> int:
+        """How many leading keys the pool holds."""
+        n = 0
+        for found in self.exists(keys):
+            if not found:
+                break
+            n += 1
+        return n
+
+    @abstractmethod
+    def put(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
+        """Store each key's value, gathered from its regions. Existing keys are kept
+        (same key, same content). Returns per key whether it is in the pool now."""
+
+    @abstractmethod
+    def get(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
+        """Scatter each key's value into its regions. Returns per key whether it was
+        found (regions of a missing key are left untouched)."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Drop every key; returns how many were dropped."""
+
+    @abstractmethod
+    def stats(self) -> PoolStats: ...
+
+    def register(self, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """Announce memory that regions will point into (RDMA/TCP backends pin it)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections and registrations."""
+
+
+class CacheRegions:
+    """Maps a block id of a paged KV cache to its pool regions.
+
+    kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D] and
+    contiguous, so block b of a layer is one run of ``block_bytes`` bytes.
+    """
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        for k, v in kv_caches:
+            if not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("kv_caches: every cache tensor must be contiguous")
+        first = kv_caches[0][0]
+        self.block_bytes = first[0].numel() * first.element_size()
+        self.bases = [t.data_ptr() for kv in kv_caches for t in kv]
+        self.tensors = [t for kv in kv_caches for t in kv]
+
+    @property
+    def value_bytes(self) -> int:
+        return self.block_bytes * len(self.bases)
+
+    def regions(self, block_id: int) -> list[Region]:
+        off = block_id * self.block_bytes
+        return [(base + off, self.block_bytes) for base in self.bases]

@@ -1,0 +1,131 @@
+"""The Mooncake Store backend: KV blocks live in a Mooncake cluster.
+
+``mooncake_master`` (run and supervised by the kvstore service, with its built-in HTTP
+metadata server) keeps the directory; every client also contributes a memory segment
+that holds values. Transfers go over TCP here and RDMA / Ascend transports in
+production, straight between registered memory: ``batch_put_from_multi_buffers`` reads a
+block from the paged cache's own tensors and ``batch_get_into_multi_buffers`` writes
+into them, so no block is ever copied through Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import urllib.parse
+
+import torch
+
+from shared.kvpool.base import KVPool, PoolStats, Region
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_BYTES = 512 << 20  # memory this client lends to the pool
+DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
+
+
+class PoolUnavailable(ConnectionError):
+    """The Mooncake master (or a peer segment) could not be reached."""
+
+
+class MooncakePool(KVPool):
+    def __init__(self, master_address: str, metadata_url: str, *,
+                 local_hostname: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES):
+        from mooncake.store import MooncakeDistributedStore  # needs libibverbs1
+
+        self.master_address = master_address
+        self.metadata_url = metadata_url
+        _preflight(master_address, metadata_url)
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(local_hostname, metadata_url, segment_bytes, local_buffer_bytes,
+                               protocol, device_name, master_address)
+        if rc != 0:
+            raise PoolUnavailable(f"kv pool: cannot join the Mooncake master at "
+                                  f"{master_address} (metadata {metadata_url}): "
+                                  f"setup returned {rc}")
+        self._registered: set[int] = set()
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+
+    def register(self, tensor: torch.Tensor) -> None:
+        ptr = tensor.data_ptr()
+        if ptr in self._registered:
+            return
+        rc = self._store.register_buffer(ptr, tensor.numel() * tensor.element_size())
+        if rc != 0:
+            raise PoolUnavailable(f"kv pool: register_buffer failed with {rc}")
+        self._registered.add(ptr)
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._store.batch_is_exist(keys)  # 1 found, 0 not, -1 error
+        if any(c < 0 for c in codes):
+            raise PoolUnavailable(f"kv pool: lookup failed at the master {self.master_address}")
+        found = [c == 1 for c in codes]
+        with self._lock:
+            self._hits += sum(found)
+            self._misses += len(found) - sum(found)
+        return found
+
+    def put(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
+        if not keys:
+            return []
+        present = self.exists(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        result = list(present)
+        if todo:
+            codes = self._store.batch_put_from_multi_buffers(
+                [keys[i] for i in todo],
+                [[addr for addr, _ in regions[i]] for i in todo],
+                [[n for _, n in regions[i]] for i in todo],
+            )
+            for i, code in zip(todo, codes, strict=True):
+                result[i] = code == 0
+                if code != 0:
+                    log.warning("kv pool: put %s failed with %d", keys[i], code)
+        return result
+
+    def get(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._store.batch_get_into_multi_buffers(
+            keys, [[addr for addr, _ in regs] for regs in regions],
+            [[n for _, n in regs] for regs in regions])
+        ok = [code == sum(n for _, n in regs) for code, regs in zip(codes, regions, strict=True)]
+        with self._lock:
+            self._hits += sum(ok)
+            self._misses += len(ok) - sum(ok)
+        return ok
+
+    def clear(self) -> int:
+        return max(0, int(self._store.remove_all(True)))
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(keys=-1, bytes=-1, hits=self._hits, misses=self._misses)
+
+    def close(self) -> None:
+        for ptr in self._registered:
+            self._store.unregister_buffer(ptr)
+        self._registered.clear()
+        self._store.close()
+
+
+def _preflight(master_address: str, metadata_url: str, timeout_s: float = 3.0) -> None:
+    """Fail fast and clearly when nothing listens: Mooncake's own setup retries for
+    about a minute and a half before giving up."""
+    host, _, port = master_address.rpartition(":")
+    meta = urllib.parse.urlsplit(metadata_url)
+    for what, addr in (("master", (host, int(port))),
+                       ("metadata server", (meta.hostname or "", meta.port or 80))):
+        try:
+            with socket.create_connection(addr, timeout=timeout_s):
+                pass
+        except OSError as e:
+            raise PoolUnavailable(f"kv pool: the Mooncake {what} at {addr[0]}:{addr[1]} is "
+                                  f"unreachable ({e.strerror or e})") from e

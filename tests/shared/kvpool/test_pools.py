@@ -1,0 +1,117 @@
+"""Both pool backends move real paged-cache blocks: the in-process dict, and Mooncake
+Store against a real ``mooncake_master`` started on free loopback ports."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
+from shared.kvpool import CacheRegions, InProcessPool, KVPool
+from shared.kvpool.mooncake import MooncakePool
+
+
+def caches(seed: int | None, layers: int = 3, blocks: int = 6):
+    """Per layer (k, v) [blocks, 4, 2, 8]; random if seeded, else zeros."""
+    shape = (blocks, 4, 2, 8)
+    if seed is None:
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(layers)]
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+            for _ in range(layers)]
+
+
+def round_trip(src_pool: KVPool, dst_pool: KVPool) -> None:
+    src, dst = caches(1), caches(None)
+    src_regions, dst_regions = CacheRegions(src), CacheRegions(dst)
+    for pool, kv in ((src_pool, src), (dst_pool, dst)):
+        for k, v in kv:
+            pool.register(k)
+            pool.register(v)
+    keys = ["fp/aa", "fp/bb", "fp/cc"]
+    assert src_pool.put(keys, [src_regions.regions(b) for b in (1, 4, 2)]) == [True] * 3
+    assert dst_pool.exists(keys + ["fp/missing"]) == [True, True, True, False]
+    assert dst_pool.prefix_hits(["fp/aa", "fp/bb", "fp/zz", "fp/cc"]) == 2
+    # into other block ids on the other side
+    assert dst_pool.get(keys, [dst_regions.regions(b) for b in (5, 0, 3)]) == [True] * 3
+    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+        for s_b, d_b in ((1, 5), (4, 0), (2, 3)):
+            assert torch.equal(sk[s_b], dk[d_b]) and torch.equal(sv[s_b], dv[d_b])
+        assert torch.count_nonzero(dk[1]) == 0  # untouched blocks stay untouched
+    assert dst_pool.get(["fp/missing"], [dst_regions.regions(1)]) == [False]
+    assert torch.count_nonzero(dst[0][0][1]) == 0
+
+
+def test_in_process_pool():
+    pool = InProcessPool()
+    round_trip(pool, pool)
+    s = pool.stats()
+    assert s.keys == 3 and s.bytes == 3 * CacheRegions(caches(1)).value_bytes
+    assert s.hits > 0 and s.misses > 0
+    assert pool.clear() == 3 and pool.exists(["fp/aa"]) == [False]
+
+
+def test_in_process_pool_capacity():
+    pool = InProcessPool(capacity_bytes=CacheRegions(caches(1)).value_bytes)
+    src = CacheRegions(caches(1))
+    assert pool.put(["a", "b"], [src.regions(0), src.regions(1)]) == [True, False]
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
+    sup = MasterSupervisor(ports, log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
+    sup.start()
+    try:
+        yield sup
+    finally:
+        sup.stop()
+
+
+def pool_for(sup: MasterSupervisor) -> MooncakePool:
+    return MooncakePool(sup.ports.master_address, sup.ports.metadata_url,
+                        segment_bytes=32 << 20, local_buffer_bytes=16 << 20)
+
+
+def test_mooncake_pool_between_two_clients(master):
+    producer, consumer = pool_for(master), pool_for(master)
+    try:
+        round_trip(producer, consumer)
+        gauges = master.metrics()
+        assert gauges["master_key_count"] >= 3
+        assert gauges["master_allocated_bytes"] >= 3 * CacheRegions(caches(1)).value_bytes
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_master_restarts_after_being_killed(master):
+    import os
+    import signal
+
+    before = master.restarts
+    os.kill(master.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while master.restarts == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert master.restarts == before + 1
+    master.wait_ready(15)
+    fresh = pool_for(master)  # the restarted master serves new clients
+    try:
+        src = CacheRegions(caches(2))
+        fresh.register(src.tensors[0])
+        assert fresh.put(["after/restart"], [src.regions(1)]) == [True]
+        assert fresh.exists(["after/restart"]) == [True]
+    finally:
+        fresh.close()
+
+
+def test_unreachable_master_is_a_clear_error():
+    from shared.kvpool.mooncake import PoolUnavailable
+
+    port = free_port()
+    with pytest.raises(PoolUnavailable, match=f"127.0.0.1:{port}"):
+        MooncakePool(f"127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}/metadata",
+                     segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
