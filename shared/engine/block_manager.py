@@ -118,6 +118,14 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, block)
 
+    def unregister(self, block: KVBlock) -> None:
+        """Make a block unfindable again (its content turned out not to be what its
+        hash says)."""
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         for b in self._cached.values():
             b.block_hash = None
@@ -212,6 +220,16 @@ class KVCacheManager:
                     self.pool.register(held.blocks[i], hashes[i])
                 held.registered = full
         return True
+
+    def forget_from(self, request: Request, first_block: int) -> None:
+        """Withdraw the prefix-cache registration of the request's blocks from
+        ``first_block`` on: they were registered for content that never arrived."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return
+        for b in held.blocks[first_block:held.registered]:
+            self.pool.unregister(b)
+        held.registered = min(held.registered, first_block)
 
     def free(self, request: Request) -> None:
         held = self._held.pop(request.request_id, None)

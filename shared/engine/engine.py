@@ -18,6 +18,7 @@ import torch
 
 from shared.engine.block_manager import KVCacheManager
 from shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shared.engine.kv_connector import PoolConnector
 from shared.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from shared.engine.policy import make_policy
 from shared.engine.request import Request, RequestStatus
@@ -25,6 +26,7 @@ from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.kernels import get_backend, resolve_device
+from shared.kvpool.base import CacheRegions, KVPool
 from shared.models.config import ModelConfig, parse_dtype
 from shared.models.loader import load_model, model_fingerprint
 
@@ -41,7 +43,10 @@ class StepOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_pool: KVPool | None = None,
+                 save_prompts: bool = False):
+        """``kv_pool``: load prompt blocks from this pool at admission; with
+        ``save_prompts`` (a prefill instance) also put every computed prompt there."""
         config.validate()
         self.config = config
         torch.manual_seed(config.seed)
@@ -62,9 +67,13 @@ class EngineCore:
                                       self.dtype, self.backend.device)
         self.runner = ModelRunner(self.model, self.backend, self.kv, kv_caches)
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
+        self.connector = None
+        if kv_pool is not None:
+            self.connector = PoolConnector(kv_pool, CacheRegions(kv_caches), self.kv.hasher,
+                                           self.fingerprint(), save_prompts)
         self.scheduler = Scheduler(self.kv, make_policy(config.scheduling_policy),
                                    config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, self.connector)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens",
@@ -119,19 +128,32 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> Request:
-        self._validate(prompt_token_ids, params)
+                    request_id: str | None = None, priority: int = 0,
+                    output_token_ids: list[int] | None = None) -> Request:
+        """``output_token_ids``: tokens already generated elsewhere (a decode instance
+        continuing a prefill); they count towards ``max_tokens``."""
+        done = list(output_token_ids or [])
+        self._validate(prompt_token_ids, params, done)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in flight")
         req = Request(rid, list(prompt_token_ids), params,
                       eos_token_ids=self.model_config.eos_token_ids, priority=priority)
+        req.token_ids.extend(done)
         self._requests[rid] = req
         self.scheduler.add(req)
         return req
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt: list[int], params: SamplingParams,
+                  output: list[int] | None = None) -> None:
         params.validate()
+        output = output or []
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
+               for t in output):
+            raise ValueError("output_token_ids: outside the vocabulary")
+        if params.max_tokens is not None and len(output) >= params.max_tokens:
+            raise ValueError(f"output_token_ids: {len(output)} already generated, "
+                             f"max_tokens is {params.max_tokens}")
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -174,6 +196,11 @@ class EngineCore:
         for i, lp in zip(sample_idx, sampled.logprobs, strict=True):
             if lp is not None:
                 sched.requests[i].logprobs.append(lp)
+        if self.connector is not None and self.connector.save_prompts:
+            for i in sample_idx:  # these computed their prompt's last token just now
+                req = sched.requests[i]
+                if req.num_output_tokens == 0:
+                    req.kv_keys = self.connector.save(req, self.kv.block_ids(req))
         tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)
         for req in finished:

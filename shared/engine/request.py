@@ -64,6 +64,7 @@ class Request:
     stop_reason: int | None = None  # the stop token that ended it, if any
     block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    kv_keys: list[str] = field(default_factory=list)  # pool keys of the saved prompt
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = field(init=False)  # tokens that end it: stop ids, eos
 

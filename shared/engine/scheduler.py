@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import KVCacheManager
+from shared.engine.kv_connector import PoolConnector
 from shared.engine.policy import SchedulingPolicy
 from shared.engine.request import Request, RequestStatus
 
@@ -36,8 +37,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int,
+                 connector: PoolConnector | None = None):
         self.kv = kv
+        self.connector = connector
         self.waiting = policy
         self.running: list[Request] = []
         self.max_num_seqs = max_num_seqs
@@ -72,15 +75,25 @@ class Scheduler:
         while (len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            fresh = req.num_computed_tokens == 0
+            cached = self.kv.find_cached_prefix(req) if fresh else []
             hit_tokens = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
-            if not self.kv.allocate(req, n, cached):
+            # tokens the KV pool can supply beyond the local hits (loaded, not computed)
+            pooled = (self.connector.loadable_tokens(req, hit_tokens)
+                      if fresh and self.connector is not None else 0)
+            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens - pooled, budget)
+            if not self.kv.allocate(req, pooled + n, cached):
                 break
             self.waiting.pop()
             req.num_computed_tokens += hit_tokens
+            if pooled:
+                assert self.connector is not None
+                if self.connector.load(req, self.kv.block_ids(req), hit_tokens, pooled):
+                    req.num_computed_tokens += pooled
+                else:  # recompute from the local hits; nothing unfilled stays findable
+                    self.kv.forget_from(req, hit_tokens // self.kv.block_size)
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit_tokens
+                req.num_cached_tokens = req.num_computed_tokens
             req.transition(RequestStatus.RUNNING)
             self.running.append(req)
             out.requests.append(req)

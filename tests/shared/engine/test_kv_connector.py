@@ -1,0 +1,124 @@
+"""Prefill and decode engines handing KV over through a pool: the output equals one
+engine doing everything, and the pool doubles as a cross-instance prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
+from shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from shared.kvpool import InProcessPool, KVPool
+from shared.kvpool.mooncake import MooncakePool
+
+NEW = 12
+_g = torch.Generator().manual_seed(77)
+SHARED = torch.randint(10, 4000, (40,), generator=_g).tolist()
+PROMPTS = [
+    SHARED + torch.randint(10, 4000, (7,), generator=_g).tolist(),  # 47: a partial tail
+    torch.randint(10, 4000, (32,), generator=_g).tolist(),  # exactly two blocks
+    SHARED + torch.randint(10, 4000, (20,), generator=_g).tolist(),
+    [5, 6, 7],
+]
+
+
+def engine(path, pool: KVPool | None, producer: bool) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                   block_size=16), kv_pool=pool, save_prompts=producer)
+
+
+def run(eng: EngineCore, reqs: list) -> None:
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    del reqs
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_path):
+    llm = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def disaggregated(qwen3_path, pool: KVPool) -> tuple[list[list[int]], list]:
+    prefill, decode = engine(qwen3_path, pool, True), engine(qwen3_path, pool, False)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    pre = [prefill.add_request(p, first) for p in PROMPTS]
+    run(prefill, pre)
+    assert all(r.kv_keys for r in pre)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    dec = [decode.add_request(p, params, output_token_ids=r.output_token_ids)
+           for p, r in zip(PROMPTS, pre, strict=True)]
+    run(decode, dec)
+    return [r.output_token_ids for r in dec], dec
+
+
+def test_prefill_then_decode_through_the_pool(qwen3_path, expected):
+    pool = InProcessPool()
+    got, dec = disaggregated(qwen3_path, pool)
+    assert got == expected
+    # decode computed nothing of the prompts: every prompt token came from the pool
+    assert [r.num_cached_tokens for r in dec] == [len(p) for p in PROMPTS]
+
+
+def test_pool_is_a_cross_instance_prefix_cache(qwen3_path):
+    pool = InProcessPool()
+    a = engine(qwen3_path, pool, True)
+    first = SamplingParams(temperature=0, max_tokens=1)
+    r0 = a.add_request(PROMPTS[0], first)
+    run(a, [r0])
+    b = engine(qwen3_path, pool, True)  # another prefill instance, cold local cache
+    r2 = b.add_request(PROMPTS[2], first)
+    run(b, [r2])
+    assert r2.num_cached_tokens == 32  # the two full blocks of the shared 40-token prefix
+
+
+class FlakyPool(InProcessPool):
+    """Says it has everything it was given, then loses it before the load."""
+
+    def get(self, keys, regions):
+        return [False] * len(keys)
+
+
+def test_blocks_vanishing_before_load_are_recomputed(qwen3_path, expected):
+    pool = FlakyPool()
+    got, dec = disaggregated(qwen3_path, pool)
+    assert got == expected
+    # and the decode engine's own prefix cache was not left pointing at unfilled blocks
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    eng = engine(qwen3_path, None, False)
+    again = eng.add_request(PROMPTS[0], params)
+    run(eng, [again])
+    assert again.output_token_ids == expected[0]
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
+    sup = MasterSupervisor(ports, log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
+    sup.start()
+    try:
+        yield sup
+    finally:
+        sup.stop()
+
+
+def test_prefill_then_decode_through_mooncake(qwen3_path, expected, master):
+    pools = [MooncakePool(master.ports.master_address, master.ports.metadata_url,
+                          segment_bytes=64 << 20, local_buffer_bytes=16 << 20) for _ in range(2)]
+    try:
+        prefill = engine(qwen3_path, pools[0], True)
+        decode = engine(qwen3_path, pools[1], False)
+        first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        pre = [prefill.add_request(p, first) for p in PROMPTS]
+        run(prefill, pre)
+        params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        dec = [decode.add_request(p, params, output_token_ids=r.output_token_ids)
+               for p, r in zip(PROMPTS, pre, strict=True)]
+        run(decode, dec)
+        assert [r.output_token_ids for r in dec] == expected
+        assert [r.num_cached_tokens for r in dec] == [len(p) for p in PROMPTS]
+    finally:
+        for p in pools:
+            p.close()
