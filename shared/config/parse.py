@@ -1,0 +1,103 @@
+"""``parse_additional_config``: the one entry point from user input to ``AdditionalConfig``.
+
+    raw JSON / mapping ──decode──▶ dict ──apply_legacy (moved keys, removed keys, env)──▶
+    dict in today's spelling ──read_section──▶ typed config ──run_rules──▶ overrides ──▶
+    AdditionalConfig (+ warnings, inactive keys)
+
+Every problem from every stage after decoding is collected; one ``ConfigError`` lists
+them all. Nothing is logged here: callers log ``config.warnings`` with their own context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from shared.config.engine_args import EngineArgs
+from shared.config.errors import ConfigError, ConfigProblem
+from shared.config.legacy import MODEL_RUNNER_V2_ENV
+from shared.config.migrate import apply_legacy, decode
+from shared.config.options import schema_fields, spec_of
+from shared.config.reader import ReadContext, read_section
+from shared.config.rules import RuleContext, run_rules
+from shared.config.schema import AdditionalConfig
+
+DEVICES = ("cpu", "cuda", "npu")
+
+
+def parse_additional_config(
+    raw: str | Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    device: str = "cpu",
+    engine_args: EngineArgs | None = None,
+) -> AdditionalConfig:
+    """Parse and validate ``--additional-config`` more strictly than vLLM-Ascend does.
+
+    ``raw`` is the flag's JSON text or an already-decoded mapping (the offline
+    ``additional_config=`` argument). ``env`` (default: ``os.environ``) supplies the
+    deprecated environment variables. ``device`` is the resolved device ("cpu", "cuda" or
+    "npu"); keys that only act on Ascend are listed in ``inactive_keys`` elsewhere.
+    ``engine_args`` are the engine flags the cross-key rules need.
+
+    Raises ``ConfigError`` listing every unknown key, bad value and forbidden combination.
+    """
+    if device not in DEVICES:
+        raise ConfigError([ConfigProblem("device", f"must be one of {', '.join(DEVICES)}, "
+                                                   f"got {device!r}")])
+    env = os.environ if env is None else env
+    engine = engine_args or EngineArgs()
+    if engine.model_runner_v2 is None:
+        use_v2 = env.get(MODEL_RUNNER_V2_ENV, "0").strip().lower() in ("1", "true")
+        engine = dataclasses.replace(engine, model_runner_v2=use_v2)
+
+    tree = decode(raw)
+    ctx = ReadContext(root=AdditionalConfig)
+    removed = apply_legacy(tree, env, AdditionalConfig, ctx)
+    config = read_section(AdditionalConfig, tree, "", "", ctx)
+    findings = run_rules(RuleContext(config, engine, frozenset(ctx.explicit), dict(ctx.shown)))
+    problems = ctx.problems + findings.problems
+    if problems:
+        raise ConfigError(problems)
+
+    for path, value in findings.overrides.items():
+        config = _replace_path(config, path, value)
+    npu_only = [] if device == "npu" else ascend_only_keys(ctx.explicit)
+    warnings = ctx.warnings + findings.warnings
+    if npu_only:
+        warnings.append(f"{len(npu_only)} key(s) only act on Ascend NPUs and are inactive on "
+                        f"{device}: {', '.join(npu_only)}")
+    inactive = (*sorted(removed), *npu_only)
+    return dataclasses.replace(config, warnings=tuple(warnings), inactive_keys=inactive)
+
+
+def ascend_only_keys(explicit: set[str] | frozenset[str]) -> list[str]:
+    """The explicitly set keys that only act on Ascend, a section standing for its keys."""
+    found = []
+    for path in sorted(explicit, key=lambda p: (p.count("."), p)):
+        if any(path.startswith(done + ".") for done in found):
+            continue
+        if _is_ascend_only(path):
+            found.append(path)
+    return sorted(found)
+
+
+def _is_ascend_only(path: str) -> bool:
+    cls: Any = AdditionalConfig
+    for name in path.split("."):
+        field = next(f for f in schema_fields(cls) if f.name == name)
+        spec = spec_of(field)
+        if spec is not None and spec.ascend_only:
+            return True
+        cls = typing.get_type_hints(cls)[name]
+    return False
+
+
+def _replace_path(obj: Any, path: str, value: object) -> Any:
+    name, _, rest = path.partition(".")
+    if rest:
+        value = _replace_path(getattr(obj, name), rest, value)
+    return dataclasses.replace(obj, **{name: value})

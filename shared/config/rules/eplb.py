@@ -1,0 +1,83 @@
+"""EPLB: vLLM-Ascend's own ``eplb_config`` versus upstream ``--enable-eplb``.
+
+Seed ``additional-config.zh.txt`` lines 49-52: Model Runner V2 accepts only
+``load_collection_phase`` in eplb_config and takes upstream --enable-eplb / --eplb-config;
+Model Runner V1 accepts the legacy fields but not ``load_collection_phase`` and not
+upstream --enable-eplb; "混合两种模式会在启动时失败，而不是静默忽略配置".
+"""
+
+from __future__ import annotations
+
+from shared.config.rules.base import Findings, RuleContext
+
+_EPLB = "eplb_config"
+_PHASE = f"{_EPLB}.load_collection_phase"
+_UPSTREAM = "--enable-eplb/--eplb-config"
+
+
+def eplb_runner_schema(ctx: RuleContext, out: Findings) -> None:
+    """The two EPLB schemas, one per model runner, and no mixing (seed lines 49-52; code:
+    platform.py::_validate_eplb_config, which also needs --enable-eplb for a phase)."""
+    legacy = [p for p in ctx.set_under(_EPLB) if p != _PHASE]
+    upstream = ctx.engine.uses_upstream_eplb
+    mrv2 = bool(ctx.engine.model_runner_v2)
+    for path in legacy:
+        if upstream:
+            out.error(ctx.name(path), f"a vLLM-Ascend (Model Runner V1) EPLB field cannot be "
+                                      f"mixed with upstream {_UPSTREAM}; use one or the other")
+        elif mrv2:
+            out.error(ctx.name(path), "Model Runner V2 accepts only eplb_config."
+                                      "load_collection_phase; configure EPLB with upstream "
+                                      f"{_UPSTREAM}")
+    if not mrv2:
+        if ctx.is_set(_PHASE):
+            out.error(ctx.name(_PHASE), "only Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) "
+                                        "reads it; on Model Runner V1 use eplb_config."
+                                        "eplb_heat_collection_stage")
+        if upstream and not legacy:
+            out.error("--enable-eplb", "upstream EPLB is not accepted by Model Runner V1 on "
+                                       "Ascend; use eplb_config.dynamic_eplb, or Model Runner "
+                                       "V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
+    elif ctx.config.eplb_config.load_collection_phase != "all" and not ctx.engine.enable_eplb:
+        out.error(ctx.name(_PHASE), "needs upstream --enable-eplb")
+
+
+def eplb_needs_expert_parallel(ctx: RuleContext, out: Findings) -> None:
+    """EPLB moves experts between EP ranks. Upstream vLLM ParallelConfig: "enable_expert_
+    parallel must be True to use EPLB"; legacy dynamic EPLB without EP only warns."""
+    if ctx.engine.enable_expert_parallel:
+        return
+    if ctx.engine.enable_eplb:
+        out.error("--enable-eplb", "EPLB needs --enable-expert-parallel")
+    if ctx.config.eplb_config.dynamic_eplb:
+        out.warn(ctx.name(f"{_EPLB}.dynamic_eplb"),
+                 "has no effect without --enable-expert-parallel")
+
+
+def eplb_record_path(ctx: RuleContext, out: Findings) -> None:
+    """Recording an expert map runs dynamic EPLB (code: EplbConfig sets dynamic_eplb when
+    expert_map_record_path is given)."""
+    eplb = ctx.config.eplb_config
+    if eplb.expert_map_record_path is None or eplb.dynamic_eplb:
+        return
+    path = f"{_EPLB}.dynamic_eplb"
+    warning = None
+    if ctx.is_set(path):
+        warning = "set to true because eplb_config.expert_map_record_path is given"
+    out.override(path, True, warning, key=ctx.name(path))
+
+
+def force_eplb_vs_dynamic(ctx: RuleContext, out: Findings) -> None:
+    """enable_force_eplb and dynamic EPLB exclude each other (code: "enable_force_eplb
+    cannot be mixed with dynamic_eplb")."""
+    if ctx.config.enable_force_eplb and ctx.config.eplb_config.dynamic_eplb:
+        out.error(ctx.name("enable_force_eplb"),
+                  f"cannot be combined with {ctx.name(_EPLB + '.dynamic_eplb')}")
+
+
+RULES = (
+    eplb_runner_schema,
+    eplb_needs_expert_parallel,
+    eplb_record_path,
+    force_eplb_vs_dynamic,
+)
