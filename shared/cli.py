@@ -1,4 +1,4 @@
-"""`pdmesh` command line: make-tiny-model, generate, bench, kvstore."""
+"""`pdmesh` command line: make-tiny-model, generate, bench, kvstore, config check."""
 
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ def _kvstore(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _config_check(a: argparse.Namespace) -> int:
+    from shared.config.check import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared.engine.args import add_engine_args
     from shared.models.tiny import ARCHS, SIZES
@@ -98,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kvstore_args(k)
     k.set_defaults(func=_kvstore)
+
+    c = sub.add_parser("config", help="configuration tools")
+    csub = c.add_subparsers(dest="config", required=True)
+    chk = csub.add_parser("check", help="print the effective --additional-config or its errors")
+    from shared.config.check import add_args as add_check_args
+
+    add_check_args(chk)
+    chk.set_defaults(func=_config_check)
     return p
 
 
