@@ -1,4 +1,5 @@
-"""`pdmesh` command line: make-tiny-model, generate, bench, kvstore, config check."""
+"""`pdmesh` command line: make-tiny-model, generate, bench, kvstore, prefill, decode,
+config check."""
 
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ def _kvstore(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _prefill(a: argparse.Namespace) -> int:
+    from services.prefill.main import run
+
+    return run(a)
+
+
+def _decode(a: argparse.Namespace) -> int:
+    from services.decode.main import run
+
+    return run(a)
+
+
 def _config_check(a: argparse.Namespace) -> int:
     from shared.config.check import run
 
@@ -104,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kvstore_args(k)
     k.set_defaults(func=_kvstore)
+
+    from shared.worker import add_worker_args
+
+    pf = sub.add_parser("prefill", help="a prefill instance (gRPC)")
+    add_worker_args(pf)
+    pf.set_defaults(func=_prefill)
+    dc = sub.add_parser("decode", help="a decode instance (gRPC, streaming)")
+    add_worker_args(dc)
+    dc.set_defaults(func=_decode)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config", required=True)

@@ -1,0 +1,20 @@
+"""`pdmesh prefill`: an engine in producer mode behind the Prefill gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+
+from services.prefill.server import PrefillServicer
+from shared.engine.loop import EngineLoop
+from shared.proto import prefill_pb2_grpc
+from shared.worker import serve_worker
+
+
+def _add(server: grpc.Server, loop: EngineLoop, model_name: str) -> None:
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, model_name), server)
+
+
+def run(a: argparse.Namespace) -> int:
+    return serve_worker(a, "prefill", _add)

@@ -1,0 +1,72 @@
+"""Prefill's gRPC edge. Lifecycle of a request here:
+
+    Prefill(prompt) -> engine loop: admitted (prompt blocks already in the pool are
+    loaded, not computed) -> chunked prefill -> first token sampled -> prompt blocks
+    (full ones and the partial tail) put in the pool -> answer {first token, keys,
+    cached tokens}. A client that goes away aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import grpc
+
+from shared.engine.loop import EngineLoop
+from shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+from shared.proto.convert import logprobs_to_proto, sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+
+def load_proto(loop: EngineLoop) -> common_pb2.WorkerLoad:
+    ld = loop.load()
+    return common_pb2.WorkerLoad(running=ld.running, waiting=ld.waiting,
+                                 free_kv_blocks=ld.free_kv_blocks,
+                                 total_kv_blocks=ld.total_kv_blocks)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, loop: EngineLoop, model_name: str, timeout_s: float = 600.0):
+        self.loop = loop
+        self.model_name = model_name
+        self.timeout_s = timeout_s
+
+    def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
+        try:
+            params = sampling_from_proto(request.sampling)
+            # this instance produces the first token only; decode does the rest
+            first = dataclasses.replace(params, max_tokens=1)
+            stream = self.loop.submit(list(request.prompt_token_ids), first,
+                                      request_id=request.request_id or None,
+                                      priority=request.priority)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        done = []  # set once the answer is complete: a later callback is no cancellation
+        context.add_callback(lambda: done or self.loop.abort(stream.request_id))
+        event = stream.get(timeout=self.timeout_s)
+        done.append(True)
+        if event.error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+        if event.finish_reason == "abort":
+            context.abort(grpc.StatusCode.CANCELLED, f"request {stream.request_id} aborted")
+        token = event.token_ids[0]
+        # the first token ends the request by itself when it is a stop token or the
+        # caller asked for one token
+        finish = ""
+        if params.max_tokens == 1:
+            finish = "length"
+        if event.finish_reason == "stop":
+            finish = "stop"
+        resp = prefill_pb2.PrefillResponse(
+            first_token=token, block_keys=event.kv_keys,
+            num_cached_tokens=event.num_cached_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish)
+        if event.logprobs:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(event.logprobs[0]))
+        return resp
+
+    def Health(self, request, context):  # noqa: N802
+        return common_pb2.HealthResponse(serving=True, role="prefill", model=self.model_name,
+                                         load=load_proto(self.loop))

@@ -1,0 +1,168 @@
+"""An engine stepping in its own thread, fed by many callers.
+
+    caller threads ──submit()──▶ inbox ──▶ loop thread: add / abort, step(), dispatch
+          ▲                                                       │
+          └──────────── RequestStream (one queue per request) ◀───┘
+
+Validation happens in ``submit`` on the caller's thread, so a bad request raises
+ValueError there and never reaches the loop. A finished stream always ends with an
+event whose ``finished`` is set; an engine failure ends every stream with ``error``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from shared.engine.engine import EngineCore
+from shared.engine.request import Logprob, Request
+from shared.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    kv_keys: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+class RequestStream:
+    """What one request produced, event by event."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
+
+    def get(self, timeout: float | None = None) -> StreamEvent:
+        return self._events.get(timeout=timeout)
+
+    def put(self, event: StreamEvent) -> None:
+        self._events.put(event)
+
+
+@dataclass
+class LoopLoad:
+    running: int
+    waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[RequestStream, Request | None]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def load(self) -> LoopLoad:
+        s = self.engine.scheduler
+        return LoopLoad(len(s.running), len(s.waiting), self.engine.kv.num_free_blocks,
+                        self.engine.kv.num_blocks)
+
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+               priority: int = 0, output_token_ids: list[int] | None = None) -> RequestStream:
+        """Queue a request (ValueError, naming the field, if it is invalid)."""
+        self.engine._validate(prompt, params, output_token_ids)
+        rid = request_id or f"loop-{next(self._ids)}"
+        stream = RequestStream(rid)
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id: {rid!r} is already in flight")
+            self._streams[rid] = (stream, None)
+        self._inbox.put(("add", (rid, prompt, params, priority, output_token_ids)))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # -- the loop thread --------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 (the loop must outlive any one step)
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {e}")
+                continue
+            for out in outputs:
+                self._dispatch(out.request, out.new_token_ids, out.finished)
+        self._fail_all("engine stopped")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, prompt, params, priority, done = payload  # type: ignore[misc]
+                try:
+                    req = self.engine.add_request(prompt, params, request_id=rid,
+                                                  priority=priority, output_token_ids=done)
+                except ValueError as e:
+                    self._finish_stream(rid, StreamEvent([], finished=True, error=str(e)))
+                    continue
+                with self._lock:
+                    stream = self._streams[rid][0]
+                    self._streams[rid] = (stream, req)
+            elif kind == "abort":
+                rid = payload  # type: ignore[assignment]
+                self.engine.abort(rid)
+                self._finish_stream(rid, StreamEvent([], finished=True, finish_reason="abort"))
+
+    def _dispatch(self, req: Request, tokens: list[int], finished: bool) -> None:
+        with self._lock:
+            entry = self._streams.get(req.request_id)
+        if entry is None:
+            return
+        stream = entry[0]
+        lps = req.logprobs[-len(tokens):] if req.sampling_params.logprobs is not None else []
+        event = StreamEvent(tokens, lps, finished, req.finish_reason, req.stop_reason,
+                            max(req.num_cached_tokens, 0), list(req.kv_keys))
+        if finished:
+            self._finish_stream(req.request_id, event)
+        else:
+            stream.put(event)
+
+    def _finish_stream(self, rid: str, event: StreamEvent) -> None:
+        with self._lock:
+            entry = self._streams.pop(rid, None)
+        if entry is not None:
+            entry[0].put(event)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            pending = list(self._streams)
+        for rid in pending:
+            self.engine.abort(rid)
+            self._finish_stream(rid, StreamEvent([], finished=True, error=message))

@@ -1,0 +1,77 @@
+"""Start-up shared by the engine services (prefill, decode): flags, the KV pool, the
+engine loop, the gRPC server, and the ready line a launcher waits for.
+
+    pdmesh prefill --model M --kvstore 127.0.0.1:50100 [--port 0] [engine flags]
+    -> stdout: "prefill ready: {"grpc": "127.0.0.1:PORT", ...}"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import asdict
+
+import grpc
+
+from shared.engine.args import add_engine_args, engine_config_from_args
+from shared.engine.engine import EngineCore
+from shared.engine.loop import EngineLoop
+from shared.kvpool.base import KVPool
+from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--kvstore", required=True, help="the kvstore service's gRPC address")
+    p.add_argument("--pool-segment-mb", type=int, default=512,
+                   help="memory this instance lends to the KV pool")
+
+
+def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
+    """Ask the kvstore where its Mooncake master is, then join the pool."""
+    from shared.kvpool.mooncake import MooncakePool
+
+    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(kvstore))
+    try:
+        stats = stub.Stats(kvstore_pb2.StatsRequest(), timeout=10)
+    except grpc.RpcError as e:
+        raise ConnectionError(f"kvstore: no answer from {kvstore} ({e.code().name})") from e
+    return MooncakePool(stats.master_address, stats.metadata_url, local_hostname=host,
+                        segment_bytes=segment_mb << 20)
+
+
+def serve_worker(a: argparse.Namespace, role: str,
+                 add_servicer: Callable[[grpc.Server, EngineLoop, str], None]) -> int:
+    pool = connect_pool(a.kvstore, a.host, a.pool_segment_mb)
+    config = engine_config_from_args(a)
+    engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
+    loop = EngineLoop(engine)
+    loop.start()
+    model_name = a.served_model_name or a.model
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    add_servicer(server, loop, model_name)
+    port = server.add_insecure_port(f"{a.host}:{a.port}")
+    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"{role} ready: " + json.dumps({
+        "grpc": f"{a.host}:{port}", "model": model_name, "device": engine.device,
+        "kv_blocks": engine.kv.num_blocks, "config": asdict(config)}), flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.stop(grace=5).wait()
+        loop.stop()
+        pool.close()
+    return 0

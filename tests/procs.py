@@ -1,0 +1,59 @@
+"""Real service processes for end-to-end tests: started on free loopback ports, each in
+its own process group, and stopped by process id whatever happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Service:
+    """A `pdmesh <command>` child that prints "<role> ready: {json}" once serving."""
+
+    def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 60.0):
+        self.role = role
+        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.info: dict[str, Any] = {}
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout_s) or not self.info:
+            self.stop()
+            raise RuntimeError(f"{role} did not become ready; log: {self.log_path}\n"
+                               + self.log_path.read_text()[-3000:])
+
+    def _read(self) -> None:
+        prefix = f"{self.role} ready: "
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                log.flush()
+                if line.startswith(prefix) and not self.info:
+                    self.info = json.loads(line[len(prefix):])
+                    self._ready.set()
+        self._ready.set()
+
+    @property
+    def address(self) -> str:
+        return self.info["grpc"]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,102 @@
+"""Prefill and decode instances as real processes, KV through the real Mooncake pool."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from shared.proto.convert import sampling_to_proto
+from tests.procs import Service
+
+PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
+NEW = 10
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+
+
+@pytest.fixture(scope="module")
+def mesh(qwen3_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-logs")
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore"], logs)
+        started.append(kv)
+        for role in ("prefill", "decode"):
+            started.append(Service(role, [role, "--model", str(qwen3_path), "--kvstore",
+                                          kv.address, *ENGINE], logs))
+        yield {s.role: s for s in started}
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_path):
+    llm = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def stubs(mesh):
+    return (prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(mesh["prefill"].address)),
+            decode_pb2_grpc.DecodeStub(grpc.insecure_channel(mesh["decode"].address)))
+
+
+def test_prefill_then_decode_equals_offline(mesh, expected):
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    for i, prompt in enumerate(PROMPTS):
+        r = pre.Prefill(prefill_pb2.PrefillRequest(request_id=f"p{i}", prompt_token_ids=prompt,
+                                                   sampling=sp), timeout=60)
+        assert r.num_prompt_tokens == len(prompt) and len(r.block_keys) == -(-len(prompt) // 16)
+        tokens = [r.first_token]
+        last = None
+        for chunk in dec.Generate(decode_pb2.GenerateRequest(
+                request_id=f"d{i}", prompt_token_ids=prompt, output_token_ids=tokens,
+                block_keys=r.block_keys, sampling=sp), timeout=60):
+            tokens += list(chunk.token_ids)
+            last = chunk
+        assert last is not None and last.finish_reason == "length"
+        assert tokens == expected[i]
+
+
+def test_bad_input_is_invalid_argument(mesh):
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(max_tokens=4))
+    with pytest.raises(grpc.RpcError) as e:
+        pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=[1, 999999], sampling=sp),
+                    timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids" in e.value.details()
+    bad = sampling_to_proto(SamplingParams(max_tokens=4))
+    bad.top_p = 3.0
+    with pytest.raises(grpc.RpcError) as e:
+        next(dec.Generate(decode_pb2.GenerateRequest(prompt_token_ids=[1, 2],
+                                                     output_token_ids=[3], sampling=bad),
+                          timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
+
+
+def test_cancelled_stream_frees_its_blocks(mesh):
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    r = pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=PROMPTS[0], sampling=sp),
+                    timeout=60)
+    call = dec.Generate(decode_pb2.GenerateRequest(
+        request_id="long", prompt_token_ids=PROMPTS[0], output_token_ids=[r.first_token],
+        block_keys=r.block_keys, sampling=sp), timeout=120)
+    next(call)
+    load = dec.Health(common_pb2.HealthRequest(), timeout=10).load
+    assert load.running == 1 and load.free_kv_blocks < load.total_kv_blocks
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = dec.Health(common_pb2.HealthRequest(), timeout=10).load
+        if load.running == 0 and load.free_kv_blocks == load.total_kv_blocks:
+            break
+        time.sleep(0.05)
+    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
