@@ -23,6 +23,7 @@ from shared.engine.engine import EngineCore
 from shared.engine.loop import EngineLoop
 from shared.kvpool.base import KVPool
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
+from shared.registry import Heartbeat, Instance, Registry, add_registry_args
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kvstore", required=True, help="the kvstore service's gRPC address")
     p.add_argument("--pool-segment-mb", type=int, default=512,
                    help="memory this instance lends to the KV pool")
+    add_registry_args(p)
 
 
 def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
@@ -65,12 +67,18 @@ def serve_worker(a: argparse.Namespace, role: str,
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    inst = Instance(Heartbeat.new_id(role), role, f"{a.host}:{port}", model_name)
+    beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
+                     load=lambda: asdict(loop.load()))
+    beat.start()
     print(f"{role} ready: " + json.dumps({
         "grpc": f"{a.host}:{port}", "model": model_name, "device": engine.device,
-        "kv_blocks": engine.kv.num_blocks, "config": asdict(config)}), flush=True)
+        "id": inst.id, "kv_blocks": engine.kv.num_blocks, "config": asdict(config)}),
+        flush=True)
     try:
         stop.wait()
     finally:
+        beat.stop()
         server.stop(grace=5).wait()
         loop.stop()
         pool.close()

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
 
 from shared.models.tiny import ARCHS, SIZES, make_tiny_model, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def registry_prefix() -> str:
+    """A redis key prefix no other test run uses; its keys are deleted at the end."""
+    import redis
+
+    prefix = f"pdmesh-test-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    for key in r.scan_iter(match=f"{prefix}:*"):
+        r.delete(key)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
 from services.kvstore.server import KVStoreServicer
 from shared.kvpool.mooncake import MooncakePool
 from shared.proto import kvstore_pb2_grpc
+from shared.registry import Heartbeat, Instance, Registry, add_registry_args
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata-port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--master-log", default=None)
+    add_registry_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -50,6 +52,9 @@ def run(a: argparse.Namespace) -> int:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, supervisor), server)
         port = server.add_insecure_port(f"{a.host}:{a.port}")
         server.start()
+        inst = Instance(Heartbeat.new_id("kvstore"), "kvstore", f"{a.host}:{port}")
+        beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst)
+        beat.start()
         print("kvstore ready: " + json.dumps({
             "grpc": f"{a.host}:{port}", "master": ports.master_address,
             "metadata": ports.metadata_url, "master_pid": supervisor.pid}), flush=True)
@@ -57,6 +62,7 @@ def run(a: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         stop.wait()
+        beat.stop()
     finally:
         if server is not None:
             server.stop(grace=2).wait()

@@ -19,10 +19,11 @@ from shared.proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 
 @pytest.fixture(scope="module")
-def kvstore(tmp_path_factory):
+def kvstore(tmp_path_factory, registry_prefix):
     log = tmp_path_factory.mktemp("kvstore") / "master.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "kvstore", "--master-log", str(log)],
+        [sys.executable, "-m", "shared.cli", "kvstore", "--master-log", str(log),
+         "--registry-prefix", registry_prefix],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         info = None

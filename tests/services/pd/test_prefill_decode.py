@@ -19,15 +19,16 @@ ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
 
 
 @pytest.fixture(scope="module")
-def mesh(qwen3_path, tmp_path_factory):
+def mesh(qwen3_path, tmp_path_factory, registry_prefix):
     logs = tmp_path_factory.mktemp("pd-logs")
+    reg = ["--registry-prefix", registry_prefix]
     started: list[Service] = []
     try:
-        kv = Service("kvstore", ["kvstore"], logs)
+        kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
         for role in ("prefill", "decode"):
             started.append(Service(role, [role, "--model", str(qwen3_path), "--kvstore",
-                                          kv.address, *ENGINE], logs))
+                                          kv.address, *ENGINE, *reg], logs))
         yield {s.role: s for s in started}
     finally:
         for s in reversed(started):
@@ -44,6 +45,16 @@ def expected(qwen3_path):
 def stubs(mesh):
     return (prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(mesh["prefill"].address)),
             decode_pb2_grpc.DecodeStub(grpc.insecure_channel(mesh["decode"].address)))
+
+
+def test_instances_register_in_redis(mesh, registry_prefix):
+    from shared.registry import Registry
+
+    found = {i.role: i for i in Registry(prefix=registry_prefix).instances()}
+    assert found["prefill"].address == mesh["prefill"].address
+    assert found["decode"].address == mesh["decode"].address
+    assert found["kvstore"].address == mesh["kvstore"].address
+    assert found["decode"].load["total_kv_blocks"] > 0
 
 
 def test_prefill_then_decode_equals_offline(mesh, expected):

@@ -1,0 +1,137 @@
+"""The instance registry in redis: who serves what, where, and how loaded.
+
+    <prefix>:instance:<id>  hash {role, address, model, dp_size, running, waiting,
+                                  free_kv_blocks, total_kv_blocks, heartbeat}  EXPIRE ttl
+
+An instance registers once and then heartbeats (refreshing the TTL and its load); one
+that stops heartbeating drops out when its key expires, so a router never sees it
+again. The prefix lets several meshes share one redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway")
+LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks")
+
+
+@dataclass
+class Instance:
+    id: str
+    role: str
+    address: str
+    model: str = ""
+    dp_size: int = 1
+    load: dict[str, int] = field(default_factory=dict)
+    heartbeat: float = 0.0  # unix time of the last heartbeat
+    draining: bool = False
+
+
+class Registry:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "pdmesh",
+                 ttl_s: float = 6.0):
+        self.prefix = prefix
+        self.ttl_ms = int(ttl_s * 1000)
+        self._redis = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3,
+                                           decode_responses=True)
+
+    def _key(self, instance_id: str) -> str:
+        return f"{self.prefix}:instance:{instance_id}"
+
+    def put(self, inst: Instance) -> None:
+        """Register or heartbeat: write the instance and restart its TTL."""
+        if inst.role not in ROLES:
+            raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {inst.role!r}")
+        inst.heartbeat = time.time()
+        mapping = {"role": inst.role, "address": inst.address, "model": inst.model,
+                   "dp_size": inst.dp_size, "heartbeat": inst.heartbeat,
+                   "draining": int(inst.draining),
+                   **{k: int(inst.load.get(k, 0)) for k in LOAD_FIELDS}}
+        key = self._key(inst.id)
+        pipe = self._redis.pipeline()
+        pipe.hset(key, mapping=mapping)
+        pipe.pexpire(key, self.ttl_ms)
+        pipe.execute()
+
+    def remove(self, instance_id: str) -> None:
+        self._redis.delete(self._key(instance_id))
+
+    def instances(self, role: str | None = None, model: str | None = None) -> list[Instance]:
+        out = []
+        pattern = self._key("*")
+        keys = list(self._redis.scan_iter(match=pattern, count=500))
+        if not keys:
+            return out
+        pipe = self._redis.pipeline()
+        for k in keys:
+            pipe.hgetall(k)
+        for key, h in zip(keys, pipe.execute(), strict=True):
+            if not h:  # expired between scan and read
+                continue
+            inst = Instance(
+                id=key.rsplit(":", 1)[1], role=h.get("role", ""), address=h.get("address", ""),
+                model=h.get("model", ""), dp_size=int(h.get("dp_size", 1)),
+                load={k: int(h.get(k, 0)) for k in LOAD_FIELDS},
+                heartbeat=float(h.get("heartbeat", 0)), draining=h.get("draining") == "1")
+            if (role is None or inst.role == role) and (model is None or inst.model == model):
+                out.append(inst)
+        return sorted(out, key=lambda i: i.id)
+
+
+def add_registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--registry-prefix", default="pdmesh",
+                   help="redis key prefix, so several meshes can share one redis")
+
+
+class Heartbeat:
+    """Keeps one instance registered from a background thread until ``stop``."""
+
+    def __init__(self, registry: Registry, inst: Instance,
+                 load: Callable[[], dict[str, int]] | None = None, every_s: float = 1.0):
+        self.registry = registry
+        self.inst = inst
+        self._load = load
+        self._every = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    @staticmethod
+    def new_id(role: str) -> str:
+        return f"{role}-{uuid.uuid4().hex[:10]}"
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def _beat(self) -> None:
+        if self._load is not None:
+            self.inst.load = self._load()
+        self.registry.put(self.inst)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._beat()
+            except redis.RedisError as e:  # keep serving; the next beat may get through
+                log.warning("heartbeat to redis failed: %s", e)
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if deregister:
+            try:
+                self.registry.remove(self.inst.id)
+            except redis.RedisError as e:
+                log.warning("deregistering %s failed: %s", self.inst.id, e)
