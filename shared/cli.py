@@ -69,6 +69,12 @@ def _decode(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _gateway(a: argparse.Namespace) -> int:
+    from services.gateway.main import run
+
+    return run(a)
+
+
 def _config_check(a: argparse.Namespace) -> int:
     from shared.config.check import run
 
@@ -126,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     dc = sub.add_parser("decode", help="a decode instance (gRPC, streaming)")
     add_worker_args(dc)
     dc.set_defaults(func=_decode)
+
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    from services.gateway.main import add_args as add_gateway_args
+
+    add_gateway_args(gw)
+    gw.set_defaults(func=_gateway)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config", required=True)

@@ -1,0 +1,292 @@
+"""The gateway's HTTP edge: the OpenAI API over the PD mesh.
+
+    POST /v1/completions, /v1/chat/completions  (SSE when "stream": true)
+    GET  /v1/models, /health, /metrics
+
+Every failure answers in OpenAI's error shape, ``{"error": {"message", "type", "param",
+"code"}}``: 400 naming the field for a malformed request, 401 without the API key, 404
+for an unknown model, 503 when the mesh cannot serve. Never a 200 with an empty body:
+a failure after a stream has started is sent as an error event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from services.gateway.detokenize import IncrementalText
+from services.gateway.pd import Channels, MeshError, Piece, generate
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
+from services.gateway.router import Router
+from shared.engine.request import Logprob
+from shared.models.tokenizer import Tokenizer
+
+Delta = tuple[str, list[tuple[int, dict[int, Logprob]]]]  # new text, (token, logprobs)s
+
+
+@dataclass
+class GatewayState:
+    tokenizer: Tokenizer
+    router: Router
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+
+
+def error(status: int, message: str, param: str | None = None,
+          kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": kind, "param": param, "code": status}})
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.success = Counter("pdmesh_request_success", "Finished requests",
+                               ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("pdmesh_generation_tokens", "Generated tokens",
+                                         registry=self.registry)
+        self.failures = Counter("pdmesh_request_failure", "Requests that failed",
+                                registry=self.registry)
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    app = FastAPI(title="pdmesh gateway")
+    channels = Channels()
+    metrics = _Metrics()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or None
+        return error(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}", field)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {state.api_key}":
+                return error(401, "missing or wrong API key", kind="authentication_error")
+        return await call_next(request)
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await channels.close()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        n_pre = len(state.router.instances("prefill"))
+        n_dec = len(state.router.instances("decode"))
+        ok = n_pre > 0 and n_dec > 0
+        return JSONResponse(status_code=200 if ok else 503,
+                            content={"status": "ok" if ok else "unavailable",
+                                     "prefill": n_pre, "decode": n_dec})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(generate_latest(metrics.registry),
+                                 media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": 0, "owned_by": "pdmesh",
+            "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        prompt = _completion_prompt(body, state.tokenizer)
+        if isinstance(prompt, JSONResponse):
+            return prompt
+        return await _serve(body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Response:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = state.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:
+            return error(400, str(e), "messages")
+        return await _serve(body, state.tokenizer.encode(text, add_special_tokens=False),
+                            chat=True)
+
+    async def _serve(body: _Base, prompt: list[int], chat: bool) -> Response:
+        if body.model != state.model_name:
+            return error(404, f"model: {body.model!r} is not served here "
+                              f"(serving {state.model_name!r})", "model")
+        if not prompt:
+            return error(400, "prompt: must not be empty", "prompt")
+        if len(prompt) >= state.max_model_len:
+            return error(400, f"prompt: {len(prompt)} tokens leaves no room to generate "
+                              f"within max_model_len ({state.max_model_len})", "prompt")
+        try:
+            params = body.to_sampling(state.max_model_len - len(prompt))
+        except ValueError as e:
+            return error(400, str(e), str(e).split(":", 1)[0])
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        pieces = generate(state.router, channels, rid, prompt, params, body.priority)
+        text = IncrementalText(state.tokenizer, body.stop_strings(), params.skip_special_tokens)
+        stream = _Stream(rid, state.model_name, chat, prompt, text, state.tokenizer,
+                         params.logprobs, metrics)
+        deltas = stream.deltas(pieces)
+        try:  # the first token before any answer: a failure here gets its status code
+            first = await deltas.__anext__()
+            if not body.stream:
+                return JSONResponse(await stream.whole(first, deltas))
+        except MeshError as e:
+            await deltas.aclose()
+            metrics.failures.inc()
+            return error(e.status, str(e), kind="server_error" if e.status >= 500 else
+                         "invalid_request_error")
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(stream.sse(first, deltas, include_usage),
+                                 media_type="text/event-stream")
+
+    return app
+
+
+def _completion_prompt(body: CompletionRequest, tok: Tokenizer) -> list[int] | JSONResponse:
+    p = body.prompt
+    if isinstance(p, str):
+        return tok.encode(p)
+    if p and all(isinstance(t, int) for t in p):
+        return list(p)  # type: ignore[arg-type]
+    if isinstance(p, list) and len(p) == 1:
+        one = p[0]
+        return tok.encode(one) if isinstance(one, str) else list(one)  # type: ignore[arg-type]
+    return error(400, "prompt: one prompt per request (a string or a list of token ids)",
+                 "prompt")
+
+
+class _Stream:
+    """Turns mesh pieces into OpenAI responses, whole or as SSE chunks."""
+
+    def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
+                 text: IncrementalText, tok: Tokenizer, logprobs: int | None,
+                 metrics: _Metrics):
+        self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        self.text, self.tok, self.logprobs, self.metrics = text, tok, logprobs, metrics
+        self.created = int(time.time())
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def deltas(self, pieces: AsyncIterator[Piece]
+                     ) -> AsyncIterator[Delta]:
+        """(new text, [(token, logprobs)]) per piece; stops early on a stop string."""
+        try:
+            async for piece in pieces:
+                if piece.num_cached_tokens is not None:
+                    self.cached_tokens = piece.num_cached_tokens
+                self.completion_tokens += len(piece.token_ids)
+                delta = self.text.add(piece.token_ids)
+                lps = list(zip(piece.token_ids, piece.logprobs, strict=False))
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                    yield delta, lps
+                    return
+                if piece.finish_reason:
+                    self.finish_reason = piece.finish_reason
+                    delta += self.text.flush()
+                yield delta, lps
+        finally:
+            await pieces.aclose()  # type: ignore[attr-defined]  (cancels the gRPC calls)
+            self.metrics.generation_tokens.inc(self.completion_tokens)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
+                "total_tokens": len(self.prompt) + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def _finished(self) -> None:
+        self.metrics.prompt_tokens.inc(len(self.prompt))
+        self.metrics.success.labels(finished_reason=self.finish_reason or "stop").inc()
+
+    async def whole(self, first: Delta, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
+        parts = [first[0]]
+        lps = list(first[1])
+        async for delta, lp in deltas:
+            parts.append(delta)
+            lps += lp
+        self._finished()
+        content = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+                                  "logprobs": self._logprobs(lps)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage()}
+
+    async def sse(self, head: Delta, deltas: AsyncIterator[Delta], include_usage: bool
+                  ) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        first = True
+        try:
+            async for delta, lp in _chain(head, deltas):
+                choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(lp),
+                                          "finish_reason": None}
+                if self.chat:
+                    choice["delta"] = {"content": delta, **({"role": "assistant"} if first
+                                                            else {})}
+                else:
+                    choice["text"] = delta
+                first = False
+                yield _event({"id": self.rid, "object": kind, "created": self.created,
+                              "model": self.model, "choices": [choice]})
+            self._finished()
+            end: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+                                   "logprobs": None}
+            end["delta" if self.chat else "text"] = {} if self.chat else ""
+            yield _event({"id": self.rid, "object": kind, "created": self.created,
+                          "model": self.model, "choices": [end]})
+            if include_usage:
+                yield _event({"id": self.rid, "object": kind, "created": self.created,
+                              "model": self.model, "choices": [], "usage": self.usage()})
+        except MeshError as e:
+            self.metrics.failures.inc()
+            yield _event({"error": {"message": str(e), "type": "server_error", "param": None,
+                                    "code": e.status}})
+        yield "data: [DONE]\n\n"
+
+    def _logprobs(self, lps: list[tuple[int, dict[int, Logprob]]]) -> dict[str, Any] | None:
+        if self.logprobs is None or not lps:
+            return None
+        word = self.tok.decode
+        if self.chat:
+            return {"content": [{
+                "token": word([t]), "logprob": d[t].logprob,
+                "bytes": list(word([t]).encode()),
+                "top_logprobs": [{"token": word([k]), "logprob": v.logprob,
+                                  "bytes": list(word([k]).encode())}
+                                 for k, v in sorted(d.items(), key=lambda kv: kv[1].rank)
+                                 if v.rank <= self.logprobs]} for t, d in lps]}
+        return {"tokens": [word([t]) for t, _ in lps],
+                "token_logprobs": [d[t].logprob for t, d in lps],
+                "top_logprobs": [{word([k]): v.logprob for k, v in d.items()
+                                  if v.rank <= self.logprobs} for _, d in lps],
+                "text_offset": []}
+
+
+async def _chain(head: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    yield head
+    async for item in rest:
+        yield item
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,61 @@
+"""`pdmesh gateway`: the OpenAI-compatible HTTP front of the mesh (FastAPI + uvicorn).
+
+    pdmesh gateway --model PATH [--served-model-name NAME] [--port 8000] [--api-key KEY]
+
+``--model`` is read for its tokenizer and chat template only; the engines run elsewhere
+and are found in the redis registry. Prints "gateway ready: {json}" once listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+
+import uvicorn
+
+from services.gateway.app import GatewayState, create_app
+from services.gateway.router import Router
+from shared.models.config import ModelConfig
+from shared.models.tokenizer import Tokenizer
+from shared.registry import Heartbeat, Instance, Registry, add_registry_args
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model folder (tokenizer, chat template)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--max-model-len", type=int, default=None)
+    add_registry_args(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    cfg = ModelConfig.from_folder(a.model)
+    name = a.served_model_name or a.model
+    registry = Registry(a.redis_url, a.registry_prefix)
+    state = GatewayState(tokenizer=Tokenizer(a.model), router=Router(registry, name),
+                         model_name=name,
+                         max_model_len=a.max_model_len or cfg.max_position_embeddings,
+                         api_key=a.api_key)
+    app = create_app(state)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((a.host, a.port))
+    sock.listen(2048)  # connections queue until uvicorn accepts them
+    port = sock.getsockname()[1]
+    beat = Heartbeat(registry, Instance(Heartbeat.new_id("gateway"), "gateway",
+                                        f"{a.host}:{port}", name))
+    beat.start()
+    print("gateway ready: " + json.dumps({"http": f"http://{a.host}:{port}", "model": name}),
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        beat.stop()
+    return 0

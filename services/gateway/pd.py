@@ -1,0 +1,139 @@
+"""One request's way through the mesh, as the gateway drives it.
+
+    prefill (a live instance; on failure another one, with backoff)
+      -> first token, the prompt's pool keys, cached-token count
+    decode  (a live instance streams the rest)
+      -> instance dies mid-stream? continue on another decode instance with the tokens
+         so far: it loads the prompt from the pool and recomputes the rest, so the
+         client's stream goes on unbroken
+Errors the client caused (INVALID_ARGUMENT) go straight back; anything else that
+cannot be recovered ends as ``MeshError`` with a clear message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.gateway.router import Router
+from shared.engine.request import Logprob
+from shared.engine.sampling_params import SamplingParams
+from shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from shared.proto.convert import logprobs_from_proto, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+PREFILL_ATTEMPTS = 3
+DECODE_ATTEMPTS = 3
+BACKOFF_S = 0.1
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+class MeshError(Exception):
+    """The mesh could not serve the request; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Piece:
+    """Tokens from the mesh, in order; the last one has ``finish_reason``."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # on the first piece only
+
+
+class Channels:
+    """One gRPC channel per address, reused."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+
+async def generate(router: Router, channels: Channels, request_id: str, prompt: list[int],
+                   params: SamplingParams, priority: int = 0,
+                   timeout_s: float = 600.0) -> AsyncIterator[Piece]:
+    sampling = sampling_to_proto(params)
+    first = await _prefill(router, channels, request_id, prompt, sampling, priority, timeout_s)
+    lp = [logprobs_from_proto(first.first_logprobs)] if params.logprobs is not None else []
+    yield Piece([first.first_token], lp, first.finish_reason or None, first.num_cached_tokens)
+    if first.finish_reason:
+        return
+    tokens = [first.first_token]
+    dead: set[str] = set()
+    for _ in range(DECODE_ATTEMPTS):
+        inst = router.pick("decode", exclude=dead)
+        if inst is None:
+            raise MeshError("no decode instance is available")
+        stub = decode_pb2_grpc.DecodeStub(channels.get(inst.address))
+        call = stub.Generate(decode_pb2.GenerateRequest(
+            request_id=f"{request_id}-d{len(dead)}", prompt_token_ids=prompt,
+            output_token_ids=tokens, block_keys=list(first.block_keys), sampling=sampling,
+            priority=priority), timeout=timeout_s)
+        try:
+            async for chunk in call:
+                tokens += list(chunk.token_ids)
+                yield Piece(list(chunk.token_ids),
+                            [logprobs_from_proto(m) for m in chunk.logprobs],
+                            chunk.finish_reason or None)
+                if chunk.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise MeshError(e.details() or "invalid request", 400) from e
+            if e.code() not in RETRYABLE:
+                raise MeshError(f"decode failed: {e.code().name}: {e.details()}") from e
+            log.warning("request %s: decode %s failed (%s); continuing elsewhere after %d "
+                        "tokens", request_id, inst.address, e.code().name, len(tokens))
+            dead.add(inst.id)
+            router.forget()
+            await asyncio.sleep(BACKOFF_S)
+        finally:
+            call.cancel()  # a no-op when finished; aborts decode when the client left
+    raise MeshError(f"decode failed on {len(dead)} instances")
+
+
+async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],
+                   sampling, priority: int, timeout_s: float) -> prefill_pb2.PrefillResponse:
+    tried: set[str] = set()
+    last = "no prefill instance is available"
+    for attempt in range(PREFILL_ATTEMPTS):
+        inst = router.pick("prefill", exclude=tried)
+        if inst is None:
+            break
+        stub = prefill_pb2_grpc.PrefillStub(channels.get(inst.address))
+        try:
+            return await stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=f"{request_id}-p{attempt}", prompt_token_ids=prompt,
+                sampling=sampling, priority=priority), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise MeshError(e.details() or "invalid request", 400) from e
+            last = f"prefill {inst.address} failed: {e.code().name}: {e.details()}"
+            log.warning("request %s: %s", request_id, last)
+            if e.code() not in RETRYABLE:
+                break
+            tried.add(inst.id)
+            router.forget()
+            await asyncio.sleep(BACKOFF_S * (2 ** attempt))
+    raise MeshError(last)

@@ -1,0 +1,104 @@
+"""The OpenAI request bodies the gateway accepts, validated field by field.
+
+pydantic does the typing; ``to_sampling`` turns a request into the engine's
+SamplingParams, whose own checks name the field on a bad value. vLLM's extensions
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority)
+are accepted too, as vLLM's OpenAI server accepts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.engine.sampling_params import SamplingParams
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s]
+
+    def top_logprobs_n(self) -> int | None:
+        return None
+
+    def to_sampling(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            stop_token_ids=self.stop_token_ids or [],
+            max_tokens=self.effective_max_tokens() or default_max_tokens,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            logprobs=self.top_logprobs_n(), skip_special_tokens=self.skip_special_tokens)
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_Base):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content
+                       if part.get("type") == "text")
+
+
+class ChatCompletionRequest(_Base):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,162 @@
+"""The whole mesh as real processes (redis, kvstore + mooncake_master, prefill, decode,
+gateway), driven over HTTP with the official openai client."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from tests.procs import Service
+
+KEY = "test-key"
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def mesh(qwen3_path, tmp_path_factory, registry_prefix):
+    logs = tmp_path_factory.mktemp("mesh-logs")
+    reg = ["--registry-prefix", registry_prefix + "-gw"]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], logs)
+        started.append(kv)
+        for role in ("prefill", "decode"):
+            started.append(Service(role, [role, "--model", str(qwen3_path), "--kvstore",
+                                          kv.address, "--served-model-name", MODEL,
+                                          *ENGINE, *reg], logs))
+        gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
+                                 "--served-model-name", MODEL, "--api-key", KEY, *reg], logs)
+        started.append(gw)
+        yield gw.info["http"]
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai.OpenAI(base_url=mesh + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_path):
+    return LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+
+
+def greedy(offline: LLM, prompt, n: int) -> str:
+    out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=n,
+                                                    ignore_eos=True))
+    return out[0].outputs[0].text
+
+
+def test_models_and_health(mesh, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = httpx.get(mesh + "/health", timeout=10)
+    assert h.status_code == 200 and h.json()["prefill"] == 1 and h.json()["decode"] == 1
+
+
+def test_completion_equals_offline_engine(client, offline):
+    prompt = list(range(500, 547))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == greedy(offline, prompt, 16)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 47 and r.usage.completion_tokens == 16
+
+
+def test_streaming_chat_equals_non_streaming(client, offline):
+    messages = [{"role": "user", "content": "def quicksort(items):"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    parts = []
+    reason = None
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reason = chunk.choices[0].finish_reason
+    assert "".join(parts) == whole.choices[0].message.content and reason == "length"
+    prompt = offline.tokenizer.apply_chat_template(messages)
+    expected = greedy(offline, offline.tokenizer.encode(prompt, add_special_tokens=False), 20)
+    assert whole.choices[0].message.content == expected
+
+
+def test_sixteen_concurrent_requests(client, offline):
+    prompts = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(16)]
+
+    def one(p):
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == [greedy(offline, p, 12) for p in prompts]
+
+
+def test_shared_prefix_is_served_from_the_pool(client):
+    base = list(range(1000, 1064))  # four full blocks
+    client.completions.create(model=MODEL, prompt=base + [7, 8], max_tokens=2)
+    r = client.completions.create(model=MODEL, prompt=base + [9, 10, 11], max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def test_stop_string_truncates(client, offline):
+    prompt = list(range(700, 740))
+    full = greedy(offline, prompt, 24)
+    stop = full[5:8]
+    assert stop and stop in full
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_reproducible(client):
+    kw = dict(model=MODEL, prompt="import os", max_tokens=12, temperature=1.0, seed=42)
+    assert client.completions.create(**kw).choices[0].text == \
+        client.completions.create(**kw).choices[0].text
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) >= 1 for t in lp.top_logprobs)
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt_token_ids"),
+    ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+])
+def test_malformed_requests(mesh, body, status, needle):
+    r = httpx.post(mesh + "/v1/completions", json=body, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_api_key_required(mesh):
+    r = httpx.post(mesh + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and "error" in r.json()
+    r = httpx.get(mesh + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 401
+
+
+def test_mesh_still_serves_after_bad_requests(client):
+    r = client.completions.create(model=MODEL, prompt="x = 1", max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
