@@ -9,9 +9,7 @@ install:
 
 up: install
 	@bash scripts/ensure_redis.sh
-	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m shared.cli make-tiny-model $(MODEL_DIR) --arch qwen3
-	$(PY) -m shared.cli generate --model $(MODEL_DIR) --device auto \
-		--prompt "def fibonacci(n):" --prompt "import os" --max-tokens 32
+	$(PY) -m shared.cli up  # makes the tiny demo model in $(MODEL_DIR) on first use
 
 test: install
 	@bash scripts/ensure_redis.sh

@@ -75,6 +75,12 @@ def _gateway(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _up(a: argparse.Namespace) -> int:
+    from shared.up import run
+
+    return run(a)
+
+
 def _config_check(a: argparse.Namespace) -> int:
     from shared.config.check import run
 
@@ -138,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_gateway_args(gw)
     gw.set_defaults(func=_gateway)
+
+    u = sub.add_parser("up", help="the whole mesh as local processes")
+    from shared.up import add_args as add_up_args
+
+    add_up_args(u)
+    u.set_defaults(func=_up)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config", required=True)

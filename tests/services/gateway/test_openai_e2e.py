@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from shared.engine import LLM, SamplingParams
-from tests.procs import Service
+from shared.launcher import Service
 
 KEY = "test-key"
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",

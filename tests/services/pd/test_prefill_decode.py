@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from shared.engine import LLM, SamplingParams
+from shared.launcher import Service
 from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from shared.proto.convert import sampling_to_proto
-from tests.procs import Service
 
 PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
 NEW = 10

@@ -1,5 +1,6 @@
-"""Real service processes for end-to-end tests: started on free loopback ports, each in
-its own process group, and stopped by process id whatever happens."""
+"""Starting pdmesh services as child processes: each in its own process group, ready
+when it prints "<role> ready: {json}", stopped by process id (group) whatever happens.
+Used by `pdmesh up` and by the end-to-end tests."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 class Service:
     """A `pdmesh <command>` child that prints "<role> ready: {json}" once serving."""
 
-    def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 60.0):
+    def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 120.0):
         self.role = role
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         self.proc = subprocess.Popen(

@@ -1,0 +1,65 @@
+"""`pdmesh up` end to end: the mesh comes up, serves, and Ctrl-C leaves no process."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def running_with(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+def test_up_serves_and_stops_cleanly(qwen3_path, tmp_path, registry_prefix):
+    prefix = registry_prefix + "-up"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--model", str(qwen3_path), "--port", "0",
+         "--registry-prefix", prefix, "--log-dir", str(tmp_path),
+         "--engine-args", "--device cpu --block-size 16 --pool-segment-mb 64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out: list[str] = []
+    try:
+        url = master = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if m := re.search(r"mooncake master ([\d.]+:\d+)", line):
+                master = m.group(1)
+            if m := re.search(r"mesh ready: (http://\S+)/v1", line):
+                url = m.group(1)
+        assert url and master, "".join(out)
+        model = qwen3_path.name
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": model, "prompt": "def fib(n):", "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+        assert running_with(prefix) == []  # every service it started is gone
+        host, port = master.split(":")
+        with socket.socket() as s:  # and so is the Mooncake master
+            assert s.connect_ex((host, int(port))) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in running_with(prefix):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
