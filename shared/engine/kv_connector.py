@@ -58,7 +58,11 @@ class PoolConnector:
             return 0
         keys = self.prompt_keys(request, limit)
         first = local_tokens // self.block_size
-        hits = self.pool.prefix_hits(keys[first:])
+        try:
+            hits = self.pool.prefix_hits(keys[first:])
+        except ConnectionError as e:  # the pool is down: compute everything here
+            log.warning("request %s: pool lookup failed (%s)", request.request_id, e)
+            return 0
         return min(limit, (first + hits) * self.block_size) - local_tokens
 
     def load(self, request: Request, block_ids: list[int], start_token: int,
@@ -68,7 +72,11 @@ class PoolConnector:
         first, end = start_token // bs, start_token + num_tokens
         keys = self.prompt_keys(request, end)[first:]
         regions = [self.regions.regions(block_ids[first + i]) for i in range(len(keys))]
-        ok = self.pool.get(keys, regions)
+        try:
+            ok = self.pool.get(keys, regions)
+        except ConnectionError as e:
+            log.warning("request %s: pool load failed (%s); recomputing", request.request_id, e)
+            return False
         if not all(ok):
             log.warning("request %s: %d of %d blocks vanished from the pool; recomputing",
                         request.request_id, len(ok) - sum(ok), len(ok))
@@ -80,7 +88,11 @@ class PoolConnector:
         those the pool already had)."""
         keys = self.prompt_keys(request, request.num_prompt_tokens)
         regions = [self.regions.regions(b) for b in block_ids[:len(keys)]]
-        stored = self.pool.put(keys, regions)
+        try:
+            stored = self.pool.put(keys, regions)
+        except ConnectionError as e:  # decode will find nothing and compute the prompt
+            log.warning("request %s: pool save failed (%s)", request.request_id, e)
+            return keys
         if not all(stored):
             log.warning("request %s: pool refused %d of %d blocks", request.request_id,
                         len(stored) - sum(stored), len(stored))

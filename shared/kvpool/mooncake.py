@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import urllib.parse
 
 import torch
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 512 << 20  # memory this client lends to the pool
 DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
+PROBE_INTERVAL_S = 0.5  # how long a master liveness probe is trusted
+PROBE_TIMEOUT_S = 0.3
 
 
 class PoolUnavailable(ConnectionError):
@@ -50,6 +53,8 @@ class MooncakePool(KVPool):
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
+        self._probe_at = 0.0
+        self._probe_ok = True
 
     def register(self, tensor: torch.Tensor) -> None:
         ptr = tensor.data_ptr()
@@ -60,9 +65,26 @@ class MooncakePool(KVPool):
             raise PoolUnavailable(f"kv pool: register_buffer failed with {rc}")
         self._registered.add(ptr)
 
+    def _require_master(self) -> None:
+        """Fail fast while the master is down. Mooncake's client would otherwise retry
+        inside each call for a long time, and a caller (an engine step) would hang."""
+        now = time.monotonic()
+        if now - self._probe_at > PROBE_INTERVAL_S:
+            host, _, port = self.master_address.rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+                    self._probe_ok = True
+            except OSError:
+                self._probe_ok = False
+            self._probe_at = now
+        if not self._probe_ok:
+            raise PoolUnavailable(f"kv pool: the Mooncake master at {self.master_address} "
+                                  "is down")
+
     def exists(self, keys: list[str]) -> list[bool]:
         if not keys:
             return []
+        self._require_master()
         codes = self._store.batch_is_exist(keys)  # 1 found, 0 not, -1 error
         if any(c < 0 for c in codes):
             raise PoolUnavailable(f"kv pool: lookup failed at the master {self.master_address}")
@@ -75,7 +97,7 @@ class MooncakePool(KVPool):
     def put(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
         if not keys:
             return []
-        present = self.exists(keys)
+        present = self.exists(keys)  # checks the master too
         todo = [i for i, p in enumerate(present) if not p]
         result = list(present)
         if todo:
@@ -93,6 +115,7 @@ class MooncakePool(KVPool):
     def get(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
         if not keys:
             return []
+        self._require_master()
         codes = self._store.batch_get_into_multi_buffers(
             keys, [[addr for addr, _ in regs] for regs in regions],
             [[n for _, n in regs] for regs in regions])
@@ -103,6 +126,7 @@ class MooncakePool(KVPool):
         return ok
 
     def clear(self) -> int:
+        self._require_master()
         return max(0, int(self._store.remove_all(True)))
 
     def stats(self) -> PoolStats:
