@@ -17,6 +17,8 @@ apt_pkgs=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_pkgs+=(libibverbs1)
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
 python3 -c 'import ensurepip' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
+# tests validate docker-compose.yml offline with `docker-compose config`
+command -v docker-compose >/dev/null 2>&1 || apt_pkgs+=(docker-compose)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: apt-get install ${apt_pkgs[*]}"

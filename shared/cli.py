@@ -81,6 +81,12 @@ def _up(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _health(a: argparse.Namespace) -> int:
+    from shared.health import run
+
+    return run(a)
+
+
 def _config_check(a: argparse.Namespace) -> int:
     from shared.config.check import run
 
@@ -150,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_up_args(u)
     u.set_defaults(func=_up)
+
+    h = sub.add_parser("health", help="probe a service (for healthchecks)")
+    from shared.health import add_args as add_health_args
+
+    add_health_args(h)
+    h.set_defaults(func=_health)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config", required=True)

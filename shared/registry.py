@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -93,6 +94,17 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--registry-prefix", default="pdmesh",
                    help="redis key prefix, so several meshes can share one redis")
+    p.add_argument("--advertise-host", default=None,
+                   help="the host others reach this service at (default: --host, or this "
+                        "machine's hostname when --host is 0.0.0.0)")
+
+
+def advertised_host(bind_host: str, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    if bind_host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return bind_host
 
 
 class Heartbeat:

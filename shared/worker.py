@@ -23,7 +23,13 @@ from shared.engine.engine import EngineCore
 from shared.engine.loop import EngineLoop
 from shared.kvpool.base import KVPool
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
-from shared.registry import Heartbeat, Instance, Registry, add_registry_args
+from shared.registry import (
+    Heartbeat,
+    Instance,
+    Registry,
+    add_registry_args,
+    advertised_host,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +60,8 @@ def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
 
 def serve_worker(a: argparse.Namespace, role: str,
                  add_servicer: Callable[[grpc.Server, EngineLoop, str], None]) -> int:
-    pool = connect_pool(a.kvstore, a.host, a.pool_segment_mb)
+    host = advertised_host(a.host, a.advertise_host)
+    pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
     config = engine_config_from_args(a)
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
     loop = EngineLoop(engine)
@@ -67,12 +74,12 @@ def serve_worker(a: argparse.Namespace, role: str,
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    inst = Instance(Heartbeat.new_id(role), role, f"{a.host}:{port}", model_name)
+    inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name)
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
                      load=lambda: asdict(loop.load()))
     beat.start()
     print(f"{role} ready: " + json.dumps({
-        "grpc": f"{a.host}:{port}", "model": model_name, "device": engine.device,
+        "grpc": f"{host}:{port}", "model": model_name, "device": engine.device,
         "id": inst.id, "kv_blocks": engine.kv.num_blocks, "config": asdict(config)}),
         flush=True)
     try:

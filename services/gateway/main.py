@@ -19,7 +19,13 @@ from services.gateway.app import GatewayState, create_app
 from services.gateway.router import Router
 from shared.models.config import ModelConfig
 from shared.models.tokenizer import Tokenizer
-from shared.registry import Heartbeat, Instance, Registry, add_registry_args
+from shared.registry import (
+    Heartbeat,
+    Instance,
+    Registry,
+    add_registry_args,
+    advertised_host,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +54,11 @@ def run(a: argparse.Namespace) -> int:
     sock.bind((a.host, a.port))
     sock.listen(2048)  # connections queue until uvicorn accepts them
     port = sock.getsockname()[1]
+    host = advertised_host(a.host, a.advertise_host)
     beat = Heartbeat(registry, Instance(Heartbeat.new_id("gateway"), "gateway",
-                                        f"{a.host}:{port}", name))
+                                        f"{host}:{port}", name))
     beat.start()
-    print("gateway ready: " + json.dumps({"http": f"http://{a.host}:{port}", "model": name}),
+    print("gateway ready: " + json.dumps({"http": f"http://{host}:{port}", "model": name}),
           flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     try:

@@ -22,7 +22,13 @@ from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
 from services.kvstore.server import KVStoreServicer
 from shared.kvpool.mooncake import MooncakePool
 from shared.proto import kvstore_pb2_grpc
-from shared.registry import Heartbeat, Instance, Registry, add_registry_args
+from shared.registry import (
+    Heartbeat,
+    Instance,
+    Registry,
+    add_registry_args,
+    advertised_host,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +44,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    host = advertised_host(a.host, a.advertise_host)
     ports = MasterPorts(a.host, a.master_port or free_port(a.host),
-                        a.metadata_port or free_port(a.host), a.metrics_port or free_port(a.host))
+                        a.metadata_port or free_port(a.host), a.metrics_port or free_port(a.host),
+                        advertise=host)
     supervisor = MasterSupervisor(ports, log_path=a.master_log)
     supervisor.start()
     server = None
     pool = None
     try:
-        pool = MooncakePool(ports.master_address, ports.metadata_url, local_hostname=a.host,
+        pool = MooncakePool(ports.master_address, ports.metadata_url, local_hostname=host,
                             segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
         index = PoolIndex(pool, supervisor.metrics)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, supervisor), server)
         port = server.add_insecure_port(f"{a.host}:{a.port}")
         server.start()
-        inst = Instance(Heartbeat.new_id("kvstore"), "kvstore", f"{a.host}:{port}")
+        inst = Instance(Heartbeat.new_id("kvstore"), "kvstore", f"{host}:{port}")
         beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst)
         beat.start()
         print("kvstore ready: " + json.dumps({
-            "grpc": f"{a.host}:{port}", "master": ports.master_address,
+            "grpc": f"{host}:{port}", "master": ports.master_address,
             "metadata": ports.metadata_url, "master_pid": supervisor.pid}), flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

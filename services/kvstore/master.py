@@ -44,22 +44,29 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class MasterPorts:
-    host: str
+    host: str  # where the master binds
     rpc: int
     metadata: int
     metrics: int
+    advertise: str = ""  # where clients reach it (default: host)
+
+    @property
+    def reach(self) -> str:
+        if self.advertise:
+            return self.advertise
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
 
     @property
     def master_address(self) -> str:
-        return f"{self.host}:{self.rpc}"
+        return f"{self.reach}:{self.rpc}"
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{self.host}:{self.metadata}/metadata"
+        return f"http://{self.reach}:{self.metadata}/metadata"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics}/metrics"
+        return f"http://{self.reach}:{self.metrics}/metrics"
 
 
 class MasterSupervisor:
@@ -104,7 +111,7 @@ class MasterSupervisor:
             if self._proc is not None and self._proc.poll() is not None:
                 raise RuntimeError(f"kvstore: mooncake_master exited with {self._proc.returncode}")
             try:
-                with socket.create_connection((self.ports.host, self.ports.rpc), timeout=0.5):
+                with socket.create_connection((self.ports.reach, self.ports.rpc), timeout=0.5):
                     pass
                 urllib.request.urlopen(self.ports.metrics_url, timeout=0.5).read()
                 return

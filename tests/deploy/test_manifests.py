@@ -1,0 +1,127 @@
+"""docker-compose.yml and deploy/k8s, validated offline (no Docker engine or cluster
+here): compose by `docker-compose config`, Kubernetes objects against the 1.37 schemas,
+and every service command against pdmesh's own command line."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from shared.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy/k8s"
+K8S_VERSION = "1.37"
+PDMESH_SERVICES = {"kvstore", "prefill", "decode", "gateway"}
+
+
+def parses(argv: list[str]) -> None:
+    """SystemExit if pdmesh's parser rejects the arguments."""
+    build_parser().parse_args(argv)
+
+
+def compose() -> dict:
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is not installed (scripts/setup.sh installs it)"
+    run = subprocess.run([exe, "-f", str(ROOT / "docker-compose.yml"), "config"],
+                         capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "MODEL_DIR": "/tmp/model"})
+    assert run.returncode == 0, run.stderr
+    return yaml.safe_load(run.stdout)
+
+
+def test_compose_is_valid_and_complete():
+    cfg = compose()
+    services = cfg["services"]
+    assert set(services) == PDMESH_SERVICES | {"redis"}
+    for name in PDMESH_SERVICES:
+        svc = services[name]
+        assert svc["command"][0] == name
+        parses(svc["command"])  # every flag given exists
+        parses(svc["healthcheck"]["test"][2:])  # ["CMD", "pdmesh", ...]
+        assert "/models/model" in " ".join(svc.get("volumes") and
+                                           [str(v) for v in svc["volumes"]] or [])
+        for dep in svc.get("depends_on", {}).values():
+            assert dep["condition"] == "service_healthy"
+    assert services["gateway"]["ports"]
+
+
+def k8s_docs(folder: Path) -> list[dict]:
+    docs = []
+    for f in sorted(folder.glob("*.yaml")):
+        if f.name == "kustomization.yaml":
+            continue
+        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+def test_k8s_base_objects_validate():
+    docs = k8s_docs(K8S / "base")
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for name in PDMESH_SERVICES | {"redis"}:
+        assert ("Deployment", name) in kinds and ("Service", name) in kinds
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    listed = yaml.safe_load((K8S / "base/kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(f.name for f in (K8S / "base").glob("*.yaml")
+                                    if f.name != "kustomization.yaml")
+
+
+def container_args(deployment: dict, env: dict[str, str]) -> list[str]:
+    c = deployment["spec"]["template"]["spec"]["containers"][0]
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+
+
+def test_k8s_commands_and_probes_parse():
+    docs = k8s_docs(K8S / "base")
+    flags = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    env = {**flags, "POD_IP": "10.0.0.7"}
+    for d in docs:
+        if d["kind"] != "Deployment" or d["metadata"]["name"] == "redis":
+            continue
+        args = container_args(d, env)
+        assert args[0] == d["metadata"]["name"]
+        parses(args)
+        probe = d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+        if "exec" in probe:
+            parses(probe["exec"]["command"][1:])
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "npu"])
+def test_overlays(overlay):
+    kust = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    assert kust["resources"] == ["../../base"]
+    assert kust["images"][0]["newTag"] == overlay
+    gen = kust["configMapGenerator"][0]
+    assert gen["name"] == "pdmesh-flags" and f"DEVICE={overlay}" in gen["literals"]
+    base = {d["metadata"]["name"]: d for d in k8s_docs(K8S / "base")
+            if d["kind"] == "Deployment"}
+    for patch in kust.get("patches", []):
+        ops = yaml.safe_load((K8S / "overlays" / overlay / patch["path"]).read_text())
+        names = [n for n in base if re.fullmatch(patch["target"]["name"], n)]
+        assert names, patch
+        for name in names:
+            patched = apply_json_patch(base[name], ops)
+            kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
+            limits = patched["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+            assert limits["huawei.com/Ascend910"] == 1
+
+
+def apply_json_patch(doc: dict, ops: list[dict]) -> dict:
+    """The "add" operations kustomize applies (RFC 6902), enough for these overlays."""
+    out = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add", op
+        *parents, last = [p for p in op["path"].split("/") if p]
+        node = out
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        node[last] = op["value"]
+    return out
