@@ -18,9 +18,11 @@ from dataclasses import asdict
 
 import grpc
 
+from shared.config.service import add_service_args, resolve_service_config
 from shared.engine.args import add_engine_args, engine_config_from_args
 from shared.engine.engine import EngineCore
 from shared.engine.loop import EngineLoop
+from shared.kernels import resolve_device
 from shared.kvpool.base import KVPool
 from shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from shared.registry import (
@@ -43,6 +45,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-segment-mb", type=int, default=512,
                    help="memory this instance lends to the KV pool")
     add_registry_args(p)
+    add_service_args(p)
 
 
 def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
@@ -60,6 +63,8 @@ def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
 
 def serve_worker(a: argparse.Namespace, role: str,
                  add_servicer: Callable[[grpc.Server, EngineLoop, str], None]) -> int:
+    # every flag checked before anything heavy starts
+    service = resolve_service_config(a, role, resolve_device(a.device))
     host = advertised_host(a.host, a.advertise_host)
     pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
     config = engine_config_from_args(a)
@@ -80,7 +85,8 @@ def serve_worker(a: argparse.Namespace, role: str,
     beat.start()
     print(f"{role} ready: " + json.dumps({
         "grpc": f"{host}:{port}", "model": model_name, "device": engine.device,
-        "id": inst.id, "kv_blocks": engine.kv.num_blocks, "config": asdict(config)}),
+        "id": inst.id, "kv_blocks": engine.kv.num_blocks, "kv_role": service.kv_role,
+        "inactive_keys": list(service.additional.inactive_keys), "config": asdict(config)}),
         flush=True)
     try:
         stop.wait()

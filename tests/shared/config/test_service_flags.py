@@ -1,0 +1,28 @@
+"""Service start-up checks every serving flag before loading anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def start(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["prefill", "--additional-config", '{"bogus_key": 1}'], "bogus_key"),
+    (["decode", "--additional-config",
+      '{"scheduler_config": {"dyntra_lb_config": {"enabled": true}}}'], "data_parallel_size"),
+    (["decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}'], "kv_role"),
+    (["prefill", "--kv-transfer-config", "{not json"], "--kv-transfer-config"),
+    (["prefill", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["decode", "--data-parallel-size", "4"], "--data-parallel-size"),
+])
+def test_bad_flags_stop_startup_with_a_named_error(qwen3_path, args, needle):
+    r = start(*args, "--model", str(qwen3_path), "--kvstore", "127.0.0.1:1", "--device", "cpu")
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
