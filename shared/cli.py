@@ -87,6 +87,18 @@ def _health(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _mixed(a: argparse.Namespace) -> int:
+    from services.decode.main import run
+
+    return run(a, role="mixed")
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from shared.up import run
+
+    return run(a, mixed=True)
+
+
 def _config_check(a: argparse.Namespace) -> int:
     from shared.config.check import run
 
@@ -144,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     dc = sub.add_parser("decode", help="a decode instance (gRPC, streaming)")
     add_worker_args(dc)
     dc.set_defaults(func=_decode)
+    mx = sub.add_parser("mixed", help="a mixed prefill+decode instance (gRPC, no KV pool)")
+    add_worker_args(mx)
+    mx.set_defaults(func=_mixed)
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
     from services.gateway.main import add_args as add_gateway_args
@@ -156,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_up_args(u)
     u.set_defaults(func=_up)
+    sv = sub.add_parser("serve", help="one mixed instance behind the gateway (single box)")
+    add_up_args(sv)
+    sv.set_defaults(func=_serve)
 
     h = sub.add_parser("health", help="probe a service (for healthchecks)")
     from shared.health import add_args as add_health_args

@@ -41,7 +41,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--kvstore", required=True, help="the kvstore service's gRPC address")
+    p.add_argument("--kvstore", default=None,
+                   help="the kvstore service's gRPC address (prefill and decode need one; "
+                        "a mixed instance runs without a pool)")
     p.add_argument("--pool-segment-mb", type=int, default=512,
                    help="memory this instance lends to the KV pool")
     add_registry_args(p)
@@ -66,7 +68,11 @@ def serve_worker(a: argparse.Namespace, role: str,
     # every flag checked before anything heavy starts
     service = resolve_service_config(a, role, resolve_device(a.device))
     host = advertised_host(a.host, a.advertise_host)
-    pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
+    pool = None
+    if role != "mixed":
+        if not a.kvstore:
+            raise ValueError(f"--kvstore: a {role} instance needs the kvstore's address")
+        pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
     config = engine_config_from_args(a)
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
     loop = EngineLoop(engine)
@@ -94,5 +100,6 @@ def serve_worker(a: argparse.Namespace, role: str,
         beat.stop()
         server.stop(grace=5).wait()
         loop.stop()
-        pool.close()
+        if pool is not None:
+            pool.close()
     return 0

@@ -12,9 +12,11 @@ from shared.proto import decode_pb2_grpc
 from shared.worker import serve_worker
 
 
-def _add(server: grpc.Server, loop: EngineLoop, model_name: str) -> None:
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(loop, model_name), server)
+def run(a: argparse.Namespace, role: str = "decode") -> int:
+    """``role`` "mixed": the same service on an engine that prefills too (no pool)."""
 
+    def add(server: grpc.Server, loop: EngineLoop, model_name: str) -> None:
+        servicer = DecodeServicer(loop, model_name, role=role)
+        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
-def run(a: argparse.Namespace) -> int:
-    return serve_worker(a, "decode", _add)
+    return serve_worker(a, role, add)

@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, loop: EngineLoop, model_name: str, idle_timeout_s: float = 600.0):
+    def __init__(self, loop: EngineLoop, model_name: str, idle_timeout_s: float = 600.0,
+                 role: str = "decode"):
         self.loop = loop
+        self.role = role
         self.model_name = model_name
         self.idle_timeout_s = idle_timeout_s
 
@@ -50,7 +52,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             chunk = decode_pb2.GenerateChunk(
                 token_ids=event.token_ids,
                 logprobs=[logprobs_to_proto(lp) for lp in event.logprobs],
-                finish_reason=event.finish_reason or "")
+                finish_reason=event.finish_reason or "",
+                num_cached_tokens=event.num_cached_tokens)
             if event.stop_reason is not None:
                 chunk.stop_reason = event.stop_reason
             if event.finished:
@@ -60,5 +63,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield chunk
 
     def Health(self, request, context):  # noqa: N802
-        return common_pb2.HealthResponse(serving=True, role="decode", model=self.model_name,
+        return common_pb2.HealthResponse(serving=True, role=self.role, model=self.model_name,
                                          load=load_proto(self.loop))

@@ -88,10 +88,11 @@ def create_app(state: GatewayState) -> FastAPI:
     async def health() -> JSONResponse:
         n_pre = len(state.router.instances("prefill"))
         n_dec = len(state.router.instances("decode"))
-        ok = n_pre > 0 and n_dec > 0
+        n_mix = len(state.router.instances("mixed"))
+        ok = (n_pre > 0 and n_dec > 0) or n_mix > 0
         return JSONResponse(status_code=200 if ok else 503,
                             content={"status": "ok" if ok else "unavailable",
-                                     "prefill": n_pre, "decode": n_dec})
+                                     "prefill": n_pre, "decode": n_dec, "mixed": n_mix})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

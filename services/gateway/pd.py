@@ -74,6 +74,11 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
                    params: SamplingParams, priority: int = 0,
                    timeout_s: float = 600.0) -> AsyncIterator[Piece]:
     sampling = sampling_to_proto(params)
+    if not router.instances("prefill") and router.instances("mixed"):
+        async for piece in _mixed(router, channels, request_id, prompt, sampling, priority,
+                                  timeout_s):
+            yield piece
+        return
     first = await _prefill(router, channels, request_id, prompt, sampling, priority, timeout_s)
     lp = [logprobs_from_proto(first.first_logprobs)] if params.logprobs is not None else []
     yield Piece([first.first_token], lp, first.finish_reason or None, first.num_cached_tokens)
@@ -111,6 +116,28 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
         finally:
             call.cancel()  # a no-op when finished; aborts decode when the client left
     raise MeshError(f"decode failed on {len(dead)} instances")
+
+
+async def _mixed(router: Router, channels: Channels, request_id: str, prompt: list[int],
+                 sampling, priority: int, timeout_s: float) -> AsyncIterator[Piece]:
+    """A mixed instance prefills and decodes in one engine: one stream, no pool."""
+    inst = router.pick("mixed")
+    if inst is None:
+        raise MeshError("no instance is available")
+    call = decode_pb2_grpc.DecodeStub(channels.get(inst.address)).Generate(
+        decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                   sampling=sampling, priority=priority), timeout=timeout_s)
+    first = True
+    try:
+        async for chunk in call:
+            yield Piece(list(chunk.token_ids), [logprobs_from_proto(m) for m in chunk.logprobs],
+                        chunk.finish_reason or None, chunk.num_cached_tokens if first else None)
+            first = False
+    except grpc.aio.AioRpcError as e:
+        status = 400 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 503
+        raise MeshError(e.details() or e.code().name, status) from e
+    finally:
+        call.cancel()
 
 
 async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],

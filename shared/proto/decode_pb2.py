@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.proto import common_pb2 as shared_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shared/proto/decode.proto\x12\tpdmesh.v1\x1a\x19shared/proto/common.proto\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x12\n\nblock_keys\x18\x04 \x03(\t\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\x8f\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x0bstop_reason\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x0e\n\x0c_stop_reason2\x8b\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x18.pdmesh.v1.GenerateChunk0\x01\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shared/proto/decode.proto\x12\tpdmesh.v1\x1a\x19shared/proto/common.proto\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x12\n\nblock_keys\x18\x04 \x03(\t\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xaa\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x0bstop_reason\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x42\x0e\n\x0c_stop_reason2\x8b\x01\n\x06\x44\x65\x63ode\x12\x42\n\x08Generate\x12\x1a.pdmesh.v1.GenerateRequest\x1a\x18.pdmesh.v1.GenerateChunk0\x01\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=68
   _globals['_GENERATEREQUEST']._serialized_end=240
   _globals['_GENERATECHUNK']._serialized_start=243
-  _globals['_GENERATECHUNK']._serialized_end=386
-  _globals['_DECODE']._serialized_start=389
-  _globals['_DECODE']._serialized_end=528
+  _globals['_GENERATECHUNK']._serialized_end=413
+  _globals['_DECODE']._serialized_start=416
+  _globals['_DECODE']._serialized_end=555
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+from shared.engine import LLM, SamplingParams
 
 
 def running_with(marker: str) -> list[int]:
@@ -26,10 +29,12 @@ def running_with(marker: str) -> list[int]:
     return pids
 
 
-def test_up_serves_and_stops_cleanly(qwen3_path, tmp_path, registry_prefix):
-    prefix = registry_prefix + "-up"
+@pytest.mark.parametrize("command", ["up", "serve"])
+def test_up_serves_and_stops_cleanly(qwen3_path, tmp_path, registry_prefix, command):
+    """`up`: the PD mesh; `serve`: one mixed instance behind the gateway."""
+    prefix = f"{registry_prefix}-{command}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--model", str(qwen3_path), "--port", "0",
+        [sys.executable, "-m", "shared.cli", command, "--model", str(qwen3_path), "--port", "0",
          "--registry-prefix", prefix, "--log-dir", str(tmp_path),
          "--engine-args", "--device cpu --block-size 16 --pool-segment-mb 64"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -46,17 +51,23 @@ def test_up_serves_and_stops_cleanly(qwen3_path, tmp_path, registry_prefix):
                 master = m.group(1)
             if m := re.search(r"mesh ready: (http://\S+)/v1", line):
                 url = m.group(1)
-        assert url and master, "".join(out)
+        assert url and (master or command == "serve"), "".join(out)
         model = qwen3_path.name
         r = httpx.post(url + "/v1/completions", timeout=60,
-                       json={"model": model, "prompt": "def fib(n):", "max_tokens": 8})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+                       json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8,
+                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        offline = LLM(str(qwen3_path), device="cpu", block_size=16)
+        expected = offline.generate([[5, 6, 7, 8]], SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+        assert r.json()["choices"][0]["text"] == expected
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
         assert running_with(prefix) == []  # every service it started is gone
-        host, port = master.split(":")
-        with socket.socket() as s:  # and so is the Mooncake master
-            assert s.connect_ex((host, int(port))) != 0
+        if master:
+            host, port = master.split(":")
+            with socket.socket() as s:  # and so is the Mooncake master
+                assert s.connect_ex((host, int(port))) != 0
     finally:
         if proc.poll() is None:
             proc.kill()
