@@ -105,6 +105,12 @@ def _config_check(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _bench_serve(a: argparse.Namespace) -> int:
+    from shared.bench.serve import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared.engine.args import add_engine_args
     from shared.models.tiny import ARCHS, SIZES
@@ -142,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     off.add_argument("--json", default=None, help="also write the figures here")
     off.set_defaults(func=_bench_offline)
+    srv = bsub.add_parser("serve", help="load an OpenAI endpoint like `vllm bench serve`")
+    from shared.bench.serve import add_args as add_serve_args
+
+    add_serve_args(srv)
+    srv.set_defaults(func=_bench_serve)
     k = sub.add_parser("kvstore", help="the KV pool service: Mooncake master + pool index")
     from services.kvstore.main import add_args as add_kvstore_args
 

@@ -42,7 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         context.add_callback(lambda: done or self.loop.abort(stream.request_id))
         while True:
             try:
-                event = stream.get(timeout=self.idle_timeout_s)
+                event = stream.get_coalesced(timeout=self.idle_timeout_s)
             except queue.Empty:
                 self.loop.abort(stream.request_id)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -46,6 +46,21 @@ class RequestStream:
     def get(self, timeout: float | None = None) -> StreamEvent:
         return self._events.get(timeout=timeout)
 
+    def get_coalesced(self, timeout: float | None = None) -> StreamEvent:
+        """The next event merged with any that are already waiting (fewer, larger
+        messages when the reader falls behind the engine)."""
+        event = self._events.get(timeout=timeout)
+        while not event.finished:
+            try:
+                more = self._events.get_nowait()
+            except queue.Empty:
+                break
+            event = StreamEvent(event.token_ids + more.token_ids, event.logprobs + more.logprobs,
+                                more.finished, more.finish_reason, more.stop_reason,
+                                event.num_cached_tokens, more.kv_keys or event.kv_keys,
+                                more.error)
+        return event
+
     def put(self, event: StreamEvent) -> None:
         self._events.put(event)
 
@@ -70,12 +85,20 @@ class EngineLoop:
         self._lock = threading.Lock()
 
     def start(self) -> None:
+        """Step in a background thread (tests, embedding). Services call ``run`` from
+        the main thread instead: torch's OpenMP kernels run ~3x slower when the first
+        parallel region of a process came from another thread than the one stepping."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Step in the calling thread until ``stop``."""
+        self._run()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def load(self) -> LoopLoad:
         s = self.engine.scheduler
