@@ -8,12 +8,13 @@ engine loop, the gRPC server, and the ready line a launcher waits for.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import asdict
 
 import grpc
@@ -66,7 +67,7 @@ def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
 
 
 def serve_worker(a: argparse.Namespace, role: str,
-                 add_servicer: Callable[[grpc.Server, EngineLoop, str], None]) -> int:
+                 add_servicer: Callable[[grpc.aio.Server, EngineLoop, str], None]) -> int:
     # every flag checked before anything heavy starts
     service = resolve_service_config(a, role, resolve_device(a.device))
     # The engine loop thread runs Python between kernels almost without pause; at the
@@ -83,10 +84,18 @@ def serve_worker(a: argparse.Namespace, role: str,
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
     loop = EngineLoop(engine)
     model_name = a.served_model_name or a.model
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    add_servicer(server, loop, model_name)
-    port = server.add_insecure_port(f"{a.host}:{a.port}")
-    server.start()
+    # gRPC runs on an asyncio loop in one thread; the engine steps in the main thread
+    aio = asyncio.new_event_loop()
+    threading.Thread(target=aio.run_forever, name="grpc-aio", daemon=True).start()
+
+    async def start_server() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        add_servicer(server, loop, model_name)
+        port = server.add_insecure_port(f"{a.host}:{a.port}")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
     signal.signal(signal.SIGINT, lambda *_: loop.stop(timeout=0))
     inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name)
@@ -102,7 +111,8 @@ def serve_worker(a: argparse.Namespace, role: str,
         loop.run()  # the engine steps in the main thread until a signal stops it
     finally:
         beat.stop()
-        server.stop(grace=5).wait()
+        asyncio.run_coroutine_threadsafe(server.stop(grace=5), aio).result(10)
+        aio.call_soon_threadsafe(aio.stop)
         if pool is not None:
             pool.close()
     return 0

@@ -15,7 +15,7 @@ from shared.worker import serve_worker
 def run(a: argparse.Namespace, role: str = "decode") -> int:
     """``role`` "mixed": the same service on an engine that prefills too (no pool)."""
 
-    def add(server: grpc.Server, loop: EngineLoop, model_name: str) -> None:
+    def add(server: grpc.aio.Server, loop: EngineLoop, model_name: str) -> None:
         servicer = DecodeServicer(loop, model_name, role=role)
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 

@@ -12,7 +12,7 @@ from shared.proto import prefill_pb2_grpc
 from shared.worker import serve_worker
 
 
-def _add(server: grpc.Server, loop: EngineLoop, model_name: str) -> None:
+def _add(server: grpc.aio.Server, loop: EngineLoop, model_name: str) -> None:
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, model_name), server)
 
 

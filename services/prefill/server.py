@@ -1,4 +1,5 @@
-"""Prefill's gRPC edge. Lifecycle of a request here:
+"""Prefill's gRPC edge (grpc.aio: one event-loop thread serves every request while the
+engine steps in the main thread). Lifecycle of a request here:
 
     Prefill(prompt) -> engine loop: admitted (prompt blocks already in the pool are
     loaded, not computed) -> chunked prefill -> first token sampled -> prompt blocks
@@ -8,12 +9,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 
 import grpc
 
-from shared.engine.loop import EngineLoop
+from shared.engine.loop import AsyncRequestStream, EngineLoop
 from shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
 
@@ -33,40 +35,40 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.model_name = model_name
         self.timeout_s = timeout_s
 
-    def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
+    async def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
         try:
             params = sampling_from_proto(request.sampling)
             # this instance produces the first token only; decode does the rest
             first = dataclasses.replace(params, max_tokens=1)
             stream = self.loop.submit(list(request.prompt_token_ids), first,
                                       request_id=request.request_id or None,
-                                      priority=request.priority)
+                                      priority=request.priority,
+                                      aio_loop=asyncio.get_running_loop())
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        done = []  # set once the answer is complete: a later callback is no cancellation
-        context.add_callback(lambda: done or self.loop.abort(stream.request_id))
-        event = stream.get(timeout=self.timeout_s)
-        done.append(True)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        assert isinstance(stream, AsyncRequestStream)
+        try:
+            event = await asyncio.wait_for(stream.next(), self.timeout_s)
+        except (asyncio.CancelledError, TimeoutError):
+            self.loop.abort(stream.request_id)  # the caller left or gave up
+            raise
         if event.error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
         if event.finish_reason == "abort":
-            context.abort(grpc.StatusCode.CANCELLED, f"request {stream.request_id} aborted")
-        token = event.token_ids[0]
+            await context.abort(grpc.StatusCode.CANCELLED,
+                                f"request {stream.request_id} aborted")
         # the first token ends the request by itself when it is a stop token or the
         # caller asked for one token
-        finish = ""
-        if params.max_tokens == 1:
-            finish = "length"
-        if event.finish_reason == "stop":
-            finish = "stop"
+        finish = "stop" if event.finish_reason == "stop" else (
+            "length" if params.max_tokens == 1 else "")
         resp = prefill_pb2.PrefillResponse(
-            first_token=token, block_keys=event.kv_keys,
+            first_token=event.token_ids[0], block_keys=event.kv_keys,
             num_cached_tokens=event.num_cached_tokens,
             num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish)
         if event.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(event.logprobs[0]))
         return resp
 
-    def Health(self, request, context):  # noqa: N802
+    async def Health(self, request, context):  # noqa: N802
         return common_pb2.HealthResponse(serving=True, role="prefill", model=self.model_name,
                                          load=load_proto(self.loop))

@@ -11,6 +11,7 @@ event whose ``finished`` is set; an engine failure ends every stream with ``erro
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
@@ -65,6 +66,29 @@ class RequestStream:
         self._events.put(event)
 
 
+class AsyncRequestStream(RequestStream):
+    """The same, read from an asyncio event loop (one thread serves every request)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        super().__init__(request_id)
+        self._loop = loop
+        self._aq: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+    def put(self, event: StreamEvent) -> None:
+        self._loop.call_soon_threadsafe(self._aq.put_nowait, event)
+
+    async def next(self) -> StreamEvent:
+        """The next event merged with any already waiting."""
+        event = await self._aq.get()
+        while not event.finished and not self._aq.empty():
+            more = self._aq.get_nowait()
+            event = StreamEvent(event.token_ids + more.token_ids, event.logprobs + more.logprobs,
+                                more.finished, more.finish_reason, more.stop_reason,
+                                event.num_cached_tokens, more.kv_keys or event.kv_keys,
+                                more.error)
+        return event
+
+
 @dataclass
 class LoopLoad:
     running: int
@@ -106,11 +130,13 @@ class EngineLoop:
                         self.engine.kv.num_blocks)
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-               priority: int = 0, output_token_ids: list[int] | None = None) -> RequestStream:
-        """Queue a request (ValueError, naming the field, if it is invalid)."""
+               priority: int = 0, output_token_ids: list[int] | None = None,
+               aio_loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request (ValueError, naming the field, if it is invalid). With
+        ``aio_loop`` the stream is an AsyncRequestStream read on that event loop."""
         self.engine._validate(prompt, params, output_token_ids)
         rid = request_id or f"loop-{next(self._ids)}"
-        stream = RequestStream(rid)
+        stream = RequestStream(rid) if aio_loop is None else AsyncRequestStream(rid, aio_loop)
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in flight")
