@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -87,7 +88,11 @@ async def _run(a: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     limits = httpx.Limits(max_connections=a.max_concurrency or a.num_prompts)
     sem = asyncio.Semaphore(a.max_concurrency or a.num_prompts)
-    async with httpx.AsyncClient(base_url=a.base_url, headers=headers, limits=limits,
+    # TCP_NODELAY: httpx writes a request's headers and body separately, and Nagle's
+    # algorithm would hold the body for the server's delayed ACK (~40 ms of fake TTFT)
+    transport = httpx.AsyncHTTPTransport(
+        limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    async with httpx.AsyncClient(base_url=a.base_url, headers=headers, transport=transport,
                                  timeout=httpx.Timeout(600)) as client:
 
         async def limited(p: list[int]) -> Result:
