@@ -111,6 +111,12 @@ def _bench_serve(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _bench_kv_transfer(a: argparse.Namespace) -> int:
+    from shared.bench.kv_transfer import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared.engine.args import add_engine_args
     from shared.models.tiny import ARCHS, SIZES
@@ -153,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(srv)
     srv.set_defaults(func=_bench_serve)
+    kvx = bsub.add_parser("kv-transfer", help="KV put/get throughput through the pool")
+    from shared.bench.kv_transfer import add_args as add_kvx_args
+
+    add_kvx_args(kvx)
+    kvx.set_defaults(func=_bench_kv_transfer)
     k = sub.add_parser("kvstore", help="the KV pool service: Mooncake master + pool index")
     from services.kvstore.main import add_args as add_kvstore_args
 
