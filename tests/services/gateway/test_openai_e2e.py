@@ -3,6 +3,7 @@ gateway), driven over HTTP with the official openai client."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -160,3 +161,29 @@ def test_api_key_required(mesh):
 def test_mesh_still_serves_after_bad_requests(client):
     r = client.completions.create(model=MODEL, prompt="x = 1", max_tokens=4)
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
+    """A client that drops a stream frees the request's KV blocks on decode at once."""
+    import grpc
+
+    from shared.proto import common_pb2, decode_pb2_grpc
+    from shared.registry import Registry
+
+    [dec] = Registry(prefix=registry_prefix + "-gw").instances(role="decode")
+    health = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(dec.address)).Health
+    body = {"model": MODEL, "prompt": list(range(50, 90)), "max_tokens": 3000,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        with c.stream("POST", mesh + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(5):
+                next(lines)
+            assert health(common_pb2.HealthRequest(), timeout=5).load.running == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = health(common_pb2.HealthRequest(), timeout=5).load
+        if load.running == 0 and load.free_kv_blocks == load.total_kv_blocks:
+            break
+        time.sleep(0.05)
+    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
