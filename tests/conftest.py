@@ -38,3 +38,17 @@ def tiny_models(tmp_path_factory, bpe_tokenizer) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen3_path(tiny_models) -> Path:
     return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    """A real mooncake_master (with its HTTP metadata server) on free loopback ports."""
+    from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
+
+    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
+    sup = MasterSupervisor(ports, log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
+    sup.start()
+    try:
+        yield sup
+    finally:
+        sup.stop()

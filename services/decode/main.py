@@ -9,6 +9,7 @@ import grpc
 from services.decode.server import DecodeServicer
 from shared.engine.loop import EngineLoop
 from shared.proto import decode_pb2_grpc
+from shared.worker import add_worker_args as add_args
 from shared.worker import serve_worker
 
 
@@ -20,3 +21,6 @@ def run(a: argparse.Namespace, role: str = "decode") -> int:
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
     return serve_worker(a, role, add)
+
+
+__all__ = ["add_args", "run"]

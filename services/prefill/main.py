@@ -9,6 +9,7 @@ import grpc
 from services.prefill.server import PrefillServicer
 from shared.engine.loop import EngineLoop
 from shared.proto import prefill_pb2_grpc
+from shared.worker import add_worker_args as add_args
 from shared.worker import serve_worker
 
 
@@ -18,3 +19,6 @@ def _add(server: grpc.aio.Server, loop: EngineLoop, model_name: str) -> None:
 
 def run(a: argparse.Namespace) -> int:
     return serve_worker(a, "prefill", _add)
+
+
+__all__ = ["add_args", "run"]

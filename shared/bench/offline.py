@@ -24,6 +24,18 @@ MEM_BANDWIDTH_GBS = 45.0  # this kind of machine, measured (../shared/baselines)
 SINGLE_RUNS = 5  # the single request is short, so its median takes more runs
 
 
+def add_args(off: argparse.ArgumentParser) -> None:
+    from shared.engine.args import add_engine_args
+
+    add_engine_args(off)
+    off.add_argument("--num-prompts", type=int, default=32)
+    off.add_argument("--input-len", type=int, default=128)
+    off.add_argument("--output-len", type=int, default=128)
+    off.add_argument("--runs", type=int, default=3)
+    off.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    off.add_argument("--json", default=None, help="also write the figures here")
+
+
 def workload(tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]]:
     libdir = sysconfig.get_paths()["stdlib"]
     ids: list[int] = []
@@ -140,7 +152,7 @@ def bench_transformers(a: argparse.Namespace, prompts: list[list[int]], dtype: t
     }
 
 
-def run_offline_bench(a: argparse.Namespace) -> int:
+def run(a: argparse.Namespace) -> int:
     from shared.models.tokenizer import Tokenizer
 
     prompts = workload(Tokenizer(a.model), a.num_prompts, a.input_len)

@@ -13,24 +13,11 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any
 
 from shared.config.engine_args import EngineArgs
 from shared.config.errors import ConfigError
 from shared.config.parse import parse_additional_config
-
-
-def _json_arg(flag: str, text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag}: invalid JSON at line {e.lineno} column {e.colno}: "
-                         f"{e.msg}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag}: must be a JSON object")
-    return value
+from shared.config.service import json_flag
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -49,13 +36,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     try:
-        kv_transfer = _json_arg("--kv-transfer-config", a.kv_transfer_config)
+        kv_transfer = json_flag("--kv-transfer-config", a.kv_transfer_config)
         engine = EngineArgs(
             kv_role=kv_transfer.get("kv_role"), data_parallel_size=a.data_parallel_size,
             tensor_parallel_size=a.tensor_parallel_size,
             pipeline_parallel_size=a.pipeline_parallel_size,
             enable_expert_parallel=a.enable_expert_parallel, enable_eplb=a.enable_eplb,
-            eplb_config=_json_arg("--eplb-config", a.eplb_config),
+            eplb_config=json_flag("--eplb-config", a.eplb_config),
             scheduling_policy=a.scheduling_policy, enforce_eager=a.enforce_eager)
         config = parse_additional_config(a.additional_config, device=a.device,
                                          engine_args=engine)

@@ -46,7 +46,8 @@ class ServiceConfig:
     additional: AdditionalConfig
 
 
-def _json_flag(flag: str, text: str | None) -> dict[str, Any]:
+def json_flag(flag: str, text: str | None) -> dict[str, Any]:
+    """A flag holding a JSON object; ValueError naming the flag otherwise."""
     if not text:
         return {}
     try:
@@ -61,7 +62,7 @@ def _json_flag(flag: str, text: str | None) -> dict[str, Any]:
 
 def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> ServiceConfig:
     """ValueError (ConfigError for --additional-config) naming every bad flag or key."""
-    kv_transfer = _json_flag("--kv-transfer-config", a.kv_transfer_config)
+    kv_transfer = json_flag("--kv-transfer-config", a.kv_transfer_config)
     kv_role = kv_transfer.get("kv_role", ROLE_KV[role])
     expected = ROLE_KV[role]
     if expected is not None and kv_role != expected:
@@ -77,7 +78,7 @@ def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> Ser
         kv_role=kv_role, data_parallel_size=a.data_parallel_size,
         tensor_parallel_size=a.tensor_parallel_size,
         enable_expert_parallel=a.enable_expert_parallel, enable_eplb=a.enable_eplb,
-        eplb_config=_json_flag("--eplb-config", a.eplb_config),
+        eplb_config=json_flag("--eplb-config", a.eplb_config),
         scheduling_policy=a.scheduling_policy, enforce_eager=a.enforce_eager)
     additional = parse_additional_config(a.additional_config, device=device,
                                          engine_args=engine)

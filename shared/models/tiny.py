@@ -10,6 +10,7 @@ same seed and size give the same files.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -192,3 +193,16 @@ def _write_json(path: Path, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+
+
+def add_args(m: argparse.ArgumentParser) -> None:
+    m.add_argument("out")
+    m.add_argument("--arch", choices=list(ARCHS), default="qwen3")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--size", choices=list(SIZES), default="tiny")
+
+
+def run(a: argparse.Namespace) -> int:
+    out = make_tiny_model(a.out, a.arch, seed=a.seed, size=a.size)
+    print(f"wrote {a.size} {a.arch} model (seed {a.seed}) to {out}")
+    return 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
 from shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from shared.kvpool import InProcessPool, KVPool
 from shared.kvpool.mooncake import MooncakePool
@@ -93,18 +92,8 @@ def test_blocks_vanishing_before_load_are_recomputed(qwen3_path, expected):
     assert again.output_token_ids == expected[0]
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
-    sup = MasterSupervisor(ports, log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
-    sup.start()
-    try:
-        yield sup
-    finally:
-        sup.stop()
-
-
-def test_prefill_then_decode_through_mooncake(qwen3_path, expected, master):
+def test_prefill_then_decode_through_mooncake(qwen3_path, expected, mooncake_master):
+    master = mooncake_master
     pools = [MooncakePool(master.ports.master_address, master.ports.metadata_url,
                           segment_bytes=64 << 20, local_buffer_bytes=16 << 20) for _ in range(2)]
     try:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
+from services.kvstore.master import MasterSupervisor, free_port
 from shared.kvpool import CacheRegions, InProcessPool, KVPool
 from shared.kvpool.mooncake import MooncakePool
 
@@ -59,24 +59,14 @@ def test_in_process_pool_capacity():
     assert pool.put(["a", "b"], [src.regions(0), src.regions(1)]) == [True, False]
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
-    sup = MasterSupervisor(ports, log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
-    sup.start()
-    try:
-        yield sup
-    finally:
-        sup.stop()
-
-
 def pool_for(sup: MasterSupervisor) -> MooncakePool:
     return MooncakePool(sup.ports.master_address, sup.ports.metadata_url,
                         segment_bytes=32 << 20, local_buffer_bytes=16 << 20)
 
 
-def test_mooncake_pool_between_two_clients(master):
-    producer, consumer = pool_for(master), pool_for(master)
+def test_mooncake_pool_between_two_clients(mooncake_master):
+    master = mooncake_master
+    producer, consumer = pool_for(mooncake_master), pool_for(mooncake_master)
     try:
         round_trip(producer, consumer)
         gauges = master.metrics()
@@ -87,7 +77,8 @@ def test_mooncake_pool_between_two_clients(master):
         producer.close()
 
 
-def test_master_restarts_after_being_killed(master):
+def test_master_restarts_after_being_killed(mooncake_master):
+    master = mooncake_master
     import os
     import signal
 
@@ -98,7 +89,7 @@ def test_master_restarts_after_being_killed(master):
         time.sleep(0.1)
     assert master.restarts == before + 1
     master.wait_ready(15)
-    fresh = pool_for(master)  # the restarted master serves new clients
+    fresh = pool_for(mooncake_master)  # the restarted master serves new clients
     try:
         src = CacheRegions(caches(2))
         fresh.register(src.tensors[0])
