@@ -18,7 +18,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from shared.engine.engine import EngineCore
+from shared.engine.engine import EngineCore, StepOutput
 from shared.engine.request import Logprob, Request
 from shared.engine.sampling_params import SamplingParams
 
@@ -71,11 +71,15 @@ class AsyncRequestStream(RequestStream):
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
         super().__init__(request_id)
-        self._loop = loop
+        self.loop = loop
         self._aq: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
     def put(self, event: StreamEvent) -> None:
-        self._loop.call_soon_threadsafe(self._aq.put_nowait, event)
+        self.loop.call_soon_threadsafe(self._aq.put_nowait, event)
+
+    def put_local(self, event: StreamEvent) -> None:
+        """From the event loop's own thread."""
+        self._aq.put_nowait(event)
 
     async def next(self) -> StreamEvent:
         """The next event merged with any already waiting."""
@@ -163,9 +167,31 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {e}")
                 continue
-            for out in outputs:
-                self._dispatch(out.request, out.new_token_ids, out.finished)
+            self._dispatch_step(outputs)
         self._fail_all("engine stopped")
+
+    def _dispatch_step(self, outputs: list[StepOutput]) -> None:
+        """Hand a step's events to their readers; readers on an event loop get the whole
+        step in one wake-up (one call_soon_threadsafe per loop, not one per request)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[AsyncRequestStream, StreamEvent]]]
+        batches = {}
+        for out in outputs:
+            req = out.request
+            with self._lock:
+                entry = (self._streams.pop(req.request_id, None) if out.finished
+                         else self._streams.get(req.request_id))
+            if entry is None:
+                continue
+            stream, tokens = entry[0], out.new_token_ids
+            lps = req.logprobs[-len(tokens):] if req.sampling_params.logprobs is not None else []
+            event = StreamEvent(tokens, lps, out.finished, req.finish_reason, req.stop_reason,
+                                max(req.num_cached_tokens, 0), list(req.kv_keys))
+            if isinstance(stream, AsyncRequestStream):
+                batches.setdefault(stream.loop, []).append((stream, event))
+            else:
+                stream.put(event)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -189,20 +215,6 @@ class EngineLoop:
                 self.engine.abort(rid)
                 self._finish_stream(rid, StreamEvent([], finished=True, finish_reason="abort"))
 
-    def _dispatch(self, req: Request, tokens: list[int], finished: bool) -> None:
-        with self._lock:
-            entry = self._streams.get(req.request_id)
-        if entry is None:
-            return
-        stream = entry[0]
-        lps = req.logprobs[-len(tokens):] if req.sampling_params.logprobs is not None else []
-        event = StreamEvent(tokens, lps, finished, req.finish_reason, req.stop_reason,
-                            max(req.num_cached_tokens, 0), list(req.kv_keys))
-        if finished:
-            self._finish_stream(req.request_id, event)
-        else:
-            stream.put(event)
-
     def _finish_stream(self, rid: str, event: StreamEvent) -> None:
         with self._lock:
             entry = self._streams.pop(rid, None)
@@ -215,3 +227,8 @@ class EngineLoop:
         for rid in pending:
             self.engine.abort(rid)
             self._finish_stream(rid, StreamEvent([], finished=True, error=message))
+
+
+def _deliver(items: list[tuple[AsyncRequestStream, StreamEvent]]) -> None:
+    for stream, event in items:
+        stream.put_local(event)
