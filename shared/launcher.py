@@ -18,12 +18,14 @@ from typing import Any
 class Service:
     """A `pdmesh <command>` child that prints "<role> ready: {json}" once serving."""
 
-    def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 120.0):
+    def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None):
         self.role = role
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, **(env or {})})
         self.info: dict[str, Any] = {}
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -10,6 +10,7 @@ Without ``--model`` it makes the tiny demo model first (``pdmesh make-tiny-model
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import socket
@@ -105,9 +106,15 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
                   flush=True)
             workers += ["--kvstore", kv.address]
             roles = [("prefill", a.prefill), ("decode", a.decode)]
+        # Share the cores among the engines: torch threads that outnumber the cores spin
+        # against each other (on 2 cores, 1 thread each nearly doubled rate-inf throughput).
+        engines = sum(count for _, count in roles)
+        threads = os.environ.get("OMP_NUM_THREADS") or str(
+            max(1, (os.cpu_count() or 1) // engines))
+        print(f"[up] {engines} engine(s), {threads} torch thread(s) each", flush=True)
         for role, count in roles:
             for i in range(count):
-                svc = Service(role, [role, *workers], log_dir)
+                svc = Service(role, [role, *workers], log_dir, env={"OMP_NUM_THREADS": threads})
                 started.append(svc)
                 print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
         gw_args = ["gateway", "--model", str(model), "--served-model-name", name,
