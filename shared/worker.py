@@ -96,8 +96,8 @@ def serve_worker(a: argparse.Namespace, role: str,
         return server, port
 
     server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
-    signal.signal(signal.SIGTERM, lambda *_: loop.stop(timeout=0))
-    signal.signal(signal.SIGINT, lambda *_: loop.stop(timeout=0))
+    signal.signal(signal.SIGTERM, lambda *_: loop.stop())
+    signal.signal(signal.SIGINT, lambda *_: loop.stop())
     inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name)
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
                      load=lambda: asdict(loop.load()))

@@ -1,6 +1,6 @@
 """An engine stepping in its own thread, fed by many callers.
 
-    caller threads ──submit()──▶ inbox ──▶ loop thread: add / abort, step(), dispatch
+    caller threads ──submit()──▶ inbox ──▶ loop (main thread): add / abort, step(), dispatch
           ▲                                                       │
           └──────────── RequestStream (one queue per request) ◀───┘
 
@@ -46,21 +46,6 @@ class RequestStream:
 
     def get(self, timeout: float | None = None) -> StreamEvent:
         return self._events.get(timeout=timeout)
-
-    def get_coalesced(self, timeout: float | None = None) -> StreamEvent:
-        """The next event merged with any that are already waiting (fewer, larger
-        messages when the reader falls behind the engine)."""
-        event = self._events.get(timeout=timeout)
-        while not event.finished:
-            try:
-                more = self._events.get_nowait()
-            except queue.Empty:
-                break
-            event = StreamEvent(event.token_ids + more.token_ids, event.logprobs + more.logprobs,
-                                more.finished, more.finish_reason, more.stop_reason,
-                                event.num_cached_tokens, more.kv_keys or event.kv_keys,
-                                more.error)
-        return event
 
     def put(self, event: StreamEvent) -> None:
         self._events.put(event)
@@ -108,25 +93,18 @@ class EngineLoop:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, Request | None]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def start(self) -> None:
-        """Step in a background thread (tests, embedding). Services call ``run`` from
-        the main thread instead: torch's OpenMP kernels run ~3x slower when the first
-        parallel region of a process came from another thread than the one stepping."""
-        self._thread.start()
-
     def run(self) -> None:
-        """Step in the calling thread until ``stop``."""
+        """Step in the calling thread until ``stop``. Call it from the main thread: torch's
+        OpenMP kernels ran ~3x slower when stepping from a helper thread."""
         self._run()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
+        """Ask ``run`` to return (after failing every stream still open)."""
         self._stop.set()
         self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
 
     def load(self) -> LoopLoad:
         s = self.engine.scheduler
