@@ -24,7 +24,8 @@ import redis
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway")
-LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks")
+LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
+               "queued_prefill_tokens")
 
 
 @dataclass

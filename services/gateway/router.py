@@ -1,8 +1,10 @@
 """Which instance serves a request, from the registry.
 
-Prefill: least queued work (waiting, then running) — every prefill instance reads the
-same pool, so pool hits do not tell them apart, only their local queues do. Decode:
-fewest KV blocks in use, then fewest running requests. Ties are broken at random so
+Prefill: the least estimated time to first token, i.e. the fewest prompt tokens queued
+ahead (published with each heartbeat), then the fewest requests — in the spirit of
+Mooncake's conductor. Every prefill instance reads the same pool, so pool hits lower the
+new prompt's cost equally everywhere and do not change the choice. Decode: fewest KV
+blocks in use, then fewest running requests. Ties are broken at random so
 identical prompts cannot pile onto one instance. Draining instances get nothing.
 """
 
@@ -43,7 +45,8 @@ class Router:
             if role == "decode":
                 used = ld.get("total_kv_blocks", 0) - ld.get("free_kv_blocks", 0)
                 return used, ld.get("running", 0) + ld.get("waiting", 0)
-            return ld.get("waiting", 0), ld.get("running", 0)
+            return (ld.get("queued_prefill_tokens", 0),
+                    ld.get("waiting", 0) + ld.get("running", 0))
 
         best = min(cost(i) for i in live)
         return self._rng.choice([i for i in live if cost(i) == best])

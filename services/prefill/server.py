@@ -26,7 +26,8 @@ def load_proto(loop: EngineLoop) -> common_pb2.WorkerLoad:
     ld = loop.load()
     return common_pb2.WorkerLoad(running=ld.running, waiting=ld.waiting,
                                  free_kv_blocks=ld.free_kv_blocks,
-                                 total_kv_blocks=ld.total_kv_blocks)
+                                 total_kv_blocks=ld.total_kv_blocks,
+                                 queued_prefill_tokens=ld.queued_prefill_tokens)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):

@@ -84,6 +84,7 @@ class LoopLoad:
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
+    queued_prefill_tokens: int  # prompt tokens admitted or waiting, not yet computed
 
 
 class EngineLoop:
@@ -108,8 +109,10 @@ class EngineLoop:
 
     def load(self) -> LoopLoad:
         s = self.engine.scheduler
+        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                     for r in (*s.running, *s.waiting))
         return LoopLoad(len(s.running), len(s.waiting), self.engine.kv.num_free_blocks,
-                        self.engine.kv.num_blocks)
+                        self.engine.kv.num_blocks, queued)
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, output_token_ids: list[int] | None = None,
