@@ -40,6 +40,19 @@ def mesh(qwen3_path, tmp_path, registry_prefix):
             s.stop()
 
 
+def busy_decode(decodes: list[Service]) -> Service:
+    """The decode instance serving the one running request."""
+    import grpc
+
+    from shared.proto import common_pb2, decode_pb2_grpc
+
+    for svc in decodes:
+        stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(svc.address))
+        if stub.Health(common_pb2.HealthRequest(), timeout=5).load.running == 1:
+            return svc
+    raise AssertionError("no decode instance is serving the request")
+
+
 def test_decode_killed_mid_stream(mesh, qwen3_path):
     client = openai.OpenAI(base_url=mesh["gateway"].info["http"] + "/v1", api_key="x",
                            max_retries=0, timeout=120)
@@ -55,10 +68,7 @@ def test_decode_killed_mid_stream(mesh, qwen3_path):
         parts.append(chunk.choices[0].text)
         reason = chunk.choices[0].finish_reason or reason
         if not killed and len(parts) > 20:
-            # kill whichever decode instance is serving: the busy one
-            for svc in mesh["decodes"]:
-                os.killpg(svc.proc.pid, signal.SIGKILL)
-                break
+            os.killpg(busy_decode(mesh["decodes"]).proc.pid, signal.SIGKILL)
             killed = True
     assert killed and reason == "length"
     assert "".join(parts) == expected
