@@ -19,8 +19,8 @@ import sys
 
 from shared.config.engine_args import EngineArgs
 from shared.config.errors import ConfigError
+from shared.config.json_flags import json_flag
 from shared.config.parse import parse_additional_config
-from shared.config.service import json_flag
 from shared.config.vllm_cli import VllmCommandError, parse_vllm_serve
 
 

@@ -8,18 +8,20 @@ named, before any model is loaded.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from shared.config.engine_args import EngineArgs
+from shared.config.json_flags import json_flag
 from shared.config.parse import parse_additional_config
 from shared.config.schema import AdditionalConfig
+from shared.config.vllm_cli import FLAGS
 
 log = logging.getLogger(__name__)
 
 ROLE_KV = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": None}
+COMPAT_PREFIX = "vllm_compat_"
 
 
 def add_service_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,19 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                         '"kv_connector_extra_config": {...}}')
     g.add_argument("--additional-config", default="{}",
                    help="vLLM-Ascend's additional config (JSON), validated strictly")
+    # the rest of `vllm serve`'s flags that pdmesh has no use for: accepted, so a vLLM
+    # command line starts unchanged, and listed in a start-up warning
+    taken = {s for action in p._actions for s in action.option_strings}
+    compat = p.add_argument_group("vllm serve flags accepted without effect")
+    for name, flag in FLAGS.items():
+        if flag.effect or name in taken:
+            continue
+        dest = COMPAT_PREFIX + name.lstrip("-").replace("-", "_")
+        if flag.kind == "bool":
+            compat.add_argument(name, dest=dest, action="store_true", help=argparse.SUPPRESS)
+        else:
+            compat.add_argument(name, dest=dest, default=None, nargs="+" if flag.kind ==
+                                "names" else None, help=argparse.SUPPRESS)
 
 
 @dataclass(frozen=True)
@@ -44,20 +59,6 @@ class ServiceConfig:
     kv_role: str | None
     kv_transfer: dict[str, Any]
     additional: AdditionalConfig
-
-
-def json_flag(flag: str, text: str | None) -> dict[str, Any]:
-    """A flag holding a JSON object; ValueError naming the flag otherwise."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag}: invalid JSON at line {e.lineno} column {e.colno}: "
-                         f"{e.msg}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag}: must be a JSON object")
-    return value
 
 
 def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> ServiceConfig:
@@ -82,6 +83,11 @@ def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> Ser
         scheduling_policy=a.scheduling_policy, enforce_eager=a.enforce_eager)
     additional = parse_additional_config(a.additional_config, device=device,
                                          engine_args=engine)
+    ignored = sorted("--" + k[len(COMPAT_PREFIX):].replace("_", "-")
+                     for k, v in vars(a).items()
+                     if k.startswith(COMPAT_PREFIX) and v not in (None, False))
+    if ignored:
+        log.warning("accepted for vLLM compatibility, without effect: %s", ", ".join(ignored))
     for w in additional.warnings:
         log.warning("--additional-config: %s", w)
     if additional.inactive_keys:

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config.engine_args import EngineArgs
+from shared.config.json_flags import json_flag
 from shared.config.parse import parse_additional_config
 from shared.config.schema import AdditionalConfig
-from shared.config.service import json_flag
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 

@@ -26,3 +26,14 @@ def test_bad_flags_stop_startup_with_a_named_error(qwen3_path, args, needle):
     r = start(*args, "--model", str(qwen3_path), "--kvstore", "127.0.0.1:1", "--device", "cpu")
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
+
+
+def test_vllm_flags_without_effect_are_accepted(qwen3_path):
+    """A vLLM-Ascend command line's extra flags pass the parser: start-up gets as far as
+    the (unreachable) kvstore, and says which flags had no effect."""
+    r = start("prefill", "--model", str(qwen3_path), "--kvstore", "127.0.0.1:1",
+              "--device", "cpu", "--quantization", "ascend", "--trust-remote-code",
+              "--speculative-config", '{"method": "mtp"}', "--async-scheduling")
+    assert r.returncode == 2, r.stderr
+    assert "kvstore" in r.stderr and "unrecognized" not in r.stderr
+    assert "--quantization" in r.stderr and "--trust-remote-code" in r.stderr
