@@ -61,8 +61,9 @@ class EngineCore:
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
                                                                            config.max_num_seqs)
         num_blocks = self._resolve_num_blocks()
+        self.kv_fingerprint = self.fingerprint()  # reads the checkpoint: computed once
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 fingerprint=self.fingerprint())
+                                 fingerprint=self.kv_fingerprint)
         kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size,
                                       self.dtype, self.backend.device)
         self.runner = ModelRunner(self.model, self.backend, self.kv, kv_caches)
@@ -70,7 +71,7 @@ class EngineCore:
         self.connector = None
         if kv_pool is not None:
             self.connector = PoolConnector(kv_pool, CacheRegions(kv_caches), self.kv.hasher,
-                                           self.fingerprint(), save_prompts)
+                                           self.kv_fingerprint, save_prompts)
         self.scheduler = Scheduler(self.kv, make_policy(config.scheduling_policy),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
@@ -133,7 +134,7 @@ class EngineCore:
         """``output_token_ids``: tokens already generated elsewhere (a decode instance
         continuing a prefill); they count towards ``max_tokens``."""
         done = list(output_token_ids or [])
-        self._validate(prompt_token_ids, params, done)
+        self.validate_request(prompt_token_ids, params, done)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in flight")
@@ -144,8 +145,9 @@ class EngineCore:
         self.scheduler.add(req)
         return req
 
-    def _validate(self, prompt: list[int], params: SamplingParams,
-                  output: list[int] | None = None) -> None:
+    def validate_request(self, prompt: list[int], params: SamplingParams,
+                         output: list[int] | None = None) -> None:
+        """ValueError naming the field if the request cannot run here; changes nothing."""
         params.validate()
         output = output or []
         if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size

@@ -81,7 +81,7 @@ class LLM:
             raise ValueError(f"priority: {len(priority)} given for {len(prompt_list)} prompts")
         token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
         for toks, sp in zip(token_lists, params, strict=True):
-            self.engine._validate(toks, sp)
+            self.engine.validate_request(toks, sp)
 
         reqs: list[Request] = []
         try:

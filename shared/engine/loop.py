@@ -119,7 +119,7 @@ class EngineLoop:
                aio_loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queue a request (ValueError, naming the field, if it is invalid). With
         ``aio_loop`` the stream is an AsyncRequestStream read on that event loop."""
-        self.engine._validate(prompt, params, output_token_ids)
+        self.engine.validate_request(prompt, params, output_token_ids)
         rid = request_id or f"loop-{next(self._ids)}"
         stream = RequestStream(rid) if aio_loop is None else AsyncRequestStream(rid, aio_loop)
         with self._lock:
