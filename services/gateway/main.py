@@ -44,7 +44,9 @@ def run(a: argparse.Namespace) -> int:
     cfg = ModelConfig.from_folder(a.model)
     name = a.served_model_name or a.model
     registry = Registry(a.redis_url, a.registry_prefix)
-    state = GatewayState(tokenizer=Tokenizer(a.model), router=Router(registry, name),
+    router = Router(registry, name)
+    router.start()
+    state = GatewayState(tokenizer=Tokenizer(a.model), router=router,
                          model_name=name,
                          max_model_len=a.max_model_len or cfg.max_position_embeddings,
                          api_key=a.api_key)

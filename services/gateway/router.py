@@ -10,28 +10,58 @@ identical prompts cannot pile onto one instance. Draining instances get nothing.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
 
+import redis
+
 from shared.registry import Instance, Registry
+
+log = logging.getLogger(__name__)
 
 
 class Router:
+    """Picks from a cached copy of the registry. After ``start`` a background thread
+    keeps the copy fresh, so a pick on the gateway's event loop never waits on redis;
+    without it (tests, tools) a pick re-reads the registry when the copy is stale."""
+
     def __init__(self, registry: Registry, model: str | None = None, refresh_s: float = 0.25):
         self.registry = registry
-        self.model = model
+        self.model = model  # only instances serving this model (None: any)
         self.refresh_s = refresh_s
         self._cache: list[Instance] = []
-        self._at = 0.0
+        self._at = float("-inf")
         self._lock = threading.Lock()
         self._rng = random.Random()
+        self._refresh_now = threading.Event()
+        self._background = False
+
+    def start(self) -> None:
+        self._refresh()
+        self._background = True
+        threading.Thread(target=self._refresh_loop, name="router-refresh", daemon=True).start()
+
+    def _refresh(self) -> None:
+        found = self.registry.instances(model=self.model)
+        with self._lock:
+            self._cache = found
+            self._at = time.monotonic()
+
+    def _refresh_loop(self) -> None:
+        while True:
+            self._refresh_now.wait(self.refresh_s)
+            self._refresh_now.clear()
+            try:
+                self._refresh()
+            except redis.RedisError as e:  # keep routing on the last copy
+                log.warning("registry refresh failed: %s", e)
 
     def instances(self, role: str) -> list[Instance]:
+        if not self._background and time.monotonic() - self._at > self.refresh_s:
+            self._refresh()
         with self._lock:
-            if time.monotonic() - self._at > self.refresh_s:
-                self._cache = self.registry.instances()
-                self._at = time.monotonic()
             return [i for i in self._cache if i.role == role and not i.draining]
 
     def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset()
@@ -52,6 +82,7 @@ class Router:
         return self._rng.choice([i for i in live if cost(i) == best])
 
     def forget(self) -> None:
-        """Re-read the registry on the next pick (after an instance failed)."""
+        """Re-read the registry soon (after an instance failed)."""
         with self._lock:
-            self._at = 0.0
+            self._at = float("-inf")
+        self._refresh_now.set()

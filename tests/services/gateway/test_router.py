@@ -46,3 +46,25 @@ def test_draining_instances_get_nothing(registry_prefix):
                    Instance("d1", "decode", "b:1", draining=True),
                    Instance("d2", "decode", "b:2"))
     assert {Router(reg).pick("decode").id for _ in range(20)} == {"d2"}
+
+
+def test_only_instances_of_the_gateways_model(registry_prefix):
+    reg = registry(registry_prefix + "-r4",
+                   Instance("p1", "prefill", "a:1", model="other"),
+                   Instance("p2", "prefill", "a:2", model="tiny"))
+    assert {Router(reg, model="tiny").pick("prefill").id for _ in range(10)} == {"p2"}
+
+
+def test_background_refresh_sees_new_instances(registry_prefix):
+    import time
+
+    reg = registry(registry_prefix + "-r5")
+    r = Router(reg, refresh_s=0.05)
+    r.start()
+    assert r.pick("decode") is None
+    reg.put(Instance("d9", "decode", "c:1"))
+    r.forget()
+    deadline = time.monotonic() + 5
+    while r.pick("decode") is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert r.pick("decode").id == "d9"
