@@ -58,15 +58,41 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         cmd = parent.add_parser(words[-1], help=help_)
         if only is None or only == words[0]:
             importlib.import_module(module).add_args(cmd)
+            _model_positional(cmd)
         cmd.set_defaults(func=_runner(module, kwargs))
     return p
+
+
+def _model_positional(cmd: argparse.ArgumentParser) -> None:
+    """A command with ``--model`` also takes the model positionally, as ``vllm serve
+    MODEL`` does; a required ``--model`` becomes "one of the two", checked after parsing."""
+    flag = next((a for a in cmd._actions if "--model" in a.option_strings), None)
+    if flag is None:
+        return
+    if flag.required:
+        flag.required = False
+        cmd.set_defaults(model_required=True)
+    cmd.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model, as `vllm serve MODEL` takes it (or --model)")
+
+
+def _resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            parser.error(f"model: given twice, as {tag!r} and --model {args.model!r}")
+        args.model = tag
+    if getattr(args, "model_required", False) and not args.model:
+        parser.error("model: required (pdmesh COMMAND MODEL ... or --model MODEL)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     names = {words[0] for words, *_ in COMMANDS}
     only = next((x for x in argv if x in names), None)
-    args = build_parser(only).parse_args(argv)
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    _resolve_model(args, parser)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -16,7 +16,7 @@ import logging
 import grpc
 
 from services.prefill.server import load_proto
-from shared.engine.loop import AsyncRequestStream, EngineLoop
+from shared.engine.loop import AsyncRequestStream, EngineLoop, SessionSink, StreamEvent
 from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
 
@@ -48,19 +48,100 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 event = await asyncio.wait_for(stream.next(), self.idle_timeout_s)
                 if event.error:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
-                chunk = decode_pb2.GenerateChunk(
-                    token_ids=event.token_ids,
-                    logprobs=[logprobs_to_proto(lp) for lp in event.logprobs],
-                    finish_reason=event.finish_reason or "",
-                    num_cached_tokens=event.num_cached_tokens)
-                if event.stop_reason is not None:
-                    chunk.stop_reason = event.stop_reason
+                chunk = decode_pb2.GenerateChunk()
+                _fill_chunk(chunk, event)
                 finished = event.finished
                 yield chunk
         finally:
             if not finished:  # cancelled, timed out or failed: free the request's blocks
                 self.loop.abort(stream.request_id)
 
+    async def Session(self, request_iterator, context):  # noqa: N802
+        sink = SessionSink(asyncio.get_running_loop())
+        live: set[str] = set()
+        rejected: set[str] = set()  # refused at submission: the client's fault
+        reader = asyncio.create_task(self._read_session(request_iterator, sink, live,
+                                                        rejected))
+        try:
+            while True:
+                if not sink.ready.is_set():
+                    if reader.done() and not live:
+                        return  # the client closed its side and nothing is running
+                    waiter = asyncio.create_task(sink.ready.wait())
+                    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if reader.done() and reader.exception() is not None:
+                        return  # the client went away: the finally aborts what is left
+                    continue
+                out = decode_pb2.SessionOutputs()
+                for rid, event in _merged(sink.take()):
+                    if rid not in live and event.error is None:
+                        continue  # aborted by the client; nothing more to tell it
+                    item = out.outputs.add(request_id=rid)
+                    if event.error is not None:
+                        code = (grpc.StatusCode.INVALID_ARGUMENT if rid in rejected
+                                else grpc.StatusCode.UNAVAILABLE)
+                        rejected.discard(rid)
+                        item.error_code = code.value[0]
+                        item.error_message = event.error
+                        live.discard(rid)
+                        continue
+                    _fill_chunk(item.chunk, event)
+                    if event.finished:
+                        live.discard(rid)
+                if out.outputs:
+                    yield out
+        finally:
+            reader.cancel()
+            for rid in live:  # the stream ended early: free every running request's blocks
+                self.loop.abort(rid)
+
+    async def _read_session(self, requests, sink: SessionSink, live: set[str],
+                            rejected: set[str]) -> None:
+        async for msg in requests:
+            if msg.HasField("generate"):
+                req = msg.generate
+                try:
+                    params = sampling_from_proto(req.sampling)
+                    self.loop.submit(list(req.prompt_token_ids), params,
+                                     request_id=req.request_id or None, priority=req.priority,
+                                     output_token_ids=list(req.output_token_ids), sink=sink)
+                except ValueError as e:
+                    rejected.add(req.request_id)
+                    sink.push(req.request_id, StreamEvent([], finished=True, error=str(e)))
+                    continue
+                live.add(req.request_id)
+            elif msg.abort_request_id:
+                if msg.abort_request_id in live:
+                    live.discard(msg.abort_request_id)
+                    self.loop.abort(msg.abort_request_id)
+
     async def Health(self, request, context):  # noqa: N802
         return common_pb2.HealthResponse(serving=True, role=self.role, model=self.model_name,
                                          load=load_proto(self.loop))
+
+
+def _fill_chunk(chunk: decode_pb2.GenerateChunk, event: StreamEvent) -> None:
+    chunk.token_ids.extend(event.token_ids)
+    if event.logprobs:
+        chunk.logprobs.extend(logprobs_to_proto(lp) for lp in event.logprobs)
+    if event.finish_reason:
+        chunk.finish_reason = event.finish_reason
+    if event.num_cached_tokens:
+        chunk.num_cached_tokens = event.num_cached_tokens
+    if event.stop_reason is not None:
+        chunk.stop_reason = event.stop_reason
+
+
+def _merged(items: list[tuple[str, StreamEvent]]) -> list[tuple[str, StreamEvent]]:
+    """One event per request: steps that piled up while the writer was busy merge."""
+    merged: dict[str, StreamEvent] = {}
+    for rid, ev in items:
+        prev = merged.get(rid)
+        if prev is None or prev.finished:
+            merged[rid] = ev
+            continue
+        merged[rid] = StreamEvent(prev.token_ids + ev.token_ids, prev.logprobs + ev.logprobs,
+                                  ev.finished, ev.finish_reason, ev.stop_reason,
+                                  prev.num_cached_tokens, ev.kv_keys or prev.kv_keys, ev.error)
+    return list(merged.items())

@@ -11,6 +11,7 @@ a failure after a stream has started is sent as an error event before ``[DONE]``
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
@@ -73,12 +74,8 @@ def create_app(state: GatewayState) -> FastAPI:
         field = ".".join(loc) or None
         return error(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}", field)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return error(401, "missing or wrong API key", kind="authentication_error")
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(_ApiKey, key=state.api_key)
 
     @app.on_event("shutdown")
     async def _close() -> None:
@@ -156,6 +153,24 @@ def create_app(state: GatewayState) -> FastAPI:
                                  media_type="text/event-stream")
 
     return app
+
+
+class _ApiKey:
+    """``Authorization: Bearer KEY`` on /v1/ paths. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would pass every streamed chunk through an extra task and queue."""
+
+    def __init__(self, app: Any, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                response = error(401, "missing or wrong API key", kind="authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _completion_prompt(body: CompletionRequest, tok: Tokenizer) -> list[int] | JSONResponse:

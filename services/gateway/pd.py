@@ -53,11 +53,93 @@ class Piece:
     num_cached_tokens: int | None = None  # on the first piece only
 
 
+class DecodeFailed(Exception):
+    """A decode request ended without finishing: ``code`` says whose fault it was."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class DecodeSession:
+    """The gateway's one ``Decode.Session`` stream to a decode (or mixed) instance: many
+    requests share it and each engine step arrives as one message. The session breaks
+    as a whole when the instance goes away; every request on it then fails with
+    UNAVAILABLE (or what gRPC reported) and the caller continues elsewhere."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._outbox: asyncio.Queue[decode_pb2.SessionRequest | None] = asyncio.Queue()
+        self._waiters: dict[str, asyncio.Queue] = {}
+        self.broken: DecodeFailed | None = None
+        self._call = decode_pb2_grpc.DecodeStub(channel).Session(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[decode_pb2.SessionRequest]:
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._call:
+                for out in msg.outputs:
+                    q = self._waiters.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+            failure = DecodeFailed(grpc.StatusCode.UNAVAILABLE, "decode session closed")
+        except grpc.aio.AioRpcError as e:
+            failure = DecodeFailed(e.code(), e.details() or e.code().name)
+        except asyncio.CancelledError:
+            failure = DecodeFailed(grpc.StatusCode.CANCELLED, "gateway shutting down")
+        self.broken = failure
+        for q in self._waiters.values():
+            q.put_nowait(failure)
+
+    async def generate(self, req: decode_pb2.GenerateRequest, idle_timeout_s: float
+                       ) -> AsyncIterator[decode_pb2.GenerateChunk]:
+        """The request's chunks; DecodeFailed if it cannot finish here."""
+        if self.broken is not None:
+            raise self.broken
+        rid = req.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiters[rid] = q
+        self._outbox.put_nowait(decode_pb2.SessionRequest(generate=req))
+        finished = False
+        try:
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(q.get(), idle_timeout_s)
+                except TimeoutError:
+                    raise DecodeFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"no token for {idle_timeout_s:.0f} s") from None
+                if isinstance(item, DecodeFailed):
+                    raise item
+                if item.error_code:
+                    finished = True  # the instance already forgot it
+                    raise DecodeFailed(_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN),
+                                       item.error_message)
+                finished = bool(item.chunk.finish_reason)
+                yield item.chunk
+        finally:
+            del self._waiters[rid]
+            if not finished and self.broken is None:  # the client left: free its blocks
+                self._outbox.put_nowait(decode_pb2.SessionRequest(abort_request_id=rid))
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+
+
 class Channels:
-    """One gRPC channel per address, reused."""
+    """One gRPC channel and one decode session per address, reused."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sessions: dict[str, DecodeSession] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -65,7 +147,16 @@ class Channels:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
         return ch
 
+    def session(self, address: str) -> DecodeSession:
+        """The live session to ``address``; a broken one is replaced."""
+        s = self._sessions.get(address)
+        if s is None or s.broken is not None:
+            s = self._sessions[address] = DecodeSession(self.get(address))
+        return s
+
     async def close(self) -> None:
+        for s in self._sessions.values():
+            await s.close()
         for ch in self._channels.values():
             await ch.close()
 
@@ -90,31 +181,31 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
         inst = router.pick("decode", exclude=dead)
         if inst is None:
             raise MeshError("no decode instance is available")
-        stub = decode_pb2_grpc.DecodeStub(channels.get(inst.address))
-        call = stub.Generate(decode_pb2.GenerateRequest(
+        chunks = channels.session(inst.address).generate(decode_pb2.GenerateRequest(
             request_id=f"{request_id}-d{len(dead)}", prompt_token_ids=prompt,
             output_token_ids=tokens, block_keys=list(first.block_keys), sampling=sampling,
-            priority=priority), timeout=timeout_s)
+            priority=priority), timeout_s)
         try:
-            async for chunk in call:
-                tokens += list(chunk.token_ids)
+            async for chunk in chunks:
+                tokens += chunk.token_ids
                 yield Piece(list(chunk.token_ids),
-                            [logprobs_from_proto(m) for m in chunk.logprobs],
+                            [logprobs_from_proto(m) for m in chunk.logprobs]
+                            if chunk.logprobs else [],
                             chunk.finish_reason or None)
                 if chunk.finish_reason:
                     return
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise MeshError(e.details() or "invalid request", 400) from e
-            if e.code() not in RETRYABLE:
-                raise MeshError(f"decode failed: {e.code().name}: {e.details()}") from e
+        except DecodeFailed as e:
+            if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise MeshError(e.details or "invalid request", 400) from e
+            if e.code not in RETRYABLE:
+                raise MeshError(f"decode failed: {e}") from e
             log.warning("request %s: decode %s failed (%s); continuing elsewhere after %d "
-                        "tokens", request_id, inst.address, e.code().name, len(tokens))
+                        "tokens", request_id, inst.address, e.code.name, len(tokens))
             dead.add(inst.id)
             router.forget()
             await asyncio.sleep(BACKOFF_S)
         finally:
-            call.cancel()  # a no-op when finished; aborts decode when the client left
+            await chunks.aclose()  # aborts the request on decode when the client left
     raise MeshError(f"decode failed on {len(dead)} instances")
 
 
@@ -124,20 +215,20 @@ async def _mixed(router: Router, channels: Channels, request_id: str, prompt: li
     inst = router.pick("mixed")
     if inst is None:
         raise MeshError("no instance is available")
-    call = decode_pb2_grpc.DecodeStub(channels.get(inst.address)).Generate(
+    chunks = channels.session(inst.address).generate(
         decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                   sampling=sampling, priority=priority), timeout=timeout_s)
+                                   sampling=sampling, priority=priority), timeout_s)
     first = True
     try:
-        async for chunk in call:
+        async for chunk in chunks:
             yield Piece(list(chunk.token_ids), [logprobs_from_proto(m) for m in chunk.logprobs],
                         chunk.finish_reason or None, chunk.num_cached_tokens if first else None)
             first = False
-    except grpc.aio.AioRpcError as e:
-        status = 400 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 503
-        raise MeshError(e.details() or e.code().name, status) from e
+    except DecodeFailed as e:
+        status = 400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 503
+        raise MeshError(e.details or e.code.name, status) from e
     finally:
-        call.cancel()
+        await chunks.aclose()
 
 
 async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],

@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 
 from services.kvstore.index import PoolIndex
-from services.kvstore.master import MasterPorts, MasterSupervisor, free_port
+from services.kvstore.master import EvictionPolicy, MasterPorts, MasterSupervisor, free_port
 from services.kvstore.server import KVStoreServicer
 from shared.kvpool.mooncake import MooncakePool
 from shared.proto import kvstore_pb2_grpc
@@ -40,15 +40,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata-port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--master-log", default=None)
+    ev = EvictionPolicy()
+    p.add_argument("--kv-lease-ttl-ms", type=int, default=ev.lease_ttl_ms,
+                   help="how long a read pins a block against eviction (Mooncake's own "
+                        "default, 10 s, lets a burst of prompts fill the pool)")
+    p.add_argument("--eviction-high-watermark-ratio", type=float,
+                   default=ev.high_watermark_ratio)
+    p.add_argument("--eviction-ratio", type=float, default=ev.eviction_ratio)
     add_registry_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
+    eviction = EvictionPolicy(a.kv_lease_ttl_ms, a.eviction_high_watermark_ratio,
+                              a.eviction_ratio)
     host = advertised_host(a.host, a.advertise_host)
     ports = MasterPorts(a.host, a.master_port or free_port(a.host),
                         a.metadata_port or free_port(a.host), a.metrics_port or free_port(a.host),
                         advertise=host)
-    supervisor = MasterSupervisor(ports, log_path=a.master_log)
+    supervisor = MasterSupervisor(ports, log_path=a.master_log, eviction=eviction)
     supervisor.start()
     server = None
     pool = None

@@ -4,6 +4,14 @@ process and restarts it whenever it dies.
     MasterSupervisor.start() -> mooncake_master -rpc_port=P -enable_http_metadata_server=true
                                   -http_metadata_server_port=H -metrics_port=M
     watch thread: child exited? -> log, count, start it again (same ports)
+
+Eviction: the master evicts objects once its memory passes the high watermark, but
+never one whose lease is live, and every read takes a lease (Mooncake's default: 10 s).
+A decode instance reads each prompt's blocks moments after prefill wrote them, so with
+the default lease a burst of prompts pins everything it touched and new puts fail until
+the leases run out. A lease only has to cover one transfer, so pdmesh asks for a short
+one (``EvictionPolicy.lease_ttl_ms``) and the pool keeps accepting puts, dropping its
+oldest blocks, as a cache should.
 """
 
 from __future__ import annotations
@@ -43,6 +51,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass(frozen=True)
+class EvictionPolicy:
+    lease_ttl_ms: int = 1000  # how long a read pins an object against eviction
+    high_watermark_ratio: float = 0.9  # memory use that starts an eviction
+    eviction_ratio: float = 0.05  # share of objects one eviction frees
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_ms < 1:
+            raise ValueError(f"--kv-lease-ttl-ms: must be at least 1 (got {self.lease_ttl_ms})")
+        if not 0.0 < self.high_watermark_ratio <= 1.0:
+            raise ValueError("--eviction-high-watermark-ratio: must be in (0, 1] "
+                             f"(got {self.high_watermark_ratio})")
+        if not 0.0 < self.eviction_ratio <= 1.0:
+            raise ValueError(f"--eviction-ratio: must be in (0, 1] (got {self.eviction_ratio})")
+
+    def flags(self) -> list[str]:
+        return [f"-default_kv_lease_ttl={self.lease_ttl_ms}",
+                f"-eviction_high_watermark_ratio={self.high_watermark_ratio}",
+                f"-eviction_ratio={self.eviction_ratio}"]
+
+
+@dataclass(frozen=True)
 class MasterPorts:
     host: str  # where the master binds
     rpc: int
@@ -71,8 +100,9 @@ class MasterPorts:
 
 class MasterSupervisor:
     def __init__(self, ports: MasterPorts, log_path: str | None = None,
-                 restart_delay_s: float = 0.5):
+                 restart_delay_s: float = 0.5, eviction: EvictionPolicy | None = None):
         self.ports = ports
+        self.eviction = eviction or EvictionPolicy()
         self.restarts = 0
         self._binary = find_master_binary()
         self._log_path = log_path
@@ -90,7 +120,8 @@ class MasterSupervisor:
         p = self.ports
         cmd = [self._binary, f"-rpc_address={p.host}", f"-rpc_port={p.rpc}",
                "-enable_http_metadata_server=true", f"-http_metadata_server_host={p.host}",
-               f"-http_metadata_server_port={p.metadata}", f"-metrics_port={p.metrics}"]
+               f"-http_metadata_server_port={p.metadata}", f"-metrics_port={p.metrics}",
+               *self.eviction.flags()]
         out = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL)

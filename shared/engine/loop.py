@@ -78,6 +78,45 @@ class AsyncRequestStream(RequestStream):
         return event
 
 
+class SessionSink:
+    """Where many requests' events meet, on an asyncio event loop: a step's events for
+    all of the session's requests come out of ``take`` together (one gRPC message per
+    step, not one per token per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.ready = asyncio.Event()
+        self._pending: list[tuple[str, StreamEvent]] = []
+
+    def push(self, request_id: str, event: StreamEvent) -> None:
+        """From the event loop's own thread."""
+        self._pending.append((request_id, event))
+        self.ready.set()
+
+    def take(self) -> list[tuple[str, StreamEvent]]:
+        items, self._pending = self._pending, []
+        self.ready.clear()
+        return items
+
+
+class SessionStream(AsyncRequestStream):
+    """A request whose events go to a SessionSink instead of a queue of its own."""
+
+    def __init__(self, request_id: str, sink: SessionSink):
+        RequestStream.__init__(self, request_id)
+        self.loop = sink.loop
+        self.sink = sink
+
+    def put(self, event: StreamEvent) -> None:
+        self.loop.call_soon_threadsafe(self.sink.push, self.request_id, event)
+
+    def put_local(self, event: StreamEvent) -> None:
+        self.sink.push(self.request_id, event)
+
+    async def next(self) -> StreamEvent:
+        raise TypeError("a session stream is read through its SessionSink")
+
+
 @dataclass
 class LoopLoad:
     running: int
@@ -116,12 +155,19 @@ class EngineLoop:
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, output_token_ids: list[int] | None = None,
-               aio_loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+               aio_loop: asyncio.AbstractEventLoop | None = None,
+               sink: SessionSink | None = None) -> RequestStream:
         """Queue a request (ValueError, naming the field, if it is invalid). With
-        ``aio_loop`` the stream is an AsyncRequestStream read on that event loop."""
+        ``aio_loop`` the stream is an AsyncRequestStream read on that event loop; with
+        ``sink`` its events go to that session."""
         self.engine.validate_request(prompt, params, output_token_ids)
         rid = request_id or f"loop-{next(self._ids)}"
-        stream = RequestStream(rid) if aio_loop is None else AsyncRequestStream(rid, aio_loop)
+        if sink is not None:
+            stream: RequestStream = SessionStream(rid, sink)
+        elif aio_loop is not None:
+            stream = AsyncRequestStream(rid, aio_loop)
+        else:
+            stream = RequestStream(rid)
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in flight")

@@ -36,3 +36,29 @@ class GenerateChunk(_message.Message):
     stop_reason: int
     num_cached_tokens: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("generate", "abort_request_id")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    abort_request_id: str
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("request_id", "chunk", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: GenerateChunk
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class SessionOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...

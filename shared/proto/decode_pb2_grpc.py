@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdmesh.v1.Decode/Session',
+                request_serializer=shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
+                response_deserializer=shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Decode/Health',
                 request_serializer=shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
@@ -51,7 +56,18 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One request, one stream: the simple form (tools, tests, other clients).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests over one stream, as the gateway uses it: requests and aborts go in,
+        and each engine step sends one message holding every request's new tokens (one
+        message per step instead of one per token per request). Closing the stream aborts
+        every request still running on it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -69,6 +85,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=shared_dot_proto_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=shared_dot_proto_dot_decode__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=shared_dot_proto_dot_decode__pb2.SessionRequest.FromString,
+                    response_serializer=shared_dot_proto_dot_decode__pb2.SessionOutputs.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -103,6 +124,33 @@ class Decode:
             '/pdmesh.v1.Decode/Generate',
             shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
             shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdmesh.v1.Decode/Session',
+            shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
+            shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 
 import grpc
@@ -110,4 +111,87 @@ def test_cancelled_stream_frees_its_blocks(mesh):
         if load.running == 0 and load.free_kv_blocks == load.total_kv_blocks:
             break
         time.sleep(0.05)
+    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+
+
+def _prefilled(pre, sp, prompts):
+    return [pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=p, sampling=sp), timeout=60)
+            for p in prompts]
+
+
+def _wait_idle(dec) -> common_pb2.WorkerLoad:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = dec.Health(common_pb2.HealthRequest(), timeout=10).load
+        if load.running == 0 and load.waiting == 0 and load.free_kv_blocks == load.total_kv_blocks:
+            break
+        time.sleep(0.05)
+    return load
+
+
+def test_session_serves_many_requests_one_message_per_step(mesh, expected):
+    """Every prompt through one Session stream gives the same tokens as Generate; an
+    invalid request on it fails alone with INVALID_ARGUMENT; steps arrive batched."""
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    firsts = _prefilled(pre, sp, PROMPTS)
+    bad = sampling_to_proto(SamplingParams(max_tokens=4))
+    bad.top_p = 3.0
+    msgs = [decode_pb2.SessionRequest(generate=decode_pb2.GenerateRequest(
+        request_id=f"s{i}", prompt_token_ids=p, output_token_ids=[r.first_token],
+        block_keys=r.block_keys, sampling=sp))
+        for i, (p, r) in enumerate(zip(PROMPTS, firsts, strict=True))]
+    msgs.insert(1, decode_pb2.SessionRequest(generate=decode_pb2.GenerateRequest(
+        request_id="bad", prompt_token_ids=[1, 2], output_token_ids=[3], sampling=bad)))
+    tokens = {f"s{i}": [r.first_token] for i, r in enumerate(firsts)}
+    finished: dict[str, str] = {}
+    errors: dict[str, tuple[int, str]] = {}
+    sizes = []
+    call = dec.Session(iter(msgs), timeout=60)
+    for out in call:
+        rids = [o.request_id for o in out.outputs]
+        assert len(rids) == len(set(rids))  # steps that piled up arrive merged
+        sizes.append(len(rids))
+        for o in out.outputs:
+            if o.error_code:
+                errors[o.request_id] = (o.error_code, o.error_message)
+                continue
+            tokens[o.request_id] += list(o.chunk.token_ids)
+            if o.chunk.finish_reason:
+                finished[o.request_id] = o.chunk.finish_reason
+    # the client closed its side after sending: the stream ends when all are finished
+    assert errors == {"bad": (grpc.StatusCode.INVALID_ARGUMENT.value[0], errors["bad"][1])}
+    assert "top_p" in errors["bad"][1]
+    assert finished == {f"s{i}": "length" for i in range(len(PROMPTS))}
+    assert [tokens[f"s{i}"] for i in range(len(PROMPTS))] == expected
+    assert max(sizes) == len(PROMPTS)  # a step's tokens for all requests in one message
+    assert _wait_idle(dec).running == 0
+
+
+def test_session_abort_and_close_free_blocks(mesh):
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    firsts = _prefilled(pre, sp, PROMPTS[:2])
+    outbox: queue.Queue = queue.Queue()
+    for i, (p, r) in enumerate(zip(PROMPTS[:2], firsts, strict=True)):
+        outbox.put(decode_pb2.SessionRequest(generate=decode_pb2.GenerateRequest(
+            request_id=f"long{i}", prompt_token_ids=p, output_token_ids=[r.first_token],
+            block_keys=r.block_keys, sampling=sp)))
+    call = dec.Session(iter(outbox.get, None), timeout=120)
+    seen: set[str] = set()
+    for out in call:
+        seen |= {o.request_id for o in out.outputs}
+        if seen == {"long0", "long1"}:
+            break
+    assert dec.Health(common_pb2.HealthRequest(), timeout=10).load.running == 2
+    outbox.put(decode_pb2.SessionRequest(abort_request_id="long0"))
+    deadline = time.monotonic() + 10
+    while dec.Health(common_pb2.HealthRequest(), timeout=10).load.running != 1:
+        assert time.monotonic() < deadline, "abort over the session did not stop long0"
+        time.sleep(0.05)
+    for out in call:  # long0 says nothing more after its abort
+        assert {o.request_id for o in out.outputs} == {"long1"}
+        break
+    call.cancel()  # the gateway went away: long1 is aborted and every block is free
+    load = _wait_idle(dec)
     assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks

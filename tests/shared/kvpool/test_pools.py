@@ -106,3 +106,50 @@ def test_unreachable_master_is_a_clear_error():
     with pytest.raises(PoolUnavailable, match=f"127.0.0.1:{port}"):
         MooncakePool(f"127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}/metadata",
                      segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
+
+
+def test_full_pool_evicts_old_blocks_instead_of_refusing_puts(tmp_path):
+    """Every block is read right after it is written, as decode does. With pdmesh's short
+    lease the master evicts the oldest blocks once its memory is full and keeps taking
+    puts; with Mooncake's default 10 s lease the same traffic gets puts refused."""
+    from services.kvstore.master import EvictionPolicy, MasterPorts
+
+    def fill(policy: EvictionPolicy, n: int = 200) -> tuple[int, list[bool], list[bool]]:
+        ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
+        sup = MasterSupervisor(ports, log_path=str(tmp_path / "master.log"), eviction=policy)
+        sup.start()
+        pool = MooncakePool(ports.master_address, ports.metadata_url,
+                            segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
+        try:
+            kv = [(torch.randn(4, 256, 64), torch.randn(4, 256, 64))]  # 128 KB blocks
+            regions = CacheRegions(kv)
+            for t in regions.tensors:
+                pool.register(t)
+            stored = 0
+            for i in range(n):  # 25 MB through a 16 MB segment
+                ok = pool.put([f"k{i}"], [regions.regions(i % 4)])[0]
+                stored += ok
+                # decode's read: the block arrives whole exactly when it was stored
+                assert pool.get([f"k{i}"], [regions.regions((i + 1) % 4)]) == [ok]
+                time.sleep(0.005)
+            return (stored, pool.exists([f"k{i}" for i in range(5)]),
+                    pool.exists([f"k{i}" for i in range(n - 5, n)]))
+        finally:
+            pool.close()
+            sup.stop()
+
+    stored, oldest, newest = fill(EvictionPolicy(lease_ttl_ms=100))
+    assert stored == 200 and newest == [True] * 5 and oldest == [False] * 5
+    stored, oldest, newest = fill(EvictionPolicy(lease_ttl_ms=10_000))
+    assert stored < 200 and oldest == [True] * 5  # what pdmesh's default avoids
+
+
+def test_eviction_policy_is_validated():
+    from services.kvstore.master import EvictionPolicy
+
+    with pytest.raises(ValueError, match="--kv-lease-ttl-ms"):
+        EvictionPolicy(lease_ttl_ms=0)
+    with pytest.raises(ValueError, match="--eviction-high-watermark-ratio"):
+        EvictionPolicy(high_watermark_ratio=1.5)
+    with pytest.raises(ValueError, match="--eviction-ratio"):
+        EvictionPolicy(eviction_ratio=0)

@@ -90,7 +90,8 @@ def test_cli_make_tiny_model_and_generate(tmp_path):
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert ModelConfig.from_folder(out).architecture == "LlamaForCausalLM"
-    gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model", str(out),
+    # the model positionally, as `vllm serve MODEL` takes it
+    gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", str(out),
                           "--device", "cpu", "--prompt", "import os", "--max-tokens", "5"],
                          capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
