@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway")
 LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
-               "queued_prefill_tokens")
+               "queued_prefill_tokens", "block_size")
 
 
 @dataclass

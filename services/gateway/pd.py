@@ -236,10 +236,11 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
     tried: set[str] = set()
     last = "no prefill instance is available"
     for attempt in range(PREFILL_ATTEMPTS):
-        inst = router.pick("prefill", exclude=tried)
+        inst = router.pick("prefill", exclude=tried, prompt=prompt)
         if inst is None:
             break
         stub = prefill_pb2_grpc.PrefillStub(channels.get(inst.address))
+        router.sent(inst, prompt)
         try:
             return await stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=f"{request_id}-p{attempt}", prompt_token_ids=prompt,
@@ -253,5 +254,7 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
                 break
             tried.add(inst.id)
             router.forget()
-            await asyncio.sleep(BACKOFF_S * (2 ** attempt))
+        finally:
+            router.answered(inst, prompt)
+        await asyncio.sleep(BACKOFF_S * (2 ** attempt))
     raise MeshError(last)

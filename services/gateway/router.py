@@ -1,11 +1,16 @@
 """Which instance serves a request, from the registry.
 
-Prefill: the least estimated time to first token, i.e. the fewest prompt tokens queued
-ahead (published with each heartbeat), then the fewest requests — in the spirit of
-Mooncake's conductor. Every prefill instance reads the same pool, so pool hits lower the
-new prompt's cost equally everywhere and do not change the choice. Decode: fewest KV
-blocks in use, then fewest running requests. Ties are broken at random so
+Prefill: the least estimated time to first token, in the spirit of Mooncake's conductor:
+prompt tokens already queued on the instance plus the tokens of this prompt it would
+have to compute. What an instance still holds in its local prefix cache is estimated
+here, from the prompts this gateway sent it (chained block hashes, newest kept, at most
+the instance's KV capacity), so a shared prefix goes back where it is cached while a
+busy instance still loses to an idle one. Every prefill instance reads the same pool,
+so pool hits lower the cost equally everywhere and do not change the choice. Decode:
+fewest KV blocks in use, then fewest running requests. Ties are broken at random so
 identical prompts cannot pile onto one instance. Draining instances get nothing.
+Queue lengths come with heartbeats; between two, the tokens this gateway has in flight
+on an instance stand in for the queue when they are more.
 """
 
 from __future__ import annotations
@@ -14,12 +19,52 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 
 import redis
 
 from shared.registry import Instance, Registry
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 128  # for instances that do not publish theirs
+
+
+def block_hashes(prompt: list[int], block_size: int) -> list[int]:
+    """One hash per full block, each chained to the blocks before it (a block matches
+    only with the same prefix), as the engines' prefix caches key their blocks."""
+    out, parent = [], 0
+    for start in range(0, len(prompt) - block_size + 1, block_size):
+        parent = hash((parent, tuple(prompt[start:start + block_size])))
+        out.append(parent)
+    return out
+
+
+class PrefixEstimate:
+    """The blocks an instance probably still caches: those it was sent last, at most
+    ``capacity`` of them (its KV blocks; older ones it has likely evicted)."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def hits(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` found (a prefix cache only matches from the start)."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: list[int], capacity: int) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > max(capacity, 0):
+            self._blocks.popitem(last=False)
+
+
+_EMPTY = PrefixEstimate()
 
 
 class Router:
@@ -37,6 +82,8 @@ class Router:
         self._rng = random.Random()
         self._refresh_now = threading.Event()
         self._background = False
+        self._estimates: dict[str, PrefixEstimate] = {}  # prefill instance id -> its cache
+        self._inflight: dict[str, int] = {}  # prefill instance id -> prompt tokens sent
 
     def start(self) -> None:
         self._refresh()
@@ -64,22 +111,50 @@ class Router:
         with self._lock:
             return [i for i in self._cache if i.role == role and not i.draining]
 
-    def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset()
-             ) -> Instance | None:
+    def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset(),
+             prompt: list[int] | None = None) -> Instance | None:
+        """The cheapest live instance of ``role``; for prefill, ``prompt`` lets cached
+        prefixes count."""
         live = [i for i in self.instances(role) if i.id not in exclude]
         if not live:
             return None
+        hashes: dict[int, list[int]] = {}
 
         def cost(i: Instance) -> tuple[int, int]:
             ld = i.load
+            busy = ld.get("running", 0) + ld.get("waiting", 0)
             if role == "decode":
                 used = ld.get("total_kv_blocks", 0) - ld.get("free_kv_blocks", 0)
-                return used, ld.get("running", 0) + ld.get("waiting", 0)
-            return (ld.get("queued_prefill_tokens", 0),
-                    ld.get("waiting", 0) + ld.get("running", 0))
+                return used, busy
+            queued = max(ld.get("queued_prefill_tokens", 0), self._inflight.get(i.id, 0))
+            if prompt is None:
+                return queued, busy
+            bs = ld.get("block_size") or DEFAULT_BLOCK_SIZE
+            if bs not in hashes:
+                hashes[bs] = block_hashes(prompt, bs)
+            cached = self._estimates.get(i.id, _EMPTY).hits(hashes[bs]) * bs
+            return queued + len(prompt) - min(cached, len(prompt) - 1), busy
 
-        best = min(cost(i) for i in live)
-        return self._rng.choice([i for i in live if cost(i) == best])
+        costs = {i.id: cost(i) for i in live}
+        best = min(costs.values())
+        return self._rng.choice([i for i in live if costs[i.id] == best])
+
+    def sent(self, inst: Instance, prompt: list[int]) -> None:
+        """A prompt went to prefill instance ``inst``: it will cache the prompt's blocks
+        and has its tokens queued until ``answered``."""
+        with self._lock:
+            bs = inst.load.get("block_size") or DEFAULT_BLOCK_SIZE
+            est = self._estimates.setdefault(inst.id, PrefixEstimate())
+            est.add(block_hashes(prompt, bs), inst.load.get("total_kv_blocks") or 1 << 30)
+            self._inflight[inst.id] = self._inflight.get(inst.id, 0) + len(prompt)
+
+    def answered(self, inst: Instance, prompt: list[int]) -> None:
+        with self._lock:
+            left = self._inflight.get(inst.id, 0) - len(prompt)
+            if left > 0:
+                self._inflight[inst.id] = left
+            else:
+                self._inflight.pop(inst.id, None)
 
     def forget(self) -> None:
         """Re-read the registry soon (after an instance failed)."""

@@ -124,6 +124,7 @@ class LoopLoad:
     free_kv_blocks: int
     total_kv_blocks: int
     queued_prefill_tokens: int  # prompt tokens admitted or waiting, not yet computed
+    block_size: int  # tokens per KV block (routers estimate prefix-cache hits with it)
 
 
 class EngineLoop:
@@ -151,7 +152,7 @@ class EngineLoop:
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                      for r in (*s.running, *s.waiting))
         return LoopLoad(len(s.running), len(s.waiting), self.engine.kv.num_free_blocks,
-                        self.engine.kv.num_blocks, queued)
+                        self.engine.kv.num_blocks, queued, self.engine.config.block_size)
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, output_token_ids: list[int] | None = None,

@@ -68,3 +68,57 @@ def test_background_refresh_sees_new_instances(registry_prefix):
     while r.pick("decode") is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert r.pick("decode").id == "d9"
+
+
+def two_prefills(prefix: str, **load_p1) -> Router:
+    base = {"block_size": 4, "total_kv_blocks": 100}
+    return Router(registry(prefix,
+                           Instance("p1", "prefill", "a:1", load={**base, **load_p1}),
+                           Instance("p2", "prefill", "a:2", load=base)))
+
+
+def test_prefill_follows_its_cached_prefix(registry_prefix):
+    r = two_prefills(registry_prefix + "-r6")
+    shared = list(range(1, 17))  # 4 blocks of 4
+    first = r.pick("prefill", prompt=shared + [50, 51])
+    r.sent(first, shared + [50, 51])
+    r.answered(first, shared + [50, 51])
+    # the same 16-token prefix again: only the instance that computed it skips it
+    assert {r.pick("prefill", prompt=shared + [60, 61, 62]).id for _ in range(20)} == {first.id}
+    # a prompt sharing nothing is a tie again: both instances get some
+    other = list(range(100, 118))
+    assert {r.pick("prefill", prompt=other).id for _ in range(50)} == {"p1", "p2"}
+    # a prefix match must start at the first block
+    shifted = [0] + shared
+    assert {r.pick("prefill", prompt=shifted).id for _ in range(50)} == {"p1", "p2"}
+
+
+def test_a_busy_cache_loses_to_an_idle_instance(registry_prefix):
+    r = two_prefills(registry_prefix + "-r7", queued_prefill_tokens=500)
+    p1 = next(i for i in r.instances("prefill") if i.id == "p1")
+    prompt = list(range(1, 41))
+    r.sent(p1, prompt)
+    r.answered(p1, prompt)
+    # p1 holds 40 cached tokens but has 500 queued: p2 computes 40 sooner
+    assert r.pick("prefill", prompt=prompt).id == "p2"
+
+
+def test_tokens_in_flight_count_before_the_next_heartbeat(registry_prefix):
+    r = two_prefills(registry_prefix + "-r8")
+    a, b = list(range(1, 101)), list(range(200, 210))
+    p1 = next(i for i in r.instances("prefill") if i.id == "p1")
+    r.sent(p1, a)  # 100 tokens on their way to p1, not yet in its heartbeat
+    assert {r.pick("prefill", prompt=b).id for _ in range(20)} == {"p2"}
+    r.answered(p1, a)
+    assert {r.pick("prefill", prompt=b).id for _ in range(50)} == {"p1", "p2"}
+
+
+def test_prefix_estimate_keeps_at_most_the_instance_capacity():
+    from services.gateway.router import PrefixEstimate, block_hashes
+
+    est = PrefixEstimate()
+    old, new = block_hashes(list(range(0, 40)), 4), block_hashes(list(range(100, 140)), 4)
+    est.add(old, capacity=12)
+    est.add(new, capacity=12)
+    assert est.hits(new) == 10 and est.hits(old) == 0  # old's first blocks were evicted
+    assert block_hashes([1, 2, 3], 4) == []  # no full block, nothing cacheable

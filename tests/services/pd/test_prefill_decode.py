@@ -189,9 +189,11 @@ def test_session_abort_and_close_free_blocks(mesh):
     while dec.Health(common_pb2.HealthRequest(), timeout=10).load.running != 1:
         assert time.monotonic() < deadline, "abort over the session did not stop long0"
         time.sleep(0.05)
-    for out in call:  # long0 says nothing more after its abort
-        assert {o.request_id for o in out.outputs} == {"long1"}
-        break
+    # long0 says nothing more after its abort (steps already on the wire may still
+    # carry it, then never again)
+    rids = [{o.request_id for o in out.outputs} for out, _ in zip(call, range(30), strict=False)]
+    last_long0 = max((i for i, r in enumerate(rids) if "long0" in r), default=-1)
+    assert last_long0 < 10 and all(r == {"long1"} for r in rids[last_long0 + 1:])
     call.cancel()  # the gateway went away: long1 is aborted and every block is free
     load = _wait_idle(dec)
     assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
