@@ -114,8 +114,7 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
         print(f"[up] {engines} engine(s), {threads} torch thread(s) each", flush=True)
         for role, count in roles:
             for i in range(count):
-                t = os.environ.get(f"PDMESH_{role.upper()}_THREADS", threads)
-                svc = Service(role, [role, *workers], log_dir, env={"OMP_NUM_THREADS": t})
+                svc = Service(role, [role, *workers], log_dir, env={"OMP_NUM_THREADS": threads})
                 started.append(svc)
                 print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
         gw_args = ["gateway", "--model", str(model), "--served-model-name", name,

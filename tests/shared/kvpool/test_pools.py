@@ -153,3 +153,38 @@ def test_eviction_policy_is_validated():
         EvictionPolicy(high_watermark_ratio=1.5)
     with pytest.raises(ValueError, match="--eviction-ratio"):
         EvictionPolicy(eviction_ratio=0)
+
+
+def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
+    """A kvstore that is SIGKILLed (no chance to stop its child) leaves no master behind."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from services.kvstore.master import *\n"
+              "s = MasterSupervisor(MasterPorts('127.0.0.1', free_port(), free_port(), "
+              "free_port())); s.start(); print(s.pid, flush=True); sys.stdin.read()")
+    sup = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        master_pid = int(sup.stdout.readline())
+        os.kill(master_pid, 0)  # running
+        sup.kill()
+        sup.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(master_pid):
+            time.sleep(0.05)
+        assert not _alive(master_pid), f"mooncake_master {master_pid} outlived its supervisor"
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
