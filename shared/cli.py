@@ -29,6 +29,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, dict[str, Any]]] = [
     (("mixed",), "services.decode.main",
      "a mixed prefill+decode instance (gRPC, no KV pool)", {"role": "mixed"}),
     (("gateway",), "services.gateway.main", "the OpenAI-compatible HTTP gateway", {}),
+    (("eplb",), "services.eplb.main", "the EPLB controller (gRPC)", {}),
     (("up",), "shared.up", "the whole mesh as local processes", {}),
     (("serve",), "shared.up", "one mixed instance behind the gateway (single box)",
      {"mixed": True}),

@@ -23,7 +23,7 @@ import redis
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway")
+ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway", "eplb")
 LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
                "queued_prefill_tokens", "block_size")
 

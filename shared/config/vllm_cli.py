@@ -93,9 +93,9 @@ FLAGS: dict[str, Flag] = {
     "--async-scheduling": _compat("bool"),
     "--trust-remote-code": _compat("bool"),
     "--data-parallel-start-rank": _compat("int"),
-    "--data-parallel-rank": _compat("int"),
-    "--data-parallel-address": _compat("str"),
-    "--data-parallel-rpc-port": _compat("int"),
+    "--data-parallel-rank": Flag("int", "data_parallel_rank"),
+    "--data-parallel-address": Flag("str", "data_parallel_address"),
+    "--data-parallel-rpc-port": Flag("int", "data_parallel_rpc_port"),
     "--headless": _compat("bool"),
     "--api-server-count": _compat("int"),
     "--tokenizer-mode": _compat("str"),
@@ -161,6 +161,9 @@ class VllmServeConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
+    data_parallel_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_eplb: bool = False

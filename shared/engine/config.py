@@ -23,6 +23,19 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # Data-parallel ranks of one instance: each rank is an engine with its own requests
+    # and KV cache; with expert parallelism the MoE layers' experts are spread over the
+    # ranks, which then step in lockstep (``data_parallel_address``: rank 0's host:port
+    # for the process group).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_address: str | None = None
+    enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    expert_map_path: str | None = None
+    # Expert load kept over this many steps (0: not recorded), for EPLB
+    expert_load_window: int = 0
+    expert_load_phase: str = "all"
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
@@ -40,6 +53,21 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size: must be >= 1, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank: must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}")
+        if self.enable_expert_parallel and self.data_parallel_size > 1 \
+                and not self.data_parallel_address:
+            raise ValueError("data_parallel_address: expert parallelism over "
+                             f"{self.data_parallel_size} ranks needs rank 0's host:port")
+        if self.num_redundant_experts < 0:
+            raise ValueError(
+                f"num_redundant_experts: must be >= 0, got {self.num_redundant_experts}")
+        if self.expert_load_window < 0:
+            raise ValueError(
+                f"expert_load_window: must be >= 0, got {self.expert_load_window}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")

@@ -57,6 +57,13 @@ class EngineCore:
         t0 = time.perf_counter()
         self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
                                                    model_cfg)
+        self.ep = self._setup_expert_parallel()
+        if config.expert_load_window and self.model.moe_layers:
+            from shared.parallel.expert_load import ExpertLoadRecorder
+
+            self.model.load_recorder = ExpertLoadRecorder(
+                len(self.model.moe_layers), self.model_config.moe.num_experts,
+                config.expert_load_window, config.expert_load_phase, self.backend.device)
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
                                                                            config.max_num_seqs)
@@ -82,6 +89,40 @@ class EngineCore:
                  str(self.dtype).removeprefix("torch."), num_blocks, config.block_size)
 
     # -- configuration ----------------------------------------------------------------
+    def _setup_expert_parallel(self):
+        """With ``enable_expert_parallel`` on a MoE model over several DP ranks: join the
+        ranks' process group and keep only this rank's experts."""
+        cfg = self.config
+        moe_layers = self.model.moe_layers
+        if not (cfg.enable_expert_parallel and cfg.data_parallel_size > 1 and moe_layers):
+            if cfg.num_redundant_experts or cfg.expert_map_path:
+                raise ValueError("num_redundant_experts / expert_map_path: only with expert "
+                                 "parallelism over data-parallel ranks on a MoE model")
+            return None
+        from shared.parallel.expert_parallel import ExpertParallel, init_group, load_expert_map
+
+        moe = self.model_config.moe
+        num_slots = moe.num_experts + cfg.num_redundant_experts
+        start = (load_expert_map(cfg.expert_map_path, len(moe_layers), moe.num_experts,
+                                 num_slots) if cfg.expert_map_path else None)
+        init_group(cfg.data_parallel_rank, cfg.data_parallel_size, cfg.data_parallel_address,
+                   self.device)
+        weights = [self.model.w.layers[i].mlp for i in moe_layers]
+        ep = ExpertParallel(cfg.data_parallel_rank, cfg.data_parallel_size, moe_layers,
+                            weights, moe.num_experts, cfg.num_redundant_experts, start)
+        for w in weights:  # the full expert stacks are not needed any more
+            w.w13 = w.w13.new_empty(0)
+            w.w2 = w.w2.new_empty(0)
+        self.model.ep = ep
+        return ep
+
+    def idle_step(self) -> None:
+        """A step with nothing of this rank's to compute: the other ranks' tokens still
+        pass through this rank's experts (only with expert parallelism)."""
+        if self.ep is not None:
+            self.ep.idle_step(self.model_config.hidden_size, self.dtype, self.backend.device,
+                              self.backend)
+
     def fingerprint(self) -> str:
         """What makes KV interchangeable: the model's content, its KV layout (layers, KV
         heads, head size, dtype) and the block size. The root of every block hash."""
@@ -186,9 +227,13 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.idle_step()
             return []
         try:
             logits, sample_idx = self.runner.execute(sched)
+            if self.model.load_recorder is not None:
+                self.model.load_recorder.end_step(
+                    is_prefill=sched.total_tokens > len(sched.requests))
         except BaseException:
             # This step's full blocks were made findable by hash before being computed:
             # forget every cached prefix rather than serve one that was never filled.

@@ -183,6 +183,9 @@ class EngineLoop:
 
     # -- the loop thread --------------------------------------------------------------
     def _run(self) -> None:
+        if self.engine.ep is not None:
+            self._run_lockstep()
+            return
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -192,6 +195,33 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 (the loop must outlive any one step)
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {e}")
+                continue
+            self._dispatch_step(outputs)
+        self._fail_all("engine stopped")
+
+    def _run_lockstep(self) -> None:
+        """Expert-parallel ranks: every rank steps when any rank has work (an idle rank's
+        step serves the others' tokens), and all stop together."""
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.zeros(2, dtype=torch.int64)
+        while True:
+            self._drain_inbox()
+            flags[0] = int(self.engine.has_unfinished())
+            flags[1] = int(self._stop.is_set())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags[1]:
+                break
+            if not flags[0]:
+                self._wake.wait(0.005)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {e}")
                 continue

@@ -70,6 +70,13 @@ class CausalLM:
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # MoE layers, in order; set by the engine: expert parallelism across DP ranks and
+        # the expert-load recorder (None: single process, nothing recorded)
+        self.moe_layers = [i for i, lw in enumerate(weights.layers)
+                           if isinstance(lw.mlp, MoEWeights)]
+        self._moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.ep = None
+        self.load_recorder = None
         cos, sin = rotary_tables(config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         # [max_pos, D] float32, in the form the backend's rotary kernel takes
@@ -94,7 +101,7 @@ class CausalLM:
         sin = self.sin.index_select(0, positions)
         h = self.w.embed.index_select(0, input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.w.layers, kv_caches, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.w.layers, kv_caches, strict=True)):
             if residual is None:
                 residual = h
                 x = be.rms_norm(h, layer.input_norm, eps)
@@ -102,7 +109,7 @@ class CausalLM:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, eps)
             h = self._attention(layer.attn, x, cos, sin, kv, meta)
             x, residual = be.add_rms_norm(h, residual, layer.post_attn_norm, eps)
-            h = self._mlp(layer.mlp, x)
+            h = self._mlp(layer.mlp, x, i)
         assert residual is not None
         last = (h + residual).index_select(0, logits_rows)  # [B, hidden]
         last = be.rms_norm(last, self.w.final_norm, eps)
@@ -134,7 +141,8 @@ class CausalLM:
             o = be.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale)
         return torch.mm(o.reshape(t, self.q_size), w.o)  # [T, hidden]
 
-    def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int
+             ) -> torch.Tensor:
         be = self.backend
         if isinstance(w, DenseMLPWeights):
             return torch.mm(be.silu_and_mul(torch.mm(x, w.gate_up)), w.down)
@@ -142,6 +150,10 @@ class CausalLM:
         assert moe is not None
         router_logits = torch.mm(x, w.router)  # [T, E]
         weights, ids = be.moe_gating_topk(router_logits, moe.top_k, moe.norm_topk_prob)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self._moe_index[layer], ids)
+        if self.ep is not None:
+            return self.ep.moe(layer, x, weights, ids, be)
         return be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)
 
 

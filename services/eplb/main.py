@@ -1,0 +1,84 @@
+"""`pdmesh eplb`: the EPLB controller over gRPC.
+
+    pdmesh eplb --host 127.0.0.1 --port 50300 [--interval-s 10 --improvement-threshold 0.05]
+
+Port 0 picks a free one. The line ``eplb ready: {json}`` on stdout tells a launcher
+where it listens. SIGTERM or SIGINT stops it: watch streams end, the registry entry goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import signal
+
+import grpc
+
+from services.eplb.controller import EplbController
+from services.eplb.server import SERVER_OPTIONS, EplbServicer, decide_periodically
+from shared.proto import eplb_pb2_grpc
+from shared.registry import (
+    Heartbeat,
+    Instance,
+    Registry,
+    add_registry_args,
+    advertised_host,
+)
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
+    p.add_argument("--interval-s", type=float, default=10.0,
+                   help="decide every group this often (vLLM-Ascend's "
+                        "algorithm_execution_interval)")
+    p.add_argument("--improvement-threshold", type=float, default=0.05,
+                   help="publish a new placement only when it raises the mean "
+                        "balancedness (mean/max tokens per rank) by more than this")
+    p.add_argument("--num-groups", type=int, default=1,
+                   help="expert groups of the model (group-limited routing)")
+    p.add_argument("--num-nodes", type=int, default=1,
+                   help="nodes each group's ranks span (hierarchical placement when "
+                        "--num-groups divides by it)")
+    add_registry_args(p)
+
+
+def run(a: argparse.Namespace) -> int:
+    if not (math.isfinite(a.interval_s) and a.interval_s > 0):
+        raise ValueError(f"--interval-s: must be a positive number, got {a.interval_s}")
+    controller = EplbController(a.num_groups, a.num_nodes, a.improvement_threshold)
+    asyncio.run(_serve(a, controller))
+    return 0
+
+
+async def _serve(a: argparse.Namespace, controller: EplbController) -> None:
+    loop = asyncio.get_running_loop()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    eplb_pb2_grpc.add_EplbServicer_to_server(EplbServicer(controller, loop), server)
+    try:
+        port = server.add_insecure_port(f"{a.host}:{a.port}")
+    except RuntimeError as e:  # grpc's "failed to bind"
+        raise ConnectionError(f"--port: cannot listen on {a.host}:{a.port}: {e}") from e
+    await server.start()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    host = advertised_host(a.host, a.advertise_host)
+    beat = Heartbeat(Registry(a.redis_url, a.registry_prefix),
+                     Instance(Heartbeat.new_id("eplb"), "eplb", f"{host}:{port}"))
+    timer = asyncio.create_task(decide_periodically(controller, a.interval_s, stop))
+    try:
+        await asyncio.to_thread(beat.start)
+        print("eplb ready: " + json.dumps({"grpc": f"{host}:{port}", "id": beat.inst.id}),
+              flush=True)
+        await stop.wait()
+        await asyncio.to_thread(beat.stop)
+    finally:
+        stop.set()
+        await timer
+        await server.stop(grace=1)

@@ -1,0 +1,1 @@
+"""Parallelism across the data-parallel ranks of one instance."""
