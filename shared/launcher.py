@@ -19,8 +19,12 @@ class Service:
     """A `pdmesh <command>` child that prints "<role> ready: {json}" once serving."""
 
     def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, wait: bool = True,
+                 echo: str | None = None):
+        """``wait`` False: return at once, ``wait_ready`` later (ranks that must all be
+        running before any is ready). ``echo``: also print the child's lines, prefixed."""
         self.role = role
+        self.echo = echo
         self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", *args], stdout=subprocess.PIPE,
@@ -30,9 +34,13 @@ class Service:
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        if wait:
+            self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
         if not self._ready.wait(timeout_s) or not self.info:
             self.stop()
-            raise RuntimeError(f"{role} did not become ready; log: {self.log_path}\n"
+            raise RuntimeError(f"{self.role} did not become ready; log: {self.log_path}\n"
                                + self.log_path.read_text()[-3000:])
 
     def _read(self) -> None:
@@ -41,6 +49,9 @@ class Service:
             for line in self.proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
                 log.flush()
+                if self.echo is not None:
+                    sys.stdout.write(self.echo + line)
+                    sys.stdout.flush()
                 if line.startswith(prefix) and not self.info:
                     self.info = json.loads(line[len(prefix):])
                     self._ready.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -49,6 +50,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "a mixed instance runs without a pool)")
     p.add_argument("--pool-segment-mb", type=int, default=512,
                    help="memory this instance lends to the KV pool")
+    g = p.add_argument_group("data parallel ranks (vllm serve flags)")
+    g.add_argument("--data-parallel-rank", type=int, default=None,
+                   help="run as this one rank of a data-parallel instance (the instance's "
+                        "launcher sets it; without it, --data-parallel-size N starts N ranks)")
+    g.add_argument("--data-parallel-address", default=None,
+                   help="host of rank 0's process-group store (default: --host)")
+    g.add_argument("--data-parallel-rpc-port", type=int, default=None,
+                   help="port of rank 0's process-group store (default: a free one)")
     add_registry_args(p)
     add_service_args(p)
 
@@ -70,6 +79,8 @@ def serve_worker(a: argparse.Namespace, role: str,
                  add_servicer: Callable[[grpc.aio.Server, EngineLoop, str], None]) -> int:
     # every flag checked before anything heavy starts
     service = resolve_service_config(a, role, resolve_device(a.device))
+    if a.data_parallel_size > 1 and a.data_parallel_rank is None:
+        return launch_ranks(a, role)
     # The engine loop thread runs Python between kernels almost without pause; at the
     # default 5 ms GIL switch interval a gRPC thread holding a finished token waits up to
     # that long to send it. 0.2 ms keeps token latency near the step time.
@@ -80,7 +91,7 @@ def serve_worker(a: argparse.Namespace, role: str,
         if not a.kvstore:
             raise ValueError(f"--kvstore: a {role} instance needs the kvstore's address")
         pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
-    config = engine_config_from_args(a)
+    config = dataclasses.replace(engine_config_from_args(a), **parallel_settings(a, service))
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
     loop = EngineLoop(engine)
     model_name = a.served_model_name or a.model
@@ -98,13 +109,15 @@ def serve_worker(a: argparse.Namespace, role: str,
     server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
     signal.signal(signal.SIGINT, lambda *_: loop.stop())
-    inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name)
+    inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name,
+                    dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0)
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
                      load=lambda: asdict(loop.load()))
     beat.start()
     print(f"{role} ready: " + json.dumps({
         "grpc": f"{host}:{port}", "model": model_name, "device": engine.device,
-        "id": inst.id, "kv_blocks": engine.kv.num_blocks, "kv_role": service.kv_role,
+        "id": inst.id, "dp_rank": inst.dp_rank, "kv_blocks": engine.kv.num_blocks,
+ "kv_role": service.kv_role,
         "inactive_keys": list(service.additional.inactive_keys), "config": asdict(config)}),
         flush=True)
     try:
@@ -116,3 +129,80 @@ def serve_worker(a: argparse.Namespace, role: str,
         if pool is not None:
             pool.close()
     return 0
+
+
+def parallel_settings(a: argparse.Namespace, service) -> dict:
+    """EngineConfig fields for data / expert parallelism and EPLB, from the flags and
+    ``eplb_config`` (vLLM-Ascend's fields) or upstream ``--eplb-config``."""
+    if a.data_parallel_size == 1:
+        return {}
+    eplb = service.additional.eplb_config
+    upstream = service.engine_args.eplb_config if service.engine_args.enable_eplb else {}
+    dynamic = eplb.dynamic_eplb or service.engine_args.enable_eplb
+    if upstream:
+        window = int(upstream.get("window_size", 1000))
+        redundant = int(upstream.get("num_redundant_experts", 0))
+        phase = eplb.load_collection_phase
+    else:
+        window = eplb.expert_heat_collection_interval
+        redundant = eplb.num_redundant_experts
+        phase = eplb.eplb_heat_collection_stage
+    host = a.data_parallel_address or ("127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host)
+    return {"data_parallel_size": a.data_parallel_size,
+            "data_parallel_rank": a.data_parallel_rank or 0,
+            "data_parallel_address": f"{host}:{a.data_parallel_rpc_port}",
+            "enable_expert_parallel": a.enable_expert_parallel,
+            "num_redundant_experts": redundant if a.enable_expert_parallel else 0,
+            "expert_map_path": eplb.expert_map_path if a.enable_expert_parallel else None,
+            "expert_load_window": max(window, 1) if dynamic else 0,
+            "expert_load_phase": phase}
+
+
+def launch_ranks(a: argparse.Namespace, role: str) -> int:
+    """``--data-parallel-size N`` without a rank: start the N rank processes (each a full
+    instance with its own gRPC port and registry entry, joined by one process group),
+    print one ready line for them all, and stop them all on SIGTERM / SIGINT or when one
+    dies."""
+    import os
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from services.kvstore.master import free_port
+    from shared.launcher import Service
+
+    host = a.data_parallel_address or ("127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host)
+    rpc_port = a.data_parallel_rpc_port or free_port(host)
+    argv = list(sys.argv[1:])
+    logs = Path(tempfile.mkdtemp(prefix=f"pdmesh-{role}-dp-"))
+    ranks: list[Service] = []
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        for r in range(a.data_parallel_size):
+            args = [*argv, "--data-parallel-rank", str(r), "--data-parallel-address", host,
+                    "--data-parallel-rpc-port", str(rpc_port)]
+            if a.port:
+                args += ["--port", str(a.port + r)]
+            ranks.append(Service(role, args, logs, wait=False, echo=f"[dp{r}] "))
+        for svc in ranks:
+            svc.wait_ready(300)
+        print(f"{role} ready: " + json.dumps({
+            "grpc": ranks[0].address, "ranks": [s.address for s in ranks],
+            "dp_size": a.data_parallel_size, "pids": [s.proc.pid for s in ranks],
+            "logs": str(logs), "model": ranks[0].info.get("model")}), flush=True)
+        while not stop.wait(0.5):
+            dead = [i for i, s in enumerate(ranks) if s.proc.poll() is not None]
+            if dead:
+                log.error("%s: rank(s) %s exited; stopping the instance", role, dead)
+                return 1
+        return 0
+    finally:
+        for svc in ranks:  # SIGTERM to all at once: they agree to stop at the next step
+            if svc.proc.poll() is None:
+                os.killpg(svc.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for svc in ranks:
+            svc.stop(timeout_s=max(0.1, deadline - time.monotonic()))

@@ -17,7 +17,11 @@ mean balancedness by more than the threshold::
 Before its first publication a group runs its start placement (version 0): slot ``s``
 holds expert ``s % num_experts``, the identity with the redundant slots wrapping round.
 Versions start above every ``placement_version`` a rank has reported, so a restarted
-controller (which knows no placement) never reuses a version the ranks already run.
+controller never reuses a version the ranks already run. Such a controller does not
+know the placement the ranks run (they report a version above 0 that it never
+published); its first decision publishes whatever the threshold says, so that the ranks
+and the controller agree again, and until then it measures "current" on the start
+placement.
 """
 
 from __future__ import annotations
@@ -153,6 +157,10 @@ class _Group:
         """[num_layers, num_experts] int64: the ranks' latest counts summed."""
         return torch.stack([s.counts for s in self.samples.values()]).sum(0)
 
+    def knows_placement(self) -> bool:
+        """False when ranks run a version this controller did not publish (a restart)."""
+        return self.placement is not None or self.version == 0
+
     def phy2log(self) -> torch.Tensor:
         """[num_layers, num_slots]: the placement in force (the start one before any)."""
         if self.placement is not None:
@@ -255,20 +263,22 @@ class EplbController:
 
     def decide(self, group: str, force: bool = False) -> Decision:
         """Propose a placement for the group's load; publish it as version + 1 when it
-        improves the mean balancedness by more than the threshold, or when ``force``."""
+        improves the mean balancedness by more than the threshold, when ``force``, or
+        when the placement the ranks run is unknown (see the module docstring)."""
         with self._decide_lock:
             with self._lock:
                 g = self._groups.get(group)
                 if g is None:
                     raise NoLoadError(f"group: no load reported for {group!r} yet")
                 load, current_phy2log, shape = g.load(), g.phy2log(), dict(g.shape)
+                known = g.knows_placement()
             num_ranks = shape["dp_size"]
             proposal = rebalance_experts(load, shape["num_slots"], self.num_groups,
                                          self.num_nodes, num_ranks)
             current = placement_balancedness(load, current_phy2log, num_ranks)
             proposed = placement_balancedness(load, proposal.phy2log, num_ranks)
             improvement = _mean(proposed) - _mean(current)
-            publish = force or improvement > self.improvement_threshold
+            publish = force or not known or improvement > self.improvement_threshold
             with self._lock:
                 g.decisions += 1
                 g.last_proposed = proposed

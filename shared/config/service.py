@@ -59,6 +59,7 @@ class ServiceConfig:
     kv_role: str | None
     kv_transfer: dict[str, Any]
     additional: AdditionalConfig
+    engine_args: EngineArgs
 
 
 def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> ServiceConfig:
@@ -72,9 +73,8 @@ def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> Ser
     if a.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size: {a.tensor_parallel_size} is not supported "
                          "yet; pdmesh runs one model replica per instance (use 1)")
-    if a.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size: {a.data_parallel_size} is not supported yet "
-                         "(data-parallel ranks arrive with expert parallelism; use 1)")
+    if a.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size: must be >= 1, got {a.data_parallel_size}")
     engine = EngineArgs(
         kv_role=kv_role, data_parallel_size=a.data_parallel_size,
         tensor_parallel_size=a.tensor_parallel_size,
@@ -93,4 +93,4 @@ def resolve_service_config(a: argparse.Namespace, role: str, device: str) -> Ser
     if additional.inactive_keys:
         log.warning("--additional-config: inactive on %s: %s", device,
                     ", ".join(additional.inactive_keys))
-    return ServiceConfig(kv_role, kv_transfer, additional)
+    return ServiceConfig(kv_role, kv_transfer, additional, engine)

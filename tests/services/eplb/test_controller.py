@@ -133,12 +133,14 @@ def test_force_publishes_and_versions_increase_by_one():
     assert not c.decide("g").published and c.status("g").version == 3
 
 
-def test_versions_start_above_what_ranks_report():
-    """A restarted controller must not reuse a version the ranks already run."""
-    c = EplbController()
-    assert c.report(sample(skewed(), placement_version=7)) == 7
+def test_restarted_controller_versions_above_what_ranks_run_and_resyncs():
+    """A restarted controller must not reuse a version the ranks run; not knowing their
+    placement, it publishes its first proposal even when it gains nothing."""
+    c = EplbController(improvement_threshold=0.05)
+    assert c.report(sample(uniform(), placement_version=7)) == 7
     d = c.decide("g")
-    assert d.published and d.version == 8
+    assert d.published and d.version == 8 and c.placement("g").version == 8
+    assert not c.decide("g").published  # known again: the threshold applies
 
 
 def test_no_load_no_decision():

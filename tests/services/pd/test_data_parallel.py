@@ -1,0 +1,96 @@
+"""A decode instance of two data-parallel ranks with expert parallelism, as real
+processes behind the gateway: every answer equals the single-process engine's, both
+ranks serve, and stopping the instance stops every rank."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from shared.launcher import Service
+from shared.registry import Registry
+
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+MODEL = "tiny-moe"
+PROMPTS = [list(range(100 + 7 * i, 130 + 11 * i)) for i in range(8)]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    moe = str(tiny_models["qwen3_moe"])
+    logs = tmp_path_factory.mktemp("dp-logs")
+    prefix = registry_prefix + "-dp"
+    reg = ["--registry-prefix", prefix]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], logs)
+        started.append(kv)
+        started.append(Service("prefill", ["prefill", moe, "--kvstore", kv.address,
+                                           "--served-model-name", MODEL, *ENGINE, *reg], logs))
+        dec = Service("decode", ["decode", moe, "--kvstore", kv.address,
+                                 "--served-model-name", MODEL, "--data-parallel-size", "2",
+                                 "--enable-expert-parallel", *ENGINE, *reg], logs)
+        started.append(dec)
+        gw = Service("gateway", ["gateway", moe, "--port", "0", "--served-model-name", MODEL,
+                                 *reg], logs)
+        started.append(gw)
+        yield {"url": gw.info["http"], "decode": dec, "prefix": prefix}
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    llm = LLM(str(tiny_models["qwen3_moe"]), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    return [o.outputs[0].text for o in outs]
+
+
+def test_both_ranks_register_as_decode_instances(mesh):
+    decode = Registry(prefix=mesh["prefix"]).instances("decode")
+    assert sorted((i.dp_rank, i.dp_size) for i in decode) == [(0, 2), (1, 2)]
+    assert sorted(i.address for i in decode) == sorted(mesh["decode"].info["ranks"])
+
+
+def test_concurrent_requests_equal_the_single_process_engine(mesh, expected):
+    client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
+                           timeout=120)
+
+    def one(prompt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == expected
+
+
+def test_stopping_the_instance_stops_every_rank(mesh):
+    pids = mesh["decode"].info["pids"]
+    assert all(_alive(p) for p in pids)
+    mesh["decode"].stop()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
