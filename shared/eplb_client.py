@@ -179,10 +179,12 @@ class EplbClient:
                 call = self._watch_call = self._stub.WatchPlacement(
                     eplb_pb2.WatchRequest(group=self.group))
             try:
-                for message in call:
-                    self._receive(message)
+                call.initial_metadata()  # returns when the watch is accepted, or has failed
+                if not call.done():
                     self._set_ok("watch")
                     backoff = self._min_backoff_s
+                for message in call:
+                    self._receive(message)
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return

@@ -37,6 +37,10 @@ class Service:
         if wait:
             self.wait_ready(timeout_s)
 
+    def join_output(self, timeout_s: float = 1.0) -> None:
+        """Until the child's output is all in the log (after it exited)."""
+        self._reader.join(timeout_s)
+
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         if not self._ready.wait(timeout_s) or not self.info:
             self.stop()

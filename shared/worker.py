@@ -187,8 +187,7 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
             if a.port:
                 args += ["--port", str(a.port + r)]
             ranks.append(Service(role, args, logs, wait=False, echo=f"[dp{r}] "))
-        for svc in ranks:
-            svc.wait_ready(300)
+        _wait_for_ranks(ranks, timeout_s=300)
         print(f"{role} ready: " + json.dumps({
             "grpc": ranks[0].address, "ranks": [s.address for s in ranks],
             "dp_size": a.data_parallel_size, "pids": [s.proc.pid for s in ranks],
@@ -206,3 +205,23 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
         deadline = time.monotonic() + 20
         for svc in ranks:
             svc.stop(timeout_s=max(0.1, deadline - time.monotonic()))
+
+
+def _wait_for_ranks(ranks, timeout_s: float) -> None:
+    """Until every rank is ready; the first rank to exit before that ends the wait with
+    its own error (the others would wait for it in the process group until timeout)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not all(s.info for s in ranks):
+        for r, s in enumerate(ranks):
+            if not s.info and s.proc.poll() is not None:
+                s.join_output()
+                lines = [ln for ln in s.log_path.read_text().splitlines() if ln.strip()]
+                errors = [ln for ln in lines if ln.startswith("pdmesh: error: ")]
+                why = errors[-1].removeprefix("pdmesh: error: ") if errors else \
+                    (lines[-1] if lines else f"exit status {s.proc.returncode}")
+                raise ValueError(f"data parallel rank {r} failed to start: {why}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"data parallel ranks not ready after {timeout_s:.0f} s")
+        time.sleep(0.05)

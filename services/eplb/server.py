@@ -84,6 +84,7 @@ class EplbServicer(eplb_pb2_grpc.EplbServicer):
     async def WatchPlacement(self, request, context):  # noqa: N802
         if not request.group:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group: required")
+        await context.send_initial_metadata(())  # the watcher knows it is connected
         queue: asyncio.Queue[PublishedPlacement] = asyncio.Queue()
         watchers = self._watchers.setdefault(request.group, set())
         watchers.add(queue)  # before reading the current one: nothing falls in between

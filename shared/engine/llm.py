@@ -48,7 +48,10 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 scheduling_policy: str = "fcfs", tokenizer: str | None = None):
+                 scheduling_policy: str = "fcfs", tokenizer: str | None = None,
+                 **engine_args: Any):
+        """``engine_args``: any other EngineConfig field (a TypeError names an unknown
+        one), as vLLM's LLM passes its extra keyword arguments to the engine."""
         self.engine = EngineCore(EngineConfig(
             model=model, device=device, dtype=dtype, seed=seed, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -56,6 +59,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, scheduling_policy=scheduling_policy,
+            **engine_args,
         ))
         self.tokenizer = Tokenizer(tokenizer or model)
 

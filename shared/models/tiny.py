@@ -119,6 +119,27 @@ def _config(arch: str, s: Shape, tok: Tokenizer) -> dict:
     return cfg
 
 
+def hot_experts(layer: int, num_experts: int) -> list[int]:
+    """The experts ``expert_skew`` favours in a layer: a quarter of them, consecutive (so
+    one rank holds them all under the identity placement), a different set per layer."""
+    n = max(1, num_experts // 4)
+    return [(layer * n + k) % num_experts for k in range(n)]
+
+
+def _skew_router(w: dict[str, torch.Tensor], s: Shape, skew: float) -> None:
+    """Every token's embedding gains a shared component along hidden dimension 0, which
+    the residual stream carries through the layers; each layer's hot experts get ``skew``
+    added to their router weight on that dimension, so they win the top-k far more often
+    than the rest, whatever the token (as real MoE models have hot experts). The shared
+    component's share of the normalized hidden state fades as the residual stream grows,
+    so the added weight grows with depth to keep every layer about as skewed."""
+    w["model.embed_tokens.weight"][:, 0] += 0.3
+    for i in range(s.layers):
+        gate = w[f"model.layers.{i}.mlp.gate.weight"]  # [E, hidden]
+        for e in hot_experts(i, s.experts):
+            gate[e, 0] += skew * (1 + i)
+
+
 def _weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
@@ -157,10 +178,15 @@ def _weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
 
 
 def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: str = "tiny",
-                    tokenizer: Tokenizer | None = None) -> Path:
-    """Write the model folder; returns its path. ``tokenizer`` reuses a trained one."""
+                    tokenizer: Tokenizer | None = None, expert_skew: float = 0.0) -> Path:
+    """Write the model folder; returns its path. ``tokenizer`` reuses a trained one.
+    ``expert_skew`` (MoE only): how strongly each layer's router favours a few hot
+    experts (see ``_skew_router``); 0 leaves routing as random as the weights make it."""
     if arch not in ARCHS:
         raise ValueError(f"arch: must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if expert_skew < 0 or (expert_skew and arch != "qwen3_moe"):
+        raise ValueError(f"expert_skew: must be >= 0 and needs --arch qwen3_moe "
+                         f"(got {expert_skew} for {arch})")
     if size not in SIZES:
         raise ValueError(f"size: must be one of {', '.join(SIZES)}, got {size!r}")
     shape = SIZES[size]
@@ -184,7 +210,10 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     _write_json(out / "special_tokens_map.json", {
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
         "additional_special_tokens": ["<|im_start|>"]})
-    weights = {k: v.contiguous() for k, v in _weights(arch, shape, seed).items()}
+    weights = _weights(arch, shape, seed)
+    if expert_skew:
+        _skew_router(weights, shape, expert_skew)
+    weights = {k: v.contiguous() for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -200,9 +229,12 @@ def add_args(m: argparse.ArgumentParser) -> None:
     m.add_argument("--arch", choices=list(ARCHS), default="qwen3")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--size", choices=list(SIZES), default="tiny")
+    m.add_argument("--expert-skew", type=float, default=0.0,
+                   help="qwen3_moe: bias each layer's router toward a quarter of its "
+                        "experts (0: off; 0.3 sends them about 2/3 of the routed tokens)")
 
 
 def run(a: argparse.Namespace) -> int:
-    out = make_tiny_model(a.out, a.arch, seed=a.seed, size=a.size)
+    out = make_tiny_model(a.out, a.arch, seed=a.seed, size=a.size, expert_skew=a.expert_skew)
     print(f"wrote {a.size} {a.arch} model (seed {a.seed}) to {out}")
     return 0

@@ -20,7 +20,9 @@ def start(*args: str) -> subprocess.CompletedProcess[str]:
     (["decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}'], "kv_role"),
     (["prefill", "--kv-transfer-config", "{not json"], "--kv-transfer-config"),
     (["prefill", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-    (["decode", "--data-parallel-size", "4"], "--data-parallel-size"),
+    (["decode", "--data-parallel-size", "0"], "--data-parallel-size"),
+    # two ranks start; the first to fail (no kvstore there) ends start-up with its error
+    (["decode", "--data-parallel-size", "2"], "rank"),
 ])
 def test_bad_flags_stop_startup_with_a_named_error(qwen3_path, args, needle):
     r = start(*args, "--model", str(qwen3_path), "--kvstore", "127.0.0.1:1", "--device", "cpu")

@@ -110,3 +110,30 @@ def test_fingerprint_follows_content_not_path(tmp_path, qwen3_path, bpe_tokenize
     assert model_fingerprint(copy) == model_fingerprint(qwen3_path)
     other = make_tiny_model(tmp_path / "other", "qwen3", seed=1, tokenizer=bpe_tokenizer)
     assert model_fingerprint(other) != model_fingerprint(qwen3_path)  # same layout
+
+
+def test_expert_skew_makes_a_few_experts_hot(tmp_path, bpe_tokenizer):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import EngineCore
+    from shared.models.tiny import hot_experts
+
+    def hot_share(skew: float) -> list[float]:
+        path = make_tiny_model(tmp_path / f"skew-{skew}", "qwen3_moe", seed=0,
+                               tokenizer=bpe_tokenizer, expert_skew=skew)
+        eng = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                      expert_load_window=100))
+        for i in range(8):
+            eng.add_request(list(range(50 + 97 * i, 90 + 97 * i)),
+                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        load = eng.model.load_recorder.load().float()
+        experts = load.shape[1]
+        return [(load[i, hot_experts(i, experts)].sum() / load[i].sum()).item()
+                for i in range(load.shape[0])]
+
+    plain, skewed = hot_share(0.0), hot_share(0.3)
+    assert all(s > 0.45 for s in skewed), skewed  # a quarter of the experts: 0.25 if even
+    assert sum(skewed) > sum(plain) + 0.8
+    with pytest.raises(ValueError, match="expert_skew"):
+        make_tiny_model(tmp_path / "dense", "qwen3", tokenizer=bpe_tokenizer, expert_skew=0.3)
