@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway", "eplb")
 LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
-               "queued_prefill_tokens", "block_size")
+               "queued_prefill_tokens", "block_size", "placement_version",
+               "expert_bytes_moved")
 
 
 @dataclass

@@ -58,6 +58,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="host of rank 0's process-group store (default: --host)")
     g.add_argument("--data-parallel-rpc-port", type=int, default=None,
                    help="port of rank 0's process-group store (default: a free one)")
+    g.add_argument("--eplb-address", default=None,
+                   help="the EPLB controller's gRPC address, with dynamic EPLB (default: the "
+                        "one in the registry)")
     add_registry_args(p)
     add_service_args(p)
 
@@ -93,7 +96,16 @@ def serve_worker(a: argparse.Namespace, role: str,
         pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
     config = dataclasses.replace(engine_config_from_args(a), **parallel_settings(a, service))
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
-    loop = EngineLoop(engine)
+    eplb = None
+    if engine.ep is not None and engine.model.load_recorder is not None:
+        from shared.parallel.eplb_rank import ControllerFinder, RankEplb
+
+        finder = ControllerFinder(Registry(a.redis_url, a.registry_prefix),
+                                  f"{role}@{config.data_parallel_address}",
+                                  config.data_parallel_rank, config.data_parallel_size,
+                                  engine.ep.num_slots, a.eplb_address)
+        eplb = RankEplb(engine.ep, engine.model.load_recorder, finder)
+    loop = EngineLoop(engine, eplb)
     model_name = a.served_model_name or a.model
     # gRPC runs on an asyncio loop in one thread; the engine steps in the main thread
     aio = asyncio.new_event_loop()
@@ -191,6 +203,7 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
         print(f"{role} ready: " + json.dumps({
             "grpc": ranks[0].address, "ranks": [s.address for s in ranks],
             "dp_size": a.data_parallel_size, "pids": [s.proc.pid for s in ranks],
+            "eplb_group": f"{role}@{host}:{rpc_port}",
             "logs": str(logs), "model": ranks[0].info.get("model")}), flush=True)
         while not stop.wait(0.5):
             dead = [i for i, s in enumerate(ranks) if s.proc.poll() is not None]

@@ -125,11 +125,15 @@ class LoopLoad:
     total_kv_blocks: int
     queued_prefill_tokens: int  # prompt tokens admitted or waiting, not yet computed
     block_size: int  # tokens per KV block (routers estimate prefix-cache hits with it)
+    placement_version: int = 0  # the EPLB expert placement this rank runs
+    expert_bytes_moved: int = 0  # expert weights this rank received in placement changes
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore):
+    def __init__(self, engine: EngineCore, eplb=None):
+        """``eplb``: a RankEplb (expert-parallel ranks with dynamic EPLB)."""
         self.engine = engine
+        self.eplb = eplb
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, Request | None]] = {}
@@ -151,8 +155,11 @@ class EngineLoop:
         s = self.engine.scheduler
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                      for r in (*s.running, *s.waiting))
+        ep = self.engine.ep
         return LoopLoad(len(s.running), len(s.waiting), self.engine.kv.num_free_blocks,
-                        self.engine.kv.num_blocks, queued, self.engine.config.block_size)
+                        self.engine.kv.num_blocks, queued, self.engine.config.block_size,
+                        ep.version if ep is not None else 0,
+                        ep.bytes_moved if ep is not None else 0)
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, output_token_ids: list[int] | None = None,
@@ -207,14 +214,19 @@ class EngineLoop:
         import torch
         import torch.distributed as dist
 
-        flags = torch.zeros(2, dtype=torch.int64)
+        # [any work, stop, newest placement version, -oldest placement version]
+        flags = torch.zeros(4, dtype=torch.int64)
         while True:
             self._drain_inbox()
+            version = self.eplb.known_version() if self.eplb is not None else 0
             flags[0] = int(self.engine.has_unfinished())
             flags[1] = int(self._stop.is_set())
+            flags[2], flags[3] = version, -version
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[1]:
                 break
+            if self.eplb is not None:
+                self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
             if not flags[0]:
                 self._wake.wait(0.005)
                 self._wake.clear()

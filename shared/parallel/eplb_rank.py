@@ -1,0 +1,117 @@
+"""A DP rank's side of dynamic EPLB, driven by the lockstep engine loop.
+
+    every step   the ranks' all-reduce carries the newest placement version each has heard
+                 of; when all have the same one, newer than what runs, every rank starts
+                 applying it: one MoE layer per step (its experts' weights move between
+                 the ranks), the layer's maps switching at the step boundary
+    every ~1 s   the windowed expert load goes to the controller (off the hot path)
+
+Without a reachable controller nothing changes: the rank keeps its placement and keeps
+serving. Moves are counted (bytes, seconds) for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from shared.parallel.expert_load import ExpertLoadRecorder
+from shared.parallel.expert_parallel import ExpertParallel
+
+log = logging.getLogger(__name__)
+
+
+class RankEplb:
+    def __init__(self, ep: ExpertParallel, recorder: ExpertLoadRecorder, client,
+                 report_every_s: float = 1.0):
+        """``client``: an EplbClient (or anything with ``report`` and ``latest``)."""
+        self.ep = ep
+        self.recorder = recorder
+        self.client = client
+        self.report_every_s = report_every_s
+        self._last_report = time.monotonic()
+        self._pending: tuple[int, torch.Tensor] | None = None  # version, phy2log [L, S]
+        self._next_layer = 0
+        self.steps = 0
+        self.move_seconds = 0.0
+
+    def known_version(self) -> int:
+        """The newest placement this rank has received (0: none)."""
+        p = self.client.latest()
+        return p.version if p is not None else 0
+
+    def at_step_boundary(self, newest: int, oldest: int) -> None:
+        """Called by every rank between two steps with the max and min of the ranks'
+        ``known_version``: starts or continues applying a placement, one layer a step."""
+        self.steps += 1
+        if self._pending is None and newest == oldest and newest > self.ep.version:
+            p = self.client.latest()
+            if p is not None and p.version == newest:
+                expected = (len(self.ep.placements), self.ep.num_slots)
+                if tuple(p.phy2log.shape) != expected:
+                    log.warning("eplb: placement %d is %s, this instance needs %s; ignored",
+                                p.version, list(p.phy2log.shape), list(expected))
+                    self.ep.version = newest  # do not ask again
+                else:
+                    self._pending = (p.version, p.phy2log)
+                    self._next_layer = 0
+        if self._pending is not None:
+            version, phy2log = self._pending
+            t0 = time.perf_counter()
+            self.ep.move_experts(self._next_layer, phy2log[self._next_layer])
+            self.move_seconds += time.perf_counter() - t0
+            self._next_layer += 1
+            if self._next_layer == phy2log.shape[0]:
+                self.ep.version = version
+                self._pending = None
+                log.info("eplb: placement %d applied (%d bytes moved so far)", version,
+                         self.ep.bytes_moved)
+        now = time.monotonic()
+        if now - self._last_report >= self.report_every_s and self.recorder.steps:
+            self._last_report = now
+            self.client.report(self.recorder.load(), self.steps, self.ep.version)
+
+
+class ControllerFinder:
+    """An EplbClient for the controller the registry names, found lazily: an instance
+    started before its controller picks it up at the next report."""
+
+    def __init__(self, registry, group: str, dp_rank: int, dp_size: int, num_slots: int,
+                 address: str | None = None):
+        self.registry = registry
+        self.args = (group, dp_rank, dp_size)
+        self.num_slots = num_slots
+        self.address = address
+        self.client = None
+        self._connect()
+
+    def _connect(self) -> None:
+        from shared.eplb_client import EplbClient
+
+        address = self.address
+        if address is None:
+            try:
+                found = self.registry.instances("eplb")
+            except Exception as e:  # noqa: BLE001 (redis down: try at the next report)
+                log.warning("eplb: registry lookup failed: %s", e)
+                return
+            if not found:
+                return
+            address = found[0].address
+        self.client = EplbClient(address, *self.args, num_slots=self.num_slots)
+        log.info("eplb: reporting to the controller at %s", address)
+
+    def report(self, counts: torch.Tensor, step: int, placement_version: int) -> None:
+        if self.client is None:
+            self._connect()
+        if self.client is not None:
+            self.client.report(counts, step, placement_version)
+
+    def latest(self):
+        return self.client.latest() if self.client is not None else None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
