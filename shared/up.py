@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from shared.launcher import Service
+from shared.models.config import ModelConfig
 
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 
@@ -41,6 +42,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="default: a fresh temporary folder")
     p.add_argument("--engine-args", default="",
                    help="extra engine flags for prefill and decode, as one string")
+    p.add_argument("--prefill-args", default="", help="extra flags for prefill only")
+    p.add_argument("--decode-args", default="",
+                   help="extra flags for decode only, e.g. \"--data-parallel-size 2 "
+                        "--enable-expert-parallel\"")
+
+
+def _ranks(args: list[str]) -> int:
+    """Engine processes one instance with these flags runs (its data-parallel size)."""
+    for flag in ("--data-parallel-size", "-dp"):
+        if flag in args[:-1]:
+            return max(1, int(args[args.index(flag) + 1]))
+    return 1
 
 
 def _listening(host: str, port: int) -> bool:
@@ -106,15 +119,22 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
                   flush=True)
             workers += ["--kvstore", kv.address]
             roles = [("prefill", a.prefill), ("decode", a.decode)]
+            if ModelConfig.from_folder(model).moe is not None:  # experts to balance
+                ctl = Service("eplb", ["eplb", "--host", a.host, *reg], log_dir)
+                started.append(ctl)
+                print(f"[up] eplb controller ready at {ctl.address}", flush=True)
         # Share the cores among the engines: torch threads that outnumber the cores spin
         # against each other (on 2 cores, 1 thread each nearly doubled rate-inf throughput).
-        engines = sum(count for _, count in roles)
+        extra = {"prefill": a.prefill_args.split(), "decode": a.decode_args.split(),
+                 "mixed": a.decode_args.split()}
+        engines = sum(count * _ranks(extra[role]) for role, count in roles)
         threads = os.environ.get("OMP_NUM_THREADS") or str(
             max(1, (os.cpu_count() or 1) // engines))
         print(f"[up] {engines} engine(s), {threads} torch thread(s) each", flush=True)
         for role, count in roles:
             for i in range(count):
-                svc = Service(role, [role, *workers], log_dir, env={"OMP_NUM_THREADS": threads})
+                svc = Service(role, [role, *workers, *extra[role]], log_dir,
+                              env={"OMP_NUM_THREADS": threads})
                 started.append(svc)
                 print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
         gw_args = ["gateway", "--model", str(model), "--served-model-name", name,

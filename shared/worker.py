@@ -58,6 +58,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="host of rank 0's process-group store (default: --host)")
     g.add_argument("--data-parallel-rpc-port", type=int, default=None,
                    help="port of rank 0's process-group store (default: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="HTTP port of /metrics (0: any free one; -1: none)")
     g.add_argument("--eplb-address", default=None,
                    help="the EPLB controller's gRPC address, with dynamic EPLB (default: the "
                         "one in the registry)")
@@ -104,7 +106,8 @@ def serve_worker(a: argparse.Namespace, role: str,
                                   f"{role}@{config.data_parallel_address}",
                                   config.data_parallel_rank, config.data_parallel_size,
                                   engine.ep.num_slots, a.eplb_address)
-        eplb = RankEplb(engine.ep, engine.model.load_recorder, finder)
+        eplb = RankEplb(engine.ep, engine.model.load_recorder, finder,
+                        record_path=config.expert_map_record_path)
     loop = EngineLoop(engine, eplb)
     model_name = a.served_model_name or a.model
     # gRPC runs on an asyncio loop in one thread; the engine steps in the main thread
@@ -123,12 +126,21 @@ def serve_worker(a: argparse.Namespace, role: str,
     signal.signal(signal.SIGINT, lambda *_: loop.stop())
     inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name,
                     dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0)
+    metrics_port = None
+    if a.metrics_port >= 0:
+        from shared.metrics import serve_metrics, worker_metrics
+
+        labels = {"model_name": model_name, "instance": inst.id, "role": role,
+                  "dp_rank": str(inst.dp_rank)}
+        metrics_port = serve_metrics(worker_metrics(loop, labels, eplb), a.host,
+                                     a.metrics_port)
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
                      load=lambda: asdict(loop.load()))
     beat.start()
     print(f"{role} ready: " + json.dumps({
         "grpc": f"{host}:{port}", "model": model_name, "device": engine.device,
         "id": inst.id, "dp_rank": inst.dp_rank, "kv_blocks": engine.kv.num_blocks,
+        "metrics": f"http://{host}:{metrics_port}/metrics" if metrics_port else None,
  "kv_role": service.kv_role,
         "inactive_keys": list(service.additional.inactive_keys), "config": asdict(config)}),
         flush=True)
@@ -166,6 +178,8 @@ def parallel_settings(a: argparse.Namespace, service) -> dict:
             "enable_expert_parallel": a.enable_expert_parallel,
             "num_redundant_experts": redundant if a.enable_expert_parallel else 0,
             "expert_map_path": eplb.expert_map_path if a.enable_expert_parallel else None,
+            "expert_map_record_path": (eplb.expert_map_record_path
+                                       if a.enable_expert_parallel else None),
             "expert_load_window": max(window, 1) if dynamic else 0,
             "expert_load_phase": phase}
 
@@ -198,12 +212,15 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
                     "--data-parallel-rpc-port", str(rpc_port)]
             if a.port:
                 args += ["--port", str(a.port + r)]
+            if a.metrics_port > 0:
+                args += ["--metrics-port", str(a.metrics_port + r)]
             ranks.append(Service(role, args, logs, wait=False, echo=f"[dp{r}] "))
         _wait_for_ranks(ranks, timeout_s=300)
         print(f"{role} ready: " + json.dumps({
             "grpc": ranks[0].address, "ranks": [s.address for s in ranks],
             "dp_size": a.data_parallel_size, "pids": [s.proc.pid for s in ranks],
             "eplb_group": f"{role}@{host}:{rpc_port}",
+            "metrics": [s.info.get("metrics") for s in ranks],
             "logs": str(logs), "model": ranks[0].info.get("model")}), flush=True)
         while not stop.wait(0.5):
             dead = [i for i, s in enumerate(ranks) if s.proc.poll() is not None]

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="HTTP port of /metrics (0: any free one; -1: none)")
     p.add_argument("--interval-s", type=float, default=10.0,
                    help="decide every group this often (vLLM-Ascend's "
                         "algorithm_execution_interval)")
@@ -72,13 +74,48 @@ async def _serve(a: argparse.Namespace, controller: EplbController) -> None:
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix),
                      Instance(Heartbeat.new_id("eplb"), "eplb", f"{host}:{port}"))
     timer = asyncio.create_task(decide_periodically(controller, a.interval_s, stop))
+    metrics = None
+    if a.metrics_port >= 0:
+        from shared.metrics import serve_metrics
+
+        metrics = serve_metrics(controller_metrics(controller, beat.inst.id), a.host,
+                                a.metrics_port)
     try:
         await asyncio.to_thread(beat.start)
-        print("eplb ready: " + json.dumps({"grpc": f"{host}:{port}", "id": beat.inst.id}),
-              flush=True)
+        print("eplb ready: " + json.dumps({
+            "grpc": f"{host}:{port}", "id": beat.inst.id,
+            "metrics": f"http://{host}:{metrics}/metrics" if metrics else None}), flush=True)
         await stop.wait()
         await asyncio.to_thread(beat.stop)
     finally:
         stop.set()
         await timer
         await server.stop(grace=1)
+
+
+def controller_metrics(controller: EplbController, instance: str):
+    """Per group: placement version, decisions, and per-layer balancedness of the
+    placement in force and of the last proposal, under the current load."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def collect():
+        version = GaugeMetricFamily("pdmesh_eplb_placement_version",
+                                    "Newest placement published for the group.",
+                                    labels=["instance", "group"])
+        decisions = CounterMetricFamily("pdmesh_eplb_decisions",
+                                        "Placement decisions made (published or not).",
+                                        labels=["instance", "group"])
+        balance = GaugeMetricFamily(
+            "pdmesh_eplb_balancedness", "Mean / max tokens per rank, per MoE layer.",
+            labels=["instance", "group", "layer", "placement"])
+        for group in controller.groups():
+            s = controller.status(group)
+            version.add_metric([instance, group], s.version)
+            decisions.add_metric([instance, group], s.decisions)
+            for kind, values in (("current", s.balancedness),
+                                 ("proposed", s.proposed_balancedness)):
+                for layer, b in enumerate(values):
+                    balance.add_metric([instance, group, str(layer), kind], b)
+        yield from (version, decisions, balance)
+
+    return collect

@@ -33,6 +33,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     num_redundant_experts: int = 0
     expert_map_path: str | None = None
+    expert_map_record_path: str | None = None  # rank 0 writes each applied placement here
     # Expert load kept over this many steps (0: not recorded), for EPLB
     expert_load_window: int = 0
     expert_load_phase: str = "all"

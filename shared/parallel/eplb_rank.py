@@ -25,9 +25,12 @@ log = logging.getLogger(__name__)
 
 class RankEplb:
     def __init__(self, ep: ExpertParallel, recorder: ExpertLoadRecorder, client,
-                 report_every_s: float = 1.0):
-        """``client``: an EplbClient (or anything with ``report`` and ``latest``)."""
+                 report_every_s: float = 1.0, record_path: str | None = None):
+        """``client``: an EplbClient (or anything with ``report`` and ``latest``);
+        ``record_path``: rank 0 writes every applied placement there (vLLM-Ascend's
+        ``expert_map_record_path``; ``expert_map_path`` loads it at the next start)."""
         self.ep = ep
+        self.record_path = record_path
         self.recorder = recorder
         self.client = client
         self.report_every_s = report_every_s
@@ -66,12 +69,25 @@ class RankEplb:
             if self._next_layer == phy2log.shape[0]:
                 self.ep.version = version
                 self._pending = None
+                if self.record_path and self.ep.rank == 0:
+                    save_expert_map(self.record_path, phy2log, version)
                 log.info("eplb: placement %d applied (%d bytes moved so far)", version,
                          self.ep.bytes_moved)
         now = time.monotonic()
         if now - self._last_report >= self.report_every_s and self.recorder.steps:
             self._last_report = now
             self.client.report(self.recorder.load(), self.steps, self.ep.version)
+
+
+def save_expert_map(path: str, phy2log: torch.Tensor, version: int) -> None:
+    """The JSON ``load_expert_map`` reads, written whole or not at all."""
+    import json
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"version": version, "phy2log": phy2log.tolist()}, f)
+    os.replace(tmp, path)
 
 
 class ControllerFinder:

@@ -29,14 +29,17 @@ def running_with(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("command", ["up", "serve"])
-def test_up_serves_and_stops_cleanly(qwen3_path, tmp_path, registry_prefix, command):
-    """`up`: the PD mesh; `serve`: one mixed instance behind the gateway."""
-    prefix = f"{registry_prefix}-{command}"
+@pytest.mark.parametrize("command,moe", [("up", False), ("serve", False), ("up", True)])
+def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, command, moe):
+    """`up`: the PD mesh; `serve`: one mixed instance behind the gateway; `up` on a MoE
+    model adds the EPLB controller, here with a decode instance of two EP ranks."""
+    model_path = tiny_models["qwen3_moe" if moe else "qwen3"]
+    prefix = f"{registry_prefix}-{command}-{int(moe)}"
+    extra = ["--decode-args", "--data-parallel-size 2 --enable-expert-parallel"] if moe else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", command, "--model", str(qwen3_path), "--port", "0",
+        [sys.executable, "-m", "shared.cli", command, str(model_path), "--port", "0",
          "--registry-prefix", prefix, "--log-dir", str(tmp_path),
-         "--engine-args", "--device cpu --block-size 16 --pool-segment-mb 64"],
+         "--engine-args", "--device cpu --block-size 16 --pool-segment-mb 64", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out: list[str] = []
     try:
@@ -52,12 +55,13 @@ def test_up_serves_and_stops_cleanly(qwen3_path, tmp_path, registry_prefix, comm
             if m := re.search(r"mesh ready: (http://\S+)/v1", line):
                 url = m.group(1)
         assert url and (master or command == "serve"), "".join(out)
-        model = qwen3_path.name
+        assert moe == any("eplb controller ready" in line for line in out), "".join(out)
+        model = model_path.name
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8,
                              "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
-        offline = LLM(str(qwen3_path), device="cpu", block_size=16)
+        offline = LLM(str(model_path), device="cpu", block_size=16)
         expected = offline.generate([[5, 6, 7, 8]], SamplingParams(
             temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
         assert r.json()["choices"][0]["text"] == expected

@@ -13,6 +13,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -67,7 +68,7 @@ def mesh(skewed, tmp_path_factory, registry_prefix):
                                  MODEL, *reg], logs)
         started.append(gw)
         yield {"url": gw.info["http"], "controller": ctl, "prefix": prefix,
-               "group": dec.info["eplb_group"]}
+               "group": dec.info["eplb_group"], "decode": dec}
     finally:
         for s in reversed(started):
             s.stop()
@@ -139,6 +140,15 @@ def test_controller_rebalances_while_answers_stay_exact(mesh, expected):
     moved = [i.load.get("expert_bytes_moved", 0)
              for i in Registry(prefix=prefix).instances("decode")]
     assert sum(moved) > 0
+    # the same figures on /metrics: every rank's version and bytes, the controller's
+    # per-layer balancedness of the placement in force
+    for url in mesh["decode"].info["metrics"]:
+        text = httpx.get(url, timeout=10).text
+        assert _sample(text, "pdmesh_eplb_placement_version") >= 1
+        assert _sample(text, "pdmesh_eplb_expert_weight_bytes_moved_total") > 0
+    text = httpx.get(mesh["controller"].info["metrics"], timeout=10).text
+    assert _sample(text, "pdmesh_eplb_placement_version") >= 1
+    assert 'placement="current"' in text and "pdmesh_eplb_balancedness{" in text
 
 
 def test_instance_keeps_serving_without_its_controller(mesh, expected):
@@ -146,3 +156,11 @@ def test_instance_keeps_serving_without_its_controller(mesh, expected):
     os.killpg(ctl.proc.pid, signal.SIGKILL)
     ctl.proc.wait(10)
     assert [ask(mesh["url"], p) for p in PROMPTS[:3]] == expected[:3]
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the first sample of ``name`` in a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported:\n{text[:2000]}")

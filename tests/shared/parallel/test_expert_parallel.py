@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 def rank_main(rank: int, world: int, address: str, model: str, prompts: list[list[int]],
-              redundant: int, moves: list, out: mp.Queue) -> None:
+              redundant: int, moves: list, out: mp.Queue, expert_map: str | None = None
+              ) -> None:
     """One DP rank: its share of the prompts, stepped in lockstep with the others; after
     ``moves[i][0]`` steps, every rank switches MoE layer moves[i][1] to moves[i][2]."""
     try:
@@ -38,7 +39,7 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
             model=model, device="cpu", dtype="float32", block_size=16,
             data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
             enable_expert_parallel=True, num_redundant_experts=redundant,
-            expert_load_window=8))
+            expert_load_window=8, expert_map_path=expert_map))
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW,
                                                  ignore_eos=True)).request_id
                for p in prompts]
@@ -67,12 +68,12 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
 
 
 def run_ranks(model: str, shares: list[list[list[int]]], redundant: int = 0,
-              moves: list | None = None) -> dict[int, tuple]:
+              moves: list | None = None, expert_map: str | None = None) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=rank_main, args=(r, len(shares), address, model, shares[r],
-                                                 redundant, moves or [], out))
+                                                 redundant, moves or [], out, expert_map))
              for r in range(len(shares))]
     for p in procs:
         p.start()
@@ -136,3 +137,34 @@ def test_layer_placement_maps_agree():
     assert p.logcnt.tolist() == [2, 1, 3]
     assert p.log2phy[0, :2].tolist() == [1, 5] and p.log2phy[2, :3].tolist() == [0, 2, 4]
     assert (p.log2phy[1, 1:] == -1).all()
+
+
+def test_static_expert_map_from_a_recorded_file(moe_path, expected, tmp_path):
+    """expert_map_path: a placement recorded earlier (save_expert_map writes what
+    expert_map_record_path records) is where the ranks start."""
+    from shared.models.config import ModelConfig
+    from shared.parallel.eplb_rank import save_expert_map
+
+    cfg = ModelConfig.from_folder(moe_path)
+    n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
+    experts = cfg.moe.num_experts
+    reversed_map = torch.arange(experts - 1, -1, -1).repeat(n_moe, 1)  # expert 7 in slot 0
+    path = tmp_path / "map.json"
+    save_expert_map(str(path), reversed_map, version=3)
+    res = run_ranks(moe_path, [PROMPTS[:2], PROMPTS[2:]], expert_map=str(path))
+    assert res[0][0] == expected[:2] and res[1][0] == expected[2:]
+
+
+def test_bad_expert_maps_are_named(tmp_path):
+    from shared.parallel.expert_parallel import load_expert_map
+
+    path = tmp_path / "m.json"
+    path.write_text('{"phy2log": [[0, 1, 2]]}')
+    with pytest.raises(ValueError, match="expert_map_path: phy2log is \\[1, 3\\]"):
+        load_expert_map(path, num_layers=1, num_experts=4, num_slots=4)
+    path.write_text('{"phy2log": [[0, 1, 1, 2]]}')
+    with pytest.raises(ValueError, match="no slot for expert"):
+        load_expert_map(path, num_layers=1, num_experts=4, num_slots=4)
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="expert_map_path: cannot read"):
+        load_expert_map(path, num_layers=1, num_experts=4, num_slots=4)
