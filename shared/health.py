@@ -14,10 +14,17 @@ import urllib.request
 
 import grpc
 
-from shared.proto import common_pb2, decode_pb2_grpc, kvstore_pb2_grpc, prefill_pb2_grpc
+from shared.proto import (
+    common_pb2,
+    decode_pb2_grpc,
+    eplb_pb2_grpc,
+    kvstore_pb2_grpc,
+    prefill_pb2_grpc,
+)
 
 STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub,
-         "mixed": decode_pb2_grpc.DecodeStub, "kvstore": kvstore_pb2_grpc.KVStoreStub}
+         "mixed": decode_pb2_grpc.DecodeStub, "kvstore": kvstore_pb2_grpc.KVStoreStub,
+         "eplb": eplb_pb2_grpc.EplbStub}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from shared.cli import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
 K8S_VERSION = "1.37"
-PDMESH_SERVICES = {"kvstore", "prefill", "decode", "gateway"}
+PDMESH_SERVICES = {"kvstore", "eplb", "prefill", "decode", "gateway"}
 
 
 def parses(argv: list[str]) -> None:
