@@ -20,6 +20,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, dict[str, Any]]] = [
      "batch and single-request throughput vs transformers", {}),
     (("bench", "serve"), "shared.bench.serve",
      "load an OpenAI endpoint like `vllm bench serve`", {}),
+    (("bench", "eplb"), "shared.bench.eplb",
+     "expert-parallel decode with EPLB off vs on, skewed vs balanced", {}),
     (("bench", "kv-transfer"), "shared.bench.kv_transfer",
      "KV put/get throughput through the pool", {}),
     (("kvstore",), "services.kvstore.main",

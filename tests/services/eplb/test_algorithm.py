@@ -21,6 +21,24 @@ def skewed_load(num_layers: int, num_logical: int, seed: int) -> torch.Tensor:
     return (heat * 10_000).round().to(torch.int64) + 1
 
 
+def zipf_load(num_layers: int, num_logical: int, seed: int, s: float = 1.2) -> torch.Tensor:
+    """Tokens per expert drawn from a Zipf law over a random ranking of the experts in
+    each layer (MoE routing in real models is roughly Zipf-like)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, num_logical + 1, dtype=torch.float64).pow(s)
+    rows = []
+    for _ in range(num_layers):
+        ranks = torch.randperm(num_logical, generator=g)
+        draws = torch.multinomial(weights, 20_000, replacement=True, generator=g)
+        rows.append(torch.bincount(ranks[draws], minlength=num_logical))
+    return torch.stack(rows)
+
+
+def random_load(num_layers: int, num_logical: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 5_000, (num_layers, num_logical), generator=g)
+
+
 def identity_placement(num_layers: int, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
     """No redundancy: expert i on slot i. Returns (phy2log, logcnt)."""
     phy2log = torch.arange(num_logical).expand(num_layers, num_logical).clone()
@@ -321,3 +339,19 @@ def test_invalid_arguments_are_named(weight: torch.Tensor, config: tuple[int, in
 def test_non_integer_counts_are_rejected() -> None:
     with pytest.raises(TypeError):
         rebalance_experts(torch.ones(1, 16), 16.0, 4, 2, 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("load", [zipf_load, random_load, skewed_load])
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("config", HIERARCHICAL + GLOBAL[:2])
+def test_never_worse_than_identity(load, seed: int, config: tuple[int, int, int, int]) -> None:
+    """On random and Zipf-skewed loads: every expert keeps a replica, every rank the same
+    number of slots, the maps agree, and no layer ends less balanced than with expert i
+    on slot i."""
+    weight = load(6, NUM_LOGICAL, seed)
+    placement = rebalance_experts(weight, *config)
+    assert_consistent(placement, NUM_LOGICAL, config[0], config[3])
+    phy2log, _, logcnt = placement
+    balanced = balancedness(weight, phy2log, logcnt, config[3])
+    identity = balancedness(weight, *identity_placement(6, NUM_LOGICAL), config[3])
+    assert (balanced >= identity - 1e-12).all(), (balanced, identity)
