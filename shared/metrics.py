@@ -60,6 +60,17 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
         used = 1.0 - ld.free_kv_blocks / ld.total_kv_blocks if ld.total_kv_blocks else 0.0
         yield gauge("pdmesh_kv_cache_usage_perc", "KV-cache usage, 1 means full.", labels,
                     used)
+        lb = loop.engine.dyntralb
+        if lb is not None:
+            yield gauge("pdmesh_dp_bubble_blocks", "DP bubble at the last step: max - mean "
+                        "active KV blocks over the ranks (a ratio below 1 in ratio mode).",
+                        labels, lb.last_bubble)
+            yield gauge("pdmesh_dyntralb_active", "1 while DyntraLB balances.", labels,
+                        int(lb.active))
+            yield counter("pdmesh_dyntralb_pauses", "Running requests DyntraLB paused.",
+                          labels, lb.pauses)
+            yield counter("pdmesh_dyntralb_resumes", "Paused requests DyntraLB resumed.",
+                          labels, lb.resumes)
         ep = loop.engine.ep
         if ep is not None:
             yield gauge("pdmesh_eplb_placement_version", "Expert placement this rank runs.",

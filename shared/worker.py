@@ -50,6 +50,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "a mixed instance runs without a pool)")
     p.add_argument("--pool-segment-mb", type=int, default=512,
                    help="memory this instance lends to the KV pool")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="refuse a request (gRPC RESOURCE_EXHAUSTED) while this many wait "
+                        "to run on this instance (default: no limit)")
     g = p.add_argument_group("data parallel ranks (vllm serve flags)")
     g.add_argument("--data-parallel-rank", type=int, default=None,
                    help="run as this one rank of a data-parallel instance (the instance's "
@@ -84,6 +87,7 @@ def serve_worker(a: argparse.Namespace, role: str,
                  add_servicer: Callable[[grpc.aio.Server, EngineLoop, str], None]) -> int:
     # every flag checked before anything heavy starts
     service = resolve_service_config(a, role, resolve_device(a.device))
+    scheduling = scheduling_settings(a, service)
     if a.data_parallel_size > 1 and a.data_parallel_rank is None:
         return launch_ranks(a, role)
     # The engine loop thread runs Python between kernels almost without pause; at the
@@ -96,7 +100,11 @@ def serve_worker(a: argparse.Namespace, role: str,
         if not a.kvstore:
             raise ValueError(f"--kvstore: a {role} instance needs the kvstore's address")
         pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
-    config = dataclasses.replace(engine_config_from_args(a), **parallel_settings(a, service))
+    config = dataclasses.replace(engine_config_from_args(a), **parallel_settings(a, service),
+                                 **scheduling)
+    lb = service.additional.scheduler_config.dyntra_lb_config
+    if lb.enabled:
+        config = dataclasses.replace(config, dyntra_lb=lb)
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
     eplb = None
     if engine.ep is not None and engine.model.load_recorder is not None:
@@ -182,6 +190,24 @@ def parallel_settings(a: argparse.Namespace, service) -> dict:
                                        if a.enable_expert_parallel else None),
             "expert_load_window": max(window, 1) if dynamic else 0,
             "expert_load_phase": phase}
+
+
+def scheduling_settings(a: argparse.Namespace, service) -> dict:
+    """EngineConfig fields for the waiting queue: the policy (priority from either flag
+    family, as ``resolve_service_config`` resolved it; ShortRequestFirst from
+    ``scheduler_config.short_request_first_config``, which the config rules allow only
+    on prefill and mixed instances with FCFS) and ``--max-queued-requests``."""
+    if a.max_queued_requests is not None and a.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests: must be >= 1, got {a.max_queued_requests}")
+    srf = service.additional.scheduler_config.short_request_first_config
+    fields = {"scheduling_policy": service.engine_args.scheduling_policy,
+              "priority_low_values_first": service.priority_low_values_first,
+              "max_queued_requests": a.max_queued_requests}
+    if srf.enabled:
+        fields.update(scheduling_policy="short_request_first",
+                      short_request_threshold=srf.threshold,
+                      short_request_long_max_wait_ms=srf.long_max_wait_ms)
+    return fields
 
 
 def launch_ranks(a: argparse.Namespace, role: str) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when nothing else is said on a CPU
+SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # shared.engine.policy
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,19 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)... see resolve
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # fcfs | priority
+    scheduling_policy: str = "fcfs"  # fcfs | priority | short_request_first
+    # priority: lower values first (vLLM's --scheduling-policy priority); False: larger
+    # values first (SGLang's --enable-priority-scheduling without
+    # --schedule-low-priority-values-first)
+    priority_low_values_first: bool = True
+    # short_request_first (vLLM-Ascend's scheduler_config.short_request_first_config):
+    # prompts of at most this many tokens are short; a long request waiting this long is
+    # served before short ones (0: never)
+    short_request_threshold: int = 256
+    short_request_long_max_wait_ms: float = 0.0
+    # Serving only (EngineLoop): a request arriving while this many wait (not yet
+    # running) is refused; None: no limit
+    max_queued_requests: int | None = None
     # KV cache size: explicit block count, or bytes, or a fraction of device memory.
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -37,6 +51,8 @@ class EngineConfig:
     # Expert load kept over this many steps (0: not recorded), for EPLB
     expert_load_window: int = 0
     expert_load_phase: str = "all"
+    # DyntraLB (scheduler_config.dyntra_lb_config, parsed): balances lockstep DP ranks
+    dyntra_lb: Any = None
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
@@ -49,6 +65,18 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.short_request_threshold < 0:
+            raise ValueError(f"short_request_threshold: must be >= 0, "
+                             f"got {self.short_request_threshold}")
+        if self.short_request_long_max_wait_ms < 0:
+            raise ValueError(f"short_request_long_max_wait_ms: must be >= 0, "
+                             f"got {self.short_request_long_max_wait_ms}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests: must be >= 1, got {self.max_queued_requests}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -20,7 +20,7 @@ from shared.engine.block_manager import KVCacheManager
 from shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from shared.engine.kv_connector import PoolConnector
 from shared.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
-from shared.engine.policy import make_policy
+from shared.engine.policy import policy_from_config
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
@@ -79,9 +79,18 @@ class EngineCore:
         if kv_pool is not None:
             self.connector = PoolConnector(kv_pool, CacheRegions(kv_caches), self.kv.hasher,
                                            self.kv_fingerprint, save_prompts)
-        self.scheduler = Scheduler(self.kv, make_policy(config.scheduling_policy),
+        self.scheduler = Scheduler(self.kv, policy_from_config(config),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
+        self.dyntralb = None
+        if config.dyntra_lb is not None and self.ep is not None:
+            from shared.engine.dyntralb import DyntraLB
+
+            self.dyntralb = DyntraLB(config.dyntra_lb, config.data_parallel_rank,
+                                     config.data_parallel_size, config.block_size)
+        elif config.dyntra_lb is not None:
+            log.warning("dyntra_lb_config: ranks that do not step in lockstep (no expert "
+                        "parallelism) have no DP bubble to balance; DyntraLB is inactive")
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens",

@@ -5,8 +5,10 @@
           └──────────── RequestStream (one queue per request) ◀───┘
 
 Validation happens in ``submit`` on the caller's thread, so a bad request raises
-ValueError there and never reaches the loop. A finished stream always ends with an
-event whose ``finished`` is set; an engine failure ends every stream with ``error``.
+ValueError there and never reaches the loop; with ``max_queued_requests`` a request
+arriving while that many wait raises QueueFull there too (admission control: no
+unbounded queue). A finished stream always ends with an event whose ``finished`` is
+set; an engine failure ends every stream with ``error``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,21 @@ import threading
 from dataclasses import dataclass, field
 
 from shared.engine.engine import EngineCore, StepOutput
-from shared.engine.request import Logprob, Request
+from shared.engine.request import Logprob, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """A request refused at submission: ``limit`` requests already wait (not yet running)
+    on this instance. The caller may retry later or elsewhere (gRPC RESOURCE_EXHAUSTED,
+    HTTP 429); it is not the request's fault, so not a ValueError."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"max_queued_requests: {limit} requests already wait on this "
+                         f"instance (the limit); retry later or on another instance")
+        self.limit = limit
 
 
 @dataclass
@@ -165,9 +178,10 @@ class EngineLoop:
                priority: int = 0, output_token_ids: list[int] | None = None,
                aio_loop: asyncio.AbstractEventLoop | None = None,
                sink: SessionSink | None = None) -> RequestStream:
-        """Queue a request (ValueError, naming the field, if it is invalid). With
-        ``aio_loop`` the stream is an AsyncRequestStream read on that event loop; with
-        ``sink`` its events go to that session."""
+        """Queue a request (ValueError, naming the field, if it is invalid; QueueFull if
+        ``max_queued_requests`` already wait). With ``aio_loop`` the stream is an
+        AsyncRequestStream read on that event loop; with ``sink`` its events go to that
+        session."""
         self.engine.validate_request(prompt, params, output_token_ids)
         rid = request_id or f"loop-{next(self._ids)}"
         if sink is not None:
@@ -176,9 +190,12 @@ class EngineLoop:
             stream = AsyncRequestStream(rid, aio_loop)
         else:
             stream = RequestStream(rid)
+        limit = self.engine.config.max_queued_requests
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in flight")
+            if limit is not None and self._num_waiting() >= limit:
+                raise QueueFull(limit)
             self._streams[rid] = (stream, None)
         self._inbox.put(("add", (rid, prompt, params, priority, output_token_ids)))
         self._wake.set()
@@ -187,6 +204,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    def _num_waiting(self) -> int:
+        """Requests submitted and not yet running: still in the inbox, or in the waiting
+        queue (preempted ones included). Under ``self._lock``."""
+        return sum(1 for _, req in self._streams.values()
+                   if req is None or req.status is RequestStatus.WAITING)
 
     # -- the loop thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -214,14 +237,26 @@ class EngineLoop:
         import torch
         import torch.distributed as dist
 
-        # [any work, stop, newest placement version, -oldest placement version]
-        flags = torch.zeros(4, dtype=torch.int64)
+        # [any work, stop, newest placement version, -oldest placement version, then per
+        # rank: active KV blocks, long request seen, smallest active request] - each
+        # rank fills its own slots, so
+        # the MAX all-reduce doubles as the all-gather DyntraLB needs (one collective)
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+        lb = self.engine.dyntralb
+        flags = torch.zeros(4 + 3 * world, dtype=torch.int64)
         while True:
             self._drain_inbox()
             version = self.eplb.known_version() if self.eplb is not None else 0
+            flags.zero_()
             flags[0] = int(self.engine.has_unfinished())
             flags[1] = int(self._stop.is_set())
             flags[2], flags[3] = version, -version
+            if lb is not None:
+                active, long_seen, floor = lb.local_summary(self.engine.scheduler)
+                flags[4 + rank] = active
+                flags[4 + world + rank] = long_seen
+                flags[4 + 2 * world + rank] = floor
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[1]:
                 break
@@ -231,6 +266,10 @@ class EngineLoop:
                 self._wake.wait(0.005)
                 self._wake.clear()
                 continue
+            if lb is not None:  # counts engine steps, not idle turns
+                lb.on_step(self.engine.scheduler, flags[4:4 + world].tolist(),
+                           bool(flags[4 + world:4 + 2 * world].any()),
+                           flags[4 + 2 * world:].tolist())
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001

@@ -47,6 +47,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemptions = 0  # since start, for metrics and tests
+        # A DP balancer (DyntraLB) may pause running requests (they keep their blocks
+        # and are skipped until resumed) and cap the blocks admitted per step.
+        self.paused: list[Request] = []  # oldest first
+        self.admit_blocks: int | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -62,6 +66,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self.paused and self.is_paused(req):
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, n) and not self._make_room(req, n, out, scheduled):
                 continue  # req itself was preempted; self.running[i] is the next one
@@ -72,9 +79,15 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
+        admit = self.admit_blocks
         while (len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
+            if admit is not None:  # the balancer's cap on what this rank takes on
+                need = -(-req.num_tokens // self.kv.block_size)
+                if need > admit:
+                    break
+                admit -= need
             fresh = req.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(req) if fresh else []
             hit_tokens = len(cached) * self.kv.block_size
@@ -113,7 +126,35 @@ class Scheduler:
                 return False
         return True
 
+    # -- pausing (a DP balancer's tool) ---------------------------------------------------
+    def is_paused(self, req: Request) -> bool:
+        return any(p is req for p in self.paused)
+
+    def pause(self, request_id: str) -> bool:
+        req = next((r for r in self.running if r.request_id == request_id), None)
+        if req is None or self.is_paused(req):
+            return False
+        self.paused.append(req)
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        for i, req in enumerate(self.paused):
+            if req.request_id == request_id:
+                del self.paused[i]
+                return True
+        return False
+
+    def resume_all(self) -> int:
+        n = len(self.paused)
+        self.paused.clear()
+        return n
+
+    def _unpause(self, req: Request) -> None:
+        if self.paused:
+            self.paused = [p for p in self.paused if p is not req]
+
     def _preempt(self, req: Request) -> None:
+        self._unpause(req)
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -157,6 +198,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Stop a request wherever it is and give its blocks back."""
         if req.status is RequestStatus.RUNNING:
+            self._unpause(req)
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)

@@ -190,3 +190,79 @@ def test_bench_eplb_rebalances_a_skewed_model(tmp_path, bpe_tokenizer):
     res = json.loads(out.read_text())["skewed"]
     assert res["off"]["balancedness"] < 0.8 < 0.9 < res["on"]["balancedness"]
     assert res["on"]["tok_s"] > 0 and "EPLB on / off" in run.stdout
+
+
+def loop_rank_main(rank: int, world: int, address: str, model: str,
+                   prompts: list[list[int]], barrier, out: mp.Queue) -> None:
+    """One rank served by the real lockstep EngineLoop with DyntraLB on."""
+    try:
+        import threading
+
+        torch.set_num_threads(1)
+        from shared.config.scheduler_schema import DyntraLBConfig
+        from shared.engine.config import EngineConfig
+        from shared.engine.engine import EngineCore
+        from shared.engine.loop import EngineLoop
+
+        lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
+        eng = EngineCore(EngineConfig(
+            model=model, device="cpu", dtype="float32", block_size=16,
+            data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
+            enable_expert_parallel=True, dyntra_lb=lb))
+        loop = EngineLoop(eng)
+        streams = [loop.submit(p, SamplingParams(temperature=0, max_tokens=NEW,
+                                                 ignore_eos=True)) for p in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+
+        def collect():
+            for i, s in enumerate(streams):
+                while True:
+                    ev = s.get(timeout=240)
+                    assert ev.error is None, ev.error
+                    tokens[i] += ev.token_ids
+                    if ev.finished:
+                        break
+            barrier.wait(240)  # every rank done: now all may stop together
+            loop.stop()
+
+        t = threading.Thread(target=collect)
+        t.start()
+        loop.run()
+        t.join()
+        out.put((rank, tokens, eng.dyntralb.pauses, 0, None))
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e)))
+
+
+def test_dyntralb_pauses_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_models):
+    """Rank 0 holds five long prompts, rank 1 one short one: DyntraLB pauses requests on
+    rank 0 to shrink the bubble, and every answer still equals the single-process one."""
+    heavy = [list(range(100 + 50 * i, 260 + 50 * i)) for i in range(5)]
+    light = [[3, 4, 5, 6]]
+    llm = LLM(moe_path, device="cpu", dtype="float32", block_size=16)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        heavy + light, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    barrier = ctx.Barrier(2)
+    address = f"127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=loop_rank_main, args=(r, 2, address, moe_path, share,
+                                                      barrier, out))
+             for r, share in enumerate([heavy, light])]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, toks, pauses, _, err = out.get(timeout=300)
+            assert err is None, f"rank {rank} failed:\n{err}"
+            got[rank] = (toks, pauses)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] == want[:5] and got[1][0] == want[5:]
+    assert got[0][1] > 0  # the heavy rank paused requests
