@@ -4,6 +4,8 @@
        ▲                    │
        └────preempt─────────┘  (blocks freed, KV recomputed when it runs again)
     any unfinished state ──abort──▶ FINISHED_ABORTED
+    RUNNING ──no block, recompute scheduler──▶ FINISHED_RECOMPUTED (handed back to the
+        gateway, which re-prefills prompt + output elsewhere and continues)
 
 ``token_ids`` holds prompt then output; ``num_computed_tokens`` of them have KV in the
 paged cache. A request samples a new token in the step that computes its last token.
@@ -26,6 +28,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_RECOMPUTED = "recomputed"
 
     @property
     def is_finished(self) -> bool:
@@ -33,7 +36,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_RECOMPUTED}
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.RUNNING: {RequestStatus.WAITING, *_FINISHED},

@@ -51,6 +51,11 @@ class Scheduler:
         # and are skipped until resumed) and cap the blocks admitted per step.
         self.paused: list[Request] = []  # oldest first
         self.admit_blocks: int | None = None
+        # vLLM-Ascend's recompute scheduler (decode instances): a request that must give
+        # its blocks up is handed back (FINISHED_RECOMPUTED, collected in ``handed_back``
+        # until the engine reports it) instead of waiting here to be recomputed.
+        self.recompute_elsewhere = False
+        self.handed_back: list[Request] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -154,6 +159,11 @@ class Scheduler:
             self.paused = [p for p in self.paused if p is not req]
 
     def _preempt(self, req: Request) -> None:
+        if self.recompute_elsewhere:
+            self.finish(req, RequestStatus.FINISHED_RECOMPUTED)
+            self.preemptions += 1
+            self.handed_back.append(req)
+            return
         self._unpause(req)
         self.running.remove(req)
         self.kv.free(req)

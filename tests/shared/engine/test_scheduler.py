@@ -129,3 +129,26 @@ def test_abort_waiting_and_running_frees_blocks():
     s.finish(b, RequestStatus.FINISHED_ABORTED)
     assert a.finish_reason == "abort" and b.finish_reason == "abort"
     assert not s.has_unfinished and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_recompute_scheduler_hands_the_victim_back():
+    """With the recompute scheduler (decode instances) the request that would be
+    preempted finishes as "recomputed" with its tokens so far, and frees its blocks."""
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.recompute_elsewhere = True
+    a, b = req("a", 9, max_tokens=10), req("b", 9, max_tokens=10)
+    s.add(a)
+    s.add(b)
+    handed = []
+    for _ in range(40):
+        out, _ = run_step(s)
+        handed += s.handed_back
+        s.handed_back.clear()
+        if not s.has_unfinished:
+            break
+    assert handed == [b]  # FCFS: the later request is the victim
+    assert b.status is RequestStatus.FINISHED_RECOMPUTED and b.finish_reason == "recomputed"
+    assert 0 < b.num_output_tokens < 10 and s.kv.block_ids(b) == []
+    assert len(s.waiting) == 0  # not queued here to be recomputed
+    assert a.is_finished and a.num_output_tokens == 10
+    assert s.kv.num_free_blocks == s.kv.num_blocks
