@@ -102,9 +102,11 @@ def serve_worker(a: argparse.Namespace, role: str,
         pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
     config = dataclasses.replace(engine_config_from_args(a), **parallel_settings(a, service),
                                  **scheduling)
-    lb = service.additional.scheduler_config.dyntra_lb_config
-    if lb.enabled:
-        config = dataclasses.replace(config, dyntra_lb=lb)
+    sched = service.additional.scheduler_config
+    if sched.dyntra_lb_config.enabled:
+        config = dataclasses.replace(config, dyntra_lb=sched.dyntra_lb_config)
+    if sched.recompute_scheduler_enable and role == "decode":  # (a warning elsewhere)
+        config = dataclasses.replace(config, recompute_scheduler=True)
     engine = EngineCore(config, kv_pool=pool, save_prompts=role == "prefill")
     eplb = None
     if engine.ep is not None and engine.model.load_recorder is not None:

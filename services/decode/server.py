@@ -6,6 +6,8 @@ engine steps in the main thread). Lifecycle of a request here:
     -> joins the continuous batch -> tokens streamed as they come (tokens that queued
     up while the reader was busy go out in one chunk) -> the last chunk carries
     finish_reason. Cancelling the stream aborts the request and frees its blocks at once.
+    With --max-queued-requests, a request arriving while that many wait is refused with
+    RESOURCE_EXHAUSTED (on a Session: that request's error_code).
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import logging
 import grpc
 
 from services.prefill.server import load_proto
-from shared.engine.loop import AsyncRequestStream, EngineLoop, SessionSink, StreamEvent
+from shared.engine.loop import (
+    AsyncRequestStream,
+    EngineLoop,
+    QueueFull,
+    SessionSink,
+    StreamEvent,
+)
 from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
 
@@ -39,6 +47,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                       priority=request.priority,
                                       output_token_ids=list(request.output_token_ids),
                                       aio_loop=asyncio.get_running_loop())
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         assert isinstance(stream, AsyncRequestStream)
@@ -59,7 +69,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Session(self, request_iterator, context):  # noqa: N802
         sink = SessionSink(asyncio.get_running_loop())
         live: set[str] = set()
-        rejected: set[str] = set()  # refused at submission: the client's fault
+        rejected: dict[str, grpc.StatusCode] = {}  # refused at submission, and why
         reader = asyncio.create_task(self._read_session(request_iterator, sink, live,
                                                         rejected))
         try:
@@ -79,9 +89,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         continue  # aborted by the client; nothing more to tell it
                     item = out.outputs.add(request_id=rid)
                     if event.error is not None:
-                        code = (grpc.StatusCode.INVALID_ARGUMENT if rid in rejected
-                                else grpc.StatusCode.UNAVAILABLE)
-                        rejected.discard(rid)
+                        code = rejected.pop(rid, grpc.StatusCode.UNAVAILABLE)
                         item.error_code = code.value[0]
                         item.error_message = event.error
                         live.discard(rid)
@@ -97,7 +105,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.loop.abort(rid)
 
     async def _read_session(self, requests, sink: SessionSink, live: set[str],
-                            rejected: set[str]) -> None:
+                            rejected: dict[str, grpc.StatusCode]) -> None:
         async for msg in requests:
             if msg.HasField("generate"):
                 req = msg.generate
@@ -106,8 +114,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.loop.submit(list(req.prompt_token_ids), params,
                                      request_id=req.request_id or None, priority=req.priority,
                                      output_token_ids=list(req.output_token_ids), sink=sink)
-                except ValueError as e:
-                    rejected.add(req.request_id)
+                except (QueueFull, ValueError) as e:  # the limit, or the client's fault
+                    rejected[req.request_id] = (grpc.StatusCode.RESOURCE_EXHAUSTED
+                                                if isinstance(e, QueueFull)
+                                                else grpc.StatusCode.INVALID_ARGUMENT)
                     sink.push(req.request_id, StreamEvent([], finished=True, error=str(e)))
                     continue
                 live.add(req.request_id)

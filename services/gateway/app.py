@@ -5,7 +5,9 @@
 
 Every failure answers in OpenAI's error shape, ``{"error": {"message", "type", "param",
 "code"}}``: 400 naming the field for a malformed request, 401 without the API key, 404
-for an unknown model, 503 when the mesh cannot serve. Never a 200 with an empty body:
+for an unknown model, 429 with ``Retry-After`` when the gateway already has
+``--max-queued-requests`` requests in flight or every instance refused the request at
+its own queue limit, 503 when the mesh cannot serve. Never a 200 with an empty body:
 a failure after a stream has started is sent as an error event before ``[DONE]``.
 """
 
@@ -41,11 +43,16 @@ class GatewayState:
     model_name: str
     max_model_len: int
     api_key: str | None = None
+    max_queued_requests: int | None = None  # requests in flight here; None: no limit
+
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 def error(status: int, message: str, param: str | None = None,
           kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(status_code=status, headers=headers, content={"error": {
         "message": message, "type": kind, "param": param, "code": status}})
 
 
@@ -74,7 +81,9 @@ def create_app(state: GatewayState) -> FastAPI:
         field = ".".join(loc) or None
         return error(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}", field)
 
-    if state.api_key:
+    if state.max_queued_requests is not None:
+        app.add_middleware(_InFlightLimit, limit=state.max_queued_requests)
+    if state.api_key:  # added last: runs first, so a refused key takes no slot
         app.add_middleware(_ApiKey, key=state.api_key)
 
     @app.on_event("shutdown")
@@ -146,8 +155,7 @@ def create_app(state: GatewayState) -> FastAPI:
         except MeshError as e:
             await deltas.aclose()
             metrics.failures.inc()
-            return error(e.status, str(e), kind="server_error" if e.status >= 500 else
-                         "invalid_request_error")
+            return error(e.status, str(e), kind=_error_kind(e.status))
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(stream.sse(first, deltas, include_usage),
                                  media_type="text/event-stream")
@@ -171,6 +179,42 @@ class _ApiKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _InFlightLimit:
+    """At most ``limit`` generation requests in flight (from arrival until the last byte
+    of the answer, streamed or not); one more is answered 429 with Retry-After at once,
+    never queued. A plain ASGI middleware, so the slot is given back however the request
+    ends (finished, failed, or the client went away)."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0  # the event loop's thread only
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            response = error(429, f"the gateway has {self.in_flight} requests in flight, its "
+                                  f"--max-queued-requests limit; retry after "
+                                  f"{RETRY_AFTER_S} s", kind="rate_limit_error")
+            await response(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+def _error_kind(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def _completion_prompt(body: CompletionRequest, tok: Tokenizer) -> list[int] | JSONResponse:
@@ -275,8 +319,8 @@ class _Stream:
                               "model": self.model, "choices": [], "usage": self.usage()})
         except MeshError as e:
             self.metrics.failures.inc()
-            yield _event({"error": {"message": str(e), "type": "server_error", "param": None,
-                                    "code": e.status}})
+            yield _event({"error": {"message": str(e), "type": _error_kind(e.status),
+                                    "param": None, "code": e.status}})
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, lps: list[tuple[int, dict[int, Logprob]]]) -> dict[str, Any] | None:

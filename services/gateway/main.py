@@ -1,6 +1,7 @@
 """`pdmesh gateway`: the OpenAI-compatible HTTP front of the mesh (FastAPI + uvicorn).
 
     pdmesh gateway --model PATH [--served-model-name NAME] [--port 8000] [--api-key KEY]
+                   [--max-queued-requests N]
 
 ``--model`` is read for its tokenizer and chat template only; the engines run elsewhere
 and are found in the redis registry. Prints "gateway ready: {json}" once listening.
@@ -42,10 +43,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 (Retry-After) while this many requests are in flight "
+                        "here (default: no limit)")
     add_registry_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.max_queued_requests is not None and a.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests: must be >= 1, got {a.max_queued_requests}")
     cfg = ModelConfig.from_folder(a.model)
     name = a.served_model_name or a.model
     registry = Registry(a.redis_url, a.registry_prefix)
@@ -54,7 +60,7 @@ def run(a: argparse.Namespace) -> int:
     state = GatewayState(tokenizer=Tokenizer(a.model), router=router,
                          model_name=name,
                          max_model_len=a.max_model_len or cfg.max_position_embeddings,
-                         api_key=a.api_key)
+                         api_key=a.api_key, max_queued_requests=a.max_queued_requests)
     app = create_app(state)
     # IPPROTO_TCP named explicitly: asyncio only sets TCP_NODELAY on sockets whose proto
     # says TCP, and without it Nagle holds each SSE event behind the client's delayed ACK

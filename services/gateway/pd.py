@@ -7,7 +7,9 @@
          so far: it loads the prompt from the pool and recomputes the rest, so the
          client's stream goes on unbroken
 Errors the client caused (INVALID_ARGUMENT) go straight back; anything else that
-cannot be recovered ends as ``MeshError`` with a clear message.
+cannot be recovered ends as ``MeshError`` with a clear message. An instance at its
+--max-queued-requests answers RESOURCE_EXHAUSTED before doing anything: the request
+goes to another instance, and when every one refused it, the MeshError is a 429.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 
 class MeshError(Exception):
-    """The mesh could not serve the request; ``status`` is the HTTP status to answer."""
+    """The mesh could not serve the request; ``status`` is the HTTP status to answer
+    (429: every instance was at its queue limit, worth retrying a little later)."""
 
     def __init__(self, message: str, status: int = 503):
         super().__init__(message)
@@ -177,9 +180,11 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
         return
     tokens = [first.first_token]
     dead: set[str] = set()
+    codes: list[grpc.StatusCode] = []  # why each decode instance failed
     for _ in range(DECODE_ATTEMPTS):
         inst = router.pick("decode", exclude=dead)
         if inst is None:
+            _raise_if_all_refused("decode", codes)
             raise MeshError("no decode instance is available")
         chunks = channels.session(inst.address).generate(decode_pb2.GenerateRequest(
             request_id=f"{request_id}-d{len(dead)}", prompt_token_ids=prompt,
@@ -202,38 +207,61 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
             log.warning("request %s: decode %s failed (%s); continuing elsewhere after %d "
                         "tokens", request_id, inst.address, e.code.name, len(tokens))
             dead.add(inst.id)
+            codes.append(e.code)
             router.forget()
             await asyncio.sleep(BACKOFF_S)
         finally:
             await chunks.aclose()  # aborts the request on decode when the client left
+    _raise_if_all_refused("decode", codes)
     raise MeshError(f"decode failed on {len(dead)} instances")
+
+
+def _raise_if_all_refused(role: str, codes: list[grpc.StatusCode]) -> None:
+    """A 429 when every instance tried refused the request at its queue limit."""
+    if codes and all(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c in codes):
+        raise MeshError(f"every {role} instance tried ({len(codes)}) is at its "
+                        f"--max-queued-requests limit; retry later", 429)
 
 
 async def _mixed(router: Router, channels: Channels, request_id: str, prompt: list[int],
                  sampling, priority: int, timeout_s: float) -> AsyncIterator[Piece]:
-    """A mixed instance prefills and decodes in one engine: one stream, no pool."""
-    inst = router.pick("mixed")
-    if inst is None:
-        raise MeshError("no instance is available")
-    chunks = channels.session(inst.address).generate(
-        decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
-                                   sampling=sampling, priority=priority), timeout_s)
-    first = True
-    try:
-        async for chunk in chunks:
-            yield Piece(list(chunk.token_ids), [logprobs_from_proto(m) for m in chunk.logprobs],
-                        chunk.finish_reason or None, chunk.num_cached_tokens if first else None)
-            first = False
-    except DecodeFailed as e:
-        status = 400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 503
-        raise MeshError(e.details or e.code.name, status) from e
-    finally:
-        await chunks.aclose()
+    """A mixed instance prefills and decodes in one engine: one stream, no pool. An
+    instance that refuses the request at its queue limit is replaced by another."""
+    refused: list[grpc.StatusCode] = []
+    tried: set[str] = set()
+    for _ in range(PREFILL_ATTEMPTS):
+        inst = router.pick("mixed", exclude=tried)
+        if inst is None:
+            break
+        chunks = channels.session(inst.address).generate(
+            decode_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                                       sampling=sampling, priority=priority), timeout_s)
+        first = True
+        try:
+            async for chunk in chunks:
+                yield Piece(list(chunk.token_ids),
+                            [logprobs_from_proto(m) for m in chunk.logprobs],
+                            chunk.finish_reason or None,
+                            chunk.num_cached_tokens if first else None)
+                first = False
+            return
+        except DecodeFailed as e:
+            if first and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refused.append(e.code)  # nothing ran there: another instance may take it
+                tried.add(inst.id)
+                continue
+            status = 400 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 503
+            raise MeshError(e.details or e.code.name, status) from e
+        finally:
+            await chunks.aclose()
+    _raise_if_all_refused("mixed", refused)
+    raise MeshError("no instance is available")
 
 
 async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],
                    sampling, priority: int, timeout_s: float) -> prefill_pb2.PrefillResponse:
     tried: set[str] = set()
+    codes: list[grpc.StatusCode] = []  # why each attempt failed
     last = "no prefill instance is available"
     for attempt in range(PREFILL_ATTEMPTS):
         inst = router.pick("prefill", exclude=tried, prompt=prompt)
@@ -250,6 +278,7 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
                 raise MeshError(e.details() or "invalid request", 400) from e
             last = f"prefill {inst.address} failed: {e.code().name}: {e.details()}"
             log.warning("request %s: %s", request_id, last)
+            codes.append(e.code())
             if e.code() not in RETRYABLE:
                 break
             tried.add(inst.id)
@@ -257,4 +286,5 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
         finally:
             router.answered(inst, prompt)
         await asyncio.sleep(BACKOFF_S * (2 ** attempt))
+    _raise_if_all_refused("prefill", codes)
     raise MeshError(last)

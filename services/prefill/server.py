@@ -5,6 +5,8 @@ engine steps in the main thread). Lifecycle of a request here:
     loaded, not computed) -> chunked prefill -> first token sampled -> prompt blocks
     (full ones and the partial tail) put in the pool -> answer {first token, keys,
     cached tokens}. A client that goes away aborts the request and frees its blocks.
+    With --max-queued-requests, a request arriving while that many wait is refused
+    with RESOURCE_EXHAUSTED (the gateway tries another instance).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 
 import grpc
 
-from shared.engine.loop import AsyncRequestStream, EngineLoop
+from shared.engine.loop import AsyncRequestStream, EngineLoop, QueueFull
 from shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
 
@@ -45,6 +47,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                       request_id=request.request_id or None,
                                       priority=request.priority,
                                       aio_loop=asyncio.get_running_loop())
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         assert isinstance(stream, AsyncRequestStream)

@@ -21,6 +21,7 @@ from shared.config.engine_args import EngineArgs
 from shared.config.errors import ConfigError
 from shared.config.json_flags import json_flag
 from shared.config.parse import parse_additional_config
+from shared.config.service import priority_scheduling
 from shared.config.vllm_cli import VllmCommandError, parse_vllm_serve
 
 
@@ -35,6 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-eplb", action="store_true")
     p.add_argument("--eplb-config", default=None)
     p.add_argument("--scheduling-policy", default="fcfs")
+    p.add_argument("--enable-priority-scheduling", action="store_true")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--vllm-command", default=None,
                    help="a whole `vllm serve MODEL ...` line; checks it instead of the "
@@ -52,7 +55,7 @@ def run(a: argparse.Namespace) -> int:
             pipeline_parallel_size=a.pipeline_parallel_size,
             enable_expert_parallel=a.enable_expert_parallel, enable_eplb=a.enable_eplb,
             eplb_config=json_flag("--eplb-config", a.eplb_config),
-            scheduling_policy=a.scheduling_policy, enforce_eager=a.enforce_eager)
+            scheduling_policy=priority_scheduling(a)[0], enforce_eager=a.enforce_eager)
         config = parse_additional_config(a.additional_config, device=a.device,
                                          engine_args=engine)
     except ConfigError as e:

@@ -53,6 +53,9 @@ class EngineConfig:
     expert_load_phase: str = "all"
     # DyntraLB (scheduler_config.dyntra_lb_config, parsed): balances lockstep DP ranks
     dyntra_lb: Any = None
+    # vLLM-Ascend's recompute scheduler (decode instances): a request that cannot get a
+    # KV block finishes as "recomputed" and the gateway continues it elsewhere
+    recompute_scheduler: bool = False
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""

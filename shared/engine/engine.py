@@ -82,6 +82,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, policy_from_config(config),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
+        self.scheduler.recompute_elsewhere = config.recompute_scheduler
         self.dyntralb = None
         if config.dyntra_lb is not None and self.ep is not None:
             from shared.engine.dyntralb import DyntraLB
@@ -235,9 +236,10 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
+        handed_back = self._handed_back()
         if sched.is_empty:
             self.idle_step()
-            return []
+            return handed_back
         try:
             logits, sample_idx = self.runner.execute(sched)
             if self.model.load_recorder is not None:
@@ -255,7 +257,7 @@ class EngineCore:
         if self.connector is not None and self.connector.save_prompts:
             for i in sample_idx:  # these computed their prompt's last token just now
                 req = sched.requests[i]
-                if req.num_output_tokens == 0:
+                if not req.kv_keys:  # its prompt (and any tokens it came with) just done
                     req.kv_keys = self.connector.save(req, self.kv.block_ids(req))
         tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)
@@ -263,4 +265,13 @@ class EngineCore:
             self._requests.pop(req.request_id, None)
         done = {id(r) for r in finished}
         return [StepOutput(sched.requests[i], [tokens[i]], id(sched.requests[i]) in done)
-                for i in sample_idx]
+                for i in sample_idx] + handed_back
+
+    def _handed_back(self) -> list[StepOutput]:
+        """Requests the recompute scheduler gave up this step: finished, no new token."""
+        out = []
+        for req in self.scheduler.handed_back:
+            self._requests.pop(req.request_id, None)
+            out.append(StepOutput(req, [], True))
+        self.scheduler.handed_back.clear()
+        return out

@@ -86,7 +86,8 @@ class PoolConnector:
     def save(self, request: Request, block_ids: list[int]) -> list[str]:
         """Put the prompt's blocks in the pool; returns their keys (all of them, also
         those the pool already had)."""
-        keys = self.prompt_keys(request, request.num_prompt_tokens)
+        # the prompt, and any output tokens the request came with (a re-prefill)
+        keys = self.prompt_keys(request, request.num_tokens)
         regions = [self.regions.regions(b) for b in block_ids[:len(keys)]]
         try:
             stored = self.pool.put(keys, regions)

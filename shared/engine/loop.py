@@ -292,7 +292,8 @@ class EngineLoop:
             if entry is None:
                 continue
             stream, tokens = entry[0], out.new_token_ids
-            lps = req.logprobs[-len(tokens):] if req.sampling_params.logprobs is not None else []
+            lps = (req.logprobs[-len(tokens):]
+                   if tokens and req.sampling_params.logprobs is not None else [])
             event = StreamEvent(tokens, lps, out.finished, req.finish_reason, req.stop_reason,
                                 max(req.num_cached_tokens, 0), list(req.kv_keys))
             if isinstance(stream, AsyncRequestStream):

@@ -1,17 +1,22 @@
 """Scheduling policies: which waiting request goes next, which running one yields.
 
-A policy is an object the scheduler asks, never a branch inside the scheduler. Later
-policies (short-request-first, DyntraLB) plug in here.
+A policy is an object the scheduler asks, never a branch inside the scheduler:
+
+    fcfs                 arrival order
+    priority             by the request's ``priority``, lower or larger values first
+    short_request_first  vLLM-Ascend's ShortRequestFirst lanes (short prompts first)
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from shared.engine.config import EngineConfig
 from shared.engine.request import Request
 
 
@@ -81,16 +86,17 @@ class FCFSPolicy(SchedulingPolicy):
 
 
 class PriorityPolicy(SchedulingPolicy):
-    """Lowest ``priority`` value first (vLLM's convention), then arrival order; the
-    preempted request is the running one that would be scheduled last."""
+    """Lowest ``priority`` value first (vLLM's convention; with ``low_values_first``
+    False the largest, SGLang's default), then arrival order; the preempted request is
+    the running one that would be scheduled last."""
 
-    def __init__(self) -> None:
+    def __init__(self, low_values_first: bool = True) -> None:
+        self.low_values_first = low_values_first
         self._heap: list[tuple[int, float, int, Request]] = []
         self._seq = itertools.count()
 
-    @staticmethod
-    def _key(r: Request) -> tuple[int, float]:
-        return (r.priority, r.arrival_time)
+    def _key(self, r: Request) -> tuple[int, float]:
+        return (r.priority if self.low_values_first else -r.priority, r.arrival_time)
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (*self._key(request), next(self._seq), request))
@@ -117,10 +123,116 @@ class PriorityPolicy(SchedulingPolicy):
         return max(running, key=self._key)
 
 
-POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+def has_progress(r: Request) -> bool:
+    """Whether ``r`` holds or held progress: it was preempted (the scheduler freed its
+    blocks and readded it), or arrives with tokens already computed or generated (a
+    paused request keeping its KV, a continuation of tokens generated elsewhere)."""
+    return r.num_preemptions > 0 or r.num_computed_tokens > 0 or r.num_output_tokens > 0
+
+
+class ShortRequestFirstPolicy(SchedulingPolicy):
+    """vLLM-Ascend's ShortRequestFirst waiting queue (``scheduler_config.
+    short_request_first_config``): four lanes, served in this order, FCFS inside each:
+
+        immediate  ``readd`` (preempted) and any request with progress (``has_progress``)
+        aged-long  the long lane's head, once it has waited ``long_max_wait_ms`` and
+                   short requests are waiting (0: never promoted by age)
+        short      at most ``threshold`` prompt tokens
+        long       the rest
+
+    A long request's wait counts from when it joined the queue. ``pop`` removes what the
+    last ``peek`` returned, even if the long head aged in between. The preempted request
+    is FCFS's: the latest admitted.
+    """
+
+    def __init__(self, threshold: int = 256, long_max_wait_ms: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold = threshold
+        self.long_max_wait_ms = long_max_wait_ms
+        self.clock = clock  # seconds, monotonic
+        self.aged_promotions = 0  # long requests served ahead of waiting short ones
+        self._immediate: deque[Request] = deque()
+        self._short: deque[Request] = deque()
+        self._long: deque[Request] = deque()
+        self._joined: dict[Request, float] = {}  # long lane: when each request joined
+        self._pinned: deque[Request] | None = None  # the lane ``peek`` answered from
+
+    def _lane_for(self, r: Request) -> deque[Request]:
+        if has_progress(r):
+            return self._immediate
+        return self._short if r.num_prompt_tokens <= self.threshold else self._long
+
+    def _aged(self, r: Request) -> bool:
+        waited_ms = (self.clock() - self._joined[r]) * 1000.0
+        return self.long_max_wait_ms > 0 and waited_ms >= self.long_max_wait_ms
+
+    def _next_lane(self) -> deque[Request]:
+        if self._immediate:
+            return self._immediate
+        if self._long and self._short and self._aged(self._long[0]):
+            return self._long
+        return self._short if self._short else self._long
+
+    def add(self, request: Request) -> None:
+        self._pinned = None
+        lane = self._lane_for(request)
+        lane.append(request)
+        if lane is self._long:
+            self._joined.setdefault(request, self.clock())
+
+    def readd(self, request: Request) -> None:
+        self._pinned = None
+        self._immediate.appendleft(request)
+
+    def peek(self) -> Request:
+        self._pinned = self._next_lane()
+        return self._pinned[0]
+
+    def pop(self) -> Request:
+        lane = self._pinned or self._next_lane()
+        self._pinned = None
+        if lane is self._long and self._short:
+            self.aged_promotions += 1
+        request = lane.popleft()
+        self._joined.pop(request, None)
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._pinned = None
+        for lane in (self._immediate, self._short, self._long):
+            if request in lane:
+                lane.remove(request)
+                self._joined.pop(request, None)
+                return
+        raise ValueError(f"request {request.request_id} is not waiting")
+
+    def __len__(self) -> int:
+        return len(self._immediate) + len(self._short) + len(self._long)
+
+    def __iter__(self) -> Iterator[Request]:
+        """Lane by lane (immediate, short, long), without the aged-long promotion."""
+        return itertools.chain(self._immediate, self._short, self._long)
+
+    def victim(self, running: list[Request]) -> Request:
+        return running[-1]
+
+
+POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy,
+            "short_request_first": ShortRequestFirstPolicy}
 
 
 def make_policy(name: str) -> SchedulingPolicy:
+    """The policy ``name`` with its default knobs."""
     if name not in POLICIES:
         raise ValueError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got {name!r}")
     return POLICIES[name]()
+
+
+def policy_from_config(config: EngineConfig) -> SchedulingPolicy:
+    """The policy ``config.scheduling_policy`` with the config's knobs."""
+    if config.scheduling_policy == "priority":
+        return PriorityPolicy(low_values_first=config.priority_low_values_first)
+    if config.scheduling_policy == "short_request_first":
+        return ShortRequestFirstPolicy(config.short_request_threshold,
+                                       config.short_request_long_max_wait_ms)
+    return make_policy(config.scheduling_policy)

@@ -103,7 +103,8 @@ def short_request_first_placement(ctx: RuleContext, out: Findings) -> None:
                        "node (kv_role \"kv_consumer\")")
     if ctx.engine.scheduling_policy != "fcfs":
         out.error(key, f"ShortRequestFirst replaces the FCFS waiting queue and cannot be used "
-                       f"with --scheduling-policy {ctx.engine.scheduling_policy}")
+                       f"with --scheduling-policy {ctx.engine.scheduling_policy} (nor "
+                       f"--enable-priority-scheduling)")
     if cfg.batch_job_sched_config.enabled:
         out.error(key, f"ShortRequestFirst cannot be combined with "
                        f"{ctx.name(_SCHED + '.batch_job_sched_config.enabled')}")

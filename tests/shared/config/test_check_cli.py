@@ -34,3 +34,12 @@ def test_bad_json_names_the_flag():
     assert r.returncode == 2 and "additional" in r.stderr.lower()
     r = check("--kv-transfer-config", "[1]")
     assert r.returncode == 2 and "--kv-transfer-config" in r.stderr
+
+
+def test_short_request_first_with_sglang_priority_scheduling_is_refused():
+    srf = '{"scheduler_config": {"short_request_first_config": {"enabled": true}}}'
+    assert check("--additional-config", srf).returncode == 0
+    r = check("--additional-config", srf, "--enable-priority-scheduling")
+    assert r.returncode == 2
+    assert "short_request_first_config.enabled" in r.stderr
+    assert "--enable-priority-scheduling" in r.stderr

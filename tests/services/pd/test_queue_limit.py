@@ -1,0 +1,143 @@
+"""An instance at its --max-queued-requests limit, over real gRPC in one process: the
+prefill and decode edges answer RESOURCE_EXHAUSTED naming the limit (on a decode Session,
+as that request's error_code), and the gateway, after trying every instance, turns it
+into a 429 rather than a 503."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.decode.server import DecodeServicer
+from services.gateway.pd import Channels, DecodeFailed, MeshError, generate
+from services.prefill.server import PrefillServicer
+from shared.engine.loop import AsyncRequestStream, QueueFull, StreamEvent
+from shared.engine.sampling_params import SamplingParams
+from shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from shared.proto.convert import sampling_to_proto
+from shared.registry import Instance
+
+SAMPLING = sampling_to_proto(SamplingParams(max_tokens=4))
+
+
+class FullLoop:
+    """An engine loop whose queue is always full."""
+
+    def __init__(self) -> None:
+        self.submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        raise QueueFull(3)
+
+    def abort(self, request_id: str) -> None:
+        raise AssertionError("nothing was admitted, nothing to abort")
+
+
+class FirstTokenLoop:
+    """An engine loop that prefills at once: the first token, 7."""
+
+    def submit(self, prompt, params, request_id=None, priority=0, aio_loop=None, **kw):
+        stream = AsyncRequestStream(request_id, aio_loop)
+        stream.put_local(StreamEvent([7], finished=True, finish_reason="length"))
+        return stream
+
+
+class OneEach:
+    """A router over fixed instances (no registry)."""
+
+    def __init__(self, instances: list[Instance]):
+        self._instances = instances
+
+    def instances(self, role: str) -> list[Instance]:
+        return [i for i in self._instances if i.role == role]
+
+    def pick(self, role, exclude=frozenset(), prompt=None):
+        live = [i for i in self.instances(role) if i.id not in exclude]
+        return live[0] if live else None
+
+    def sent(self, inst, prompt) -> None: ...
+
+    def answered(self, inst, prompt) -> None: ...
+
+    def forget(self) -> None: ...
+
+
+async def _serve(loop) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, "m"), server)
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(loop, "m"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _drain(pieces) -> list[int]:
+    tokens = []
+    async for piece in pieces:
+        tokens += piece.token_ids
+    return tokens
+
+
+def test_edges_answer_resource_exhausted_and_the_gateway_429():
+    async def scenario() -> None:
+        loop = FullLoop()
+        server, address = await _serve(loop)
+        channels = Channels()
+        try:
+            ch = channels.get(address)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                    prefill_pb2.PrefillRequest(request_id="p", prompt_token_ids=[1, 2],
+                                               sampling=SAMPLING),
+                    timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_queued_requests: 3" in info.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in decode_pb2_grpc.DecodeStub(ch).Generate(
+                        decode_pb2.GenerateRequest(request_id="g", prompt_token_ids=[1],
+                                                   sampling=SAMPLING),
+                        timeout=10):
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            session = channels.session(address)
+            with pytest.raises(DecodeFailed) as failed:
+                async for _ in session.generate(
+                        decode_pb2.GenerateRequest(request_id="s", prompt_token_ids=[1],
+                                                   sampling=SAMPLING), 10):
+                    pass
+            assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert session.broken is None  # one request refused, the session serves on
+
+            params = SamplingParams(max_tokens=4)
+            for roles in (("prefill", "decode"), ("mixed",)):
+                router = OneEach([Instance(f"{r}-1", r, address) for r in roles])
+                with pytest.raises(MeshError) as err:
+                    await _drain(generate(router, channels, f"r-{roles[0]}", [1, 2],
+                                          params))
+                assert err.value.status == 429, err.value
+                assert "--max-queued-requests" in str(err.value)
+            assert loop.submitted == 5
+
+            # prefill answers, every decode instance refuses: 429 after trying both
+            pre_server, pre_address = await _serve(FirstTokenLoop())
+            dec_server, dec_address = await _serve(loop)
+            router = OneEach([Instance("p", "prefill", pre_address),
+                              Instance("d1", "decode", address),
+                              Instance("d2", "decode", dec_address)])
+            pieces = generate(router, channels, "r-pd", [1, 2], params)
+            assert (await pieces.__anext__()).token_ids == [7]
+            with pytest.raises(MeshError) as err:
+                await _drain(pieces)
+            assert err.value.status == 429 and "every decode instance tried (2)" in str(
+                err.value)
+            assert loop.submitted == 7
+            await pre_server.stop(0)
+            await dec_server.stop(0)
+        finally:
+            await channels.close()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

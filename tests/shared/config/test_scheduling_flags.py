@@ -1,0 +1,81 @@
+"""Priority scheduling from either flag family, ShortRequestFirst from --additional-config,
+and --max-queued-requests: parsed as an engine instance parses them, checked together,
+and turned into EngineConfig fields (shared.worker.scheduling_settings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.cli import build_parser
+from shared.config import ConfigError
+from shared.config.service import resolve_service_config
+from shared.worker import scheduling_settings
+
+SRF = {"scheduler_config": {"short_request_first_config": {
+    "enabled": True, "threshold": 64, "long_max_wait_ms": 1500}}}
+
+
+def settings(role: str, *flags: str) -> dict:
+    a = build_parser(role).parse_args([role, "--model", "m", *flags])
+    return scheduling_settings(a, resolve_service_config(a, role, "cpu"))
+
+
+def test_defaults_are_fcfs_without_a_limit():
+    assert settings("prefill") == {"scheduling_policy": "fcfs",
+                                   "priority_low_values_first": True,
+                                   "max_queued_requests": None}
+
+
+@pytest.mark.parametrize(("flags", "low_first"), [
+    (["--scheduling-policy", "priority"], True),  # vLLM: lower values first
+    (["--enable-priority-scheduling"], False),  # SGLang: larger values first
+    (["--enable-priority-scheduling", "--schedule-low-priority-values-first"], True),
+    (["--enable-priority-scheduling", "--schedule-low-priority-values-first",
+      "--scheduling-policy", "priority"], True),  # both families, agreeing
+    (["--scheduling-policy", "priority", "--schedule-low-priority-values-first"], True),
+])
+def test_priority_order_follows_the_flag_family(flags, low_first):
+    got = settings("decode", *flags)
+    assert got["scheduling_policy"] == "priority"
+    assert got["priority_low_values_first"] is low_first
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--schedule-low-priority-values-first"],
+     "--schedule-low-priority-values-first: only with --enable-priority-scheduling"),
+    (["--enable-priority-scheduling", "--scheduling-policy", "priority"],
+     "--enable-priority-scheduling: serves larger priority values first"),
+    (["--max-queued-requests", "0"], "--max-queued-requests: must be >= 1, got 0"),
+])
+def test_bad_flag_combinations_name_the_flag(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        settings("prefill", *flags)
+
+
+@pytest.mark.parametrize("role", ["prefill", "mixed"])
+def test_short_request_first_on_prefill_and_mixed(role):
+    got = settings(role, "--additional-config", json.dumps(SRF), "--max-queued-requests", "8")
+    assert got == {"scheduling_policy": "short_request_first",
+                   "priority_low_values_first": True, "max_queued_requests": 8,
+                   "short_request_threshold": 64, "short_request_long_max_wait_ms": 1500.0}
+
+
+def test_legacy_top_level_short_request_first_key():
+    legacy = {"short_request_first_config": {"enabled": True, "threshold": 32}}
+    got = settings("prefill", "--additional-config", json.dumps(legacy))
+    assert got["scheduling_policy"] == "short_request_first"
+    assert got["short_request_threshold"] == 32
+
+
+@pytest.mark.parametrize(("role", "flags", "needle"), [
+    ("decode", [], 'decode node (kv_role "kv_consumer")'),
+    ("prefill", ["--enable-priority-scheduling"], "--enable-priority-scheduling"),
+    ("mixed", ["--scheduling-policy", "priority"], "--scheduling-policy priority"),
+])
+def test_short_request_first_is_refused_on_decode_and_with_priorities(role, flags, needle):
+    with pytest.raises(ConfigError) as info:
+        settings(role, "--additional-config", json.dumps(SRF), *flags)
+    assert info.value.keys == ("scheduler_config.short_request_first_config.enabled",)
+    assert needle in str(info.value)
