@@ -60,6 +60,11 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
         used = 1.0 - ld.free_kv_blocks / ld.total_kv_blocks if ld.total_kv_blocks else 0.0
         yield gauge("pdmesh_kv_cache_usage_perc", "KV-cache usage, 1 means full.", labels,
                     used)
+        sched = loop.engine.scheduler
+        yield counter("pdmesh_num_preemptions", "Requests that gave up their KV blocks "
+                      "(recomputed here, or handed back).", labels, sched.preemptions)
+        yield counter("pdmesh_requests_recomputed", "Requests the recompute scheduler "
+                      "handed back to be re-prefilled elsewhere.", labels, sched.recomputed)
         lb = loop.engine.dyntralb
         if lb is not None:
             yield gauge("pdmesh_dp_bubble_blocks", "DP bubble at the last step: max - mean "

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_ATTEMPTS = 3
 DECODE_ATTEMPTS = 3
+MAX_HAND_BACKS = 16  # times the recompute scheduler may hand one request back
 BACKOFF_S = 0.1
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -179,19 +180,25 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
     if first.finish_reason:
         return
     tokens = [first.first_token]
+    keys = list(first.block_keys)
     dead: set[str] = set()
     codes: list[grpc.StatusCode] = []  # why each decode instance failed
-    for _ in range(DECODE_ATTEMPTS):
+    handed_back = 0
+    while len(dead) < DECODE_ATTEMPTS:
         inst = router.pick("decode", exclude=dead)
         if inst is None:
             _raise_if_all_refused("decode", codes)
             raise MeshError("no decode instance is available")
         chunks = channels.session(inst.address).generate(decode_pb2.GenerateRequest(
-            request_id=f"{request_id}-d{len(dead)}", prompt_token_ids=prompt,
-            output_token_ids=tokens, block_keys=list(first.block_keys), sampling=sampling,
+            request_id=f"{request_id}-d{len(dead)}r{handed_back}", prompt_token_ids=prompt,
+            output_token_ids=tokens, block_keys=keys, sampling=sampling,
             priority=priority), timeout_s)
+        recomputed = False
         try:
             async for chunk in chunks:
+                if chunk.finish_reason == "recomputed":  # out of KV there (decode's
+                    recomputed = True                     # recompute scheduler)
+                    break
                 tokens += chunk.token_ids
                 yield Piece(list(chunk.token_ids),
                             [logprobs_from_proto(m) for m in chunk.logprobs]
@@ -212,6 +219,24 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
             await asyncio.sleep(BACKOFF_S)
         finally:
             await chunks.aclose()  # aborts the request on decode when the client left
+        if recomputed:
+            # re-prefill prompt + tokens so far, then continue on a decode instance: the
+            # client's stream goes on as if nothing happened
+            handed_back += 1
+            if handed_back > MAX_HAND_BACKS:
+                raise MeshError(f"decode handed the request back {MAX_HAND_BACKS} times "
+                                "(out of KV cache); retry later")
+            log.info("request %s: handed back by decode %s after %d tokens; re-prefilling",
+                     request_id, inst.address, len(tokens))
+            nxt = await _prefill(router, channels, f"{request_id}-r{handed_back}", prompt,
+                                 sampling, priority, timeout_s, output_token_ids=tokens)
+            lp = ([logprobs_from_proto(nxt.first_logprobs)]
+                  if params.logprobs is not None else [])
+            tokens.append(nxt.first_token)
+            yield Piece([nxt.first_token], lp, nxt.finish_reason or None)
+            if nxt.finish_reason:
+                return
+            keys = list(nxt.block_keys)
     _raise_if_all_refused("decode", codes)
     raise MeshError(f"decode failed on {len(dead)} instances")
 
@@ -259,20 +284,26 @@ async def _mixed(router: Router, channels: Channels, request_id: str, prompt: li
 
 
 async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],
-                   sampling, priority: int, timeout_s: float) -> prefill_pb2.PrefillResponse:
+                   sampling, priority: int, timeout_s: float,
+                   output_token_ids: list[int] | None = None) -> prefill_pb2.PrefillResponse:
+    """The next token from a prefill instance (retrying elsewhere, with backoff);
+    ``output_token_ids``: tokens generated before a decode instance handed the request
+    back, computed with the prompt."""
+    carried = output_token_ids or []
     tried: set[str] = set()
     codes: list[grpc.StatusCode] = []  # why each attempt failed
     last = "no prefill instance is available"
     for attempt in range(PREFILL_ATTEMPTS):
-        inst = router.pick("prefill", exclude=tried, prompt=prompt)
+        inst = router.pick("prefill", exclude=tried, prompt=prompt + carried)
         if inst is None:
             break
         stub = prefill_pb2_grpc.PrefillStub(channels.get(inst.address))
-        router.sent(inst, prompt)
+        router.sent(inst, prompt + carried)
         try:
             return await stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=f"{request_id}-p{attempt}", prompt_token_ids=prompt,
-                sampling=sampling, priority=priority), timeout=timeout_s)
+                sampling=sampling, priority=priority, output_token_ids=carried),
+                timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise MeshError(e.details() or "invalid request", 400) from e
@@ -284,7 +315,7 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
             tried.add(inst.id)
             router.forget()
         finally:
-            router.answered(inst, prompt)
+            router.answered(inst, prompt + carried)
         await asyncio.sleep(BACKOFF_S * (2 ** attempt))
     _raise_if_all_refused("prefill", codes)
     raise MeshError(last)

@@ -41,11 +41,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
         try:
             params = sampling_from_proto(request.sampling)
-            # this instance produces the first token only; decode does the rest
-            first = dataclasses.replace(params, max_tokens=1)
+            # this instance produces one token only (after any the request carries, when
+            # a decode instance handed it back); decode does the rest
+            carried = list(request.output_token_ids)
+            first = dataclasses.replace(params, max_tokens=len(carried) + 1)
             stream = self.loop.submit(list(request.prompt_token_ids), first,
                                       request_id=request.request_id or None,
                                       priority=request.priority,
+                                      output_token_ids=carried or None,
                                       aio_loop=asyncio.get_running_loop())
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -62,10 +65,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if event.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED,
                                 f"request {stream.request_id} aborted")
-        # the first token ends the request by itself when it is a stop token or the
-        # caller asked for one token
+        # the token ends the request by itself when it is a stop token, the caller asked
+        # for no more, or the context is full
+        total = len(request.prompt_token_ids) + len(carried) + 1
         finish = "stop" if event.finish_reason == "stop" else (
-            "length" if params.max_tokens == 1 else "")
+            "length" if params.max_tokens == len(carried) + 1
+            or total >= self.loop.engine.max_model_len else "")
         resp = prefill_pb2.PrefillResponse(
             first_token=event.token_ids[0], block_keys=event.kv_keys,
             num_cached_tokens=event.num_cached_tokens,

@@ -56,6 +56,7 @@ class Scheduler:
         # until the engine reports it) instead of waiting here to be recomputed.
         self.recompute_elsewhere = False
         self.handed_back: list[Request] = []
+        self.recomputed = 0  # requests handed back, since start
 
     @property
     def has_unfinished(self) -> bool:
@@ -162,6 +163,7 @@ class Scheduler:
         if self.recompute_elsewhere:
             self.finish(req, RequestStatus.FINISHED_RECOMPUTED)
             self.preemptions += 1
+            self.recomputed += 1
             self.handed_back.append(req)
             return
         self._unpause(req)
