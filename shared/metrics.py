@@ -8,19 +8,75 @@ Prometheus expects; every sample carries model_name, instance, role and dp_rank.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 log = logging.getLogger(__name__)
 
+# no "<counter>_created" series next to every counter and histogram (as vLLM does)
+prometheus_client.disable_created_metrics()
+
 LABELS = ("model_name", "instance", "role", "dp_rank")
 
+# Every metric family a pdmesh service exports, as scraped (counters with ``_total``;
+# histograms also expose ``_bucket``/``_sum``/``_count``). Dashboards and alerts may use
+# exactly these; tests scrape the services and check each one is there.
+METRIC_NAMES: dict[str, str] = {
+    # gateway (per request, as the client sees it)
+    "pdmesh_request_success_total": "gateway",
+    "pdmesh_request_failure_total": "gateway",
+    "pdmesh_prompt_tokens_total": "gateway worker",
+    "pdmesh_generation_tokens_total": "gateway worker",
+    "pdmesh_time_to_first_token_seconds": "gateway",
+    "pdmesh_inter_token_latency_seconds": "gateway",
+    "pdmesh_e2e_request_latency_seconds": "gateway",
+    "pdmesh_gateway_retries_total": "gateway",
+    "pdmesh_requests_migrated_total": "gateway",
+    "pdmesh_requests_handed_back_total": "gateway",
+    "pdmesh_requests_rejected_total": "gateway",
+    "pdmesh_instance_up": "gateway",
+    # engine instances (prefill, decode, mixed; one DP rank each)
+    "pdmesh_num_requests_running": "worker",
+    "pdmesh_num_requests_waiting": "worker",
+    "pdmesh_kv_cache_usage_perc": "worker",
+    "pdmesh_prefix_cache_queries_total": "worker",
+    "pdmesh_prefix_cache_hits_total": "worker",
+    "pdmesh_request_queue_time_seconds": "worker",
+    "pdmesh_request_prefill_time_seconds": "worker",
+    "pdmesh_request_decode_time_seconds": "worker",
+    "pdmesh_kv_transfer_bytes_total": "worker",
+    "pdmesh_kv_transfer_seconds": "worker",
+    "pdmesh_kv_pool_hits_total": "worker",
+    "pdmesh_kv_pool_misses_total": "worker",
+    "pdmesh_num_preemptions_total": "worker",
+    "pdmesh_requests_recomputed_total": "worker",
+    "pdmesh_dp_bubble_blocks": "worker (DyntraLB)",
+    "pdmesh_dyntralb_active": "worker (DyntraLB)",
+    "pdmesh_dyntralb_pauses_total": "worker (DyntraLB)",
+    "pdmesh_dyntralb_resumes_total": "worker (DyntraLB)",
+    "pdmesh_dyntralb_frozen_steps_total": "worker (DyntraLB)",
+    "pdmesh_eplb_placement_version": "worker (EP) eplb",
+    "pdmesh_eplb_expert_weight_bytes_moved_total": "worker (EP)",
+    "pdmesh_eplb_move_seconds_total": "worker (EP)",
+    # EPLB controller
+    "pdmesh_eplb_decisions_total": "eplb",
+    "pdmesh_eplb_balancedness": "eplb",
+}
 
-def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int) -> int:
-    """Serve ``collect``'s metrics at http://host:port/metrics from a daemon thread;
-    returns the port (0 picks a free one)."""
+
+def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int,
+                  registry: CollectorRegistry | None = None) -> int:
+    """Serve ``collect``'s metrics (and ``registry``'s, if given) at
+    http://host:port/metrics from a daemon thread; returns the port (0: a free one)."""
 
     class _Collector:
         def collect(self) -> Iterator[Metric]:
@@ -29,7 +85,7 @@ def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int)
             except Exception:  # noqa: BLE001 (a scrape must not take the service down)
                 log.exception("metrics collection failed")
 
-    registry = CollectorRegistry(auto_describe=False)
+    registry = registry or CollectorRegistry(auto_describe=False)
     registry.register(_Collector())  # type: ignore[arg-type]
     server, _ = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)
@@ -48,8 +104,52 @@ def counter(name: str, doc: str, labels: dict[str, str], value: float) -> Counte
     return c
 
 
+# request phases take milliseconds to minutes
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class WorkerRequestMetrics:
+    """Per-request figures an engine instance observes as requests finish (the engine
+    loop calls ``finished``): tokens, and time queued, prefilling and decoding here."""
+
+    def __init__(self, labels: dict[str, str]):
+        from prometheus_client import Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        names, values = list(labels), list(labels.values())
+
+        def hist(name: str, doc: str):
+            return Histogram(name, doc, names, buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(*values)
+
+        self.queue = hist("pdmesh_request_queue_time_seconds",
+                          "Time from arrival here to first scheduled.")
+        self.prefill = hist("pdmesh_request_prefill_time_seconds",
+                            "Time from first scheduled to the first token produced here.")
+        self.decode = hist("pdmesh_request_decode_time_seconds",
+                           "Time from the first token produced here to finishing.")
+        self.prompt = Counter("pdmesh_prompt_tokens", "Prompt tokens of finished requests.",
+                              names, registry=self.registry).labels(*values)
+        self.generated = Counter("pdmesh_generation_tokens", "Tokens generated here.",
+                                 names, registry=self.registry).labels(*values)
+
+    def finished(self, req) -> None:
+        if req.scheduled_time is None:  # aborted while waiting
+            return
+        self.queue.observe(max(0.0, req.scheduled_time - req.arrival_time))
+        if req.first_token_time is not None:
+            self.prefill.observe(max(0.0, req.first_token_time - req.scheduled_time))
+            self.decode.observe(max(0.0, time.monotonic() - req.first_token_time))
+        self.prompt.inc(req.num_prompt_tokens)
+        self.generated.inc(req.num_output_tokens - req.num_carried_outputs)
+
+
 def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iterator[Metric]]:
-    """What an engine instance (prefill, decode, mixed; one DP rank) exports."""
+    """What an engine instance (prefill, decode, mixed; one DP rank) exports at scrape
+    time (the per-request histograms are in WorkerRequestMetrics)."""
+    # per direction: [cumulative count per bucket..., +Inf count], and the sum of seconds
+    hist = {d: ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]) for d in ("put", "get")}
 
     def collect() -> Iterator[Metric]:
         ld = loop.load()
@@ -61,6 +161,38 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
         yield gauge("pdmesh_kv_cache_usage_perc", "KV-cache usage, 1 means full.", labels,
                     used)
         sched = loop.engine.scheduler
+        yield counter("pdmesh_prefix_cache_queries", "Prompt tokens looked up in the local "
+                      "prefix cache.", labels, sched.prefix_queries)
+        yield counter("pdmesh_prefix_cache_hits", "Prompt tokens found in the local prefix "
+                      "cache.", labels, sched.prefix_hits)
+        conn = loop.engine.connector
+        if conn is not None:
+            moved = CounterMetricFamily("pdmesh_kv_transfer_bytes", "KV bytes moved between "
+                                        "this instance and the pool.", labels=[*labels,
+                                                                               "direction"])
+            seconds = HistogramMetricFamily("pdmesh_kv_transfer_seconds", "Time of one KV "
+                                            "transfer (a request's blocks, one direction).",
+                                            labels=[*labels, "direction"])
+            for direction in ("put", "get"):
+                moved.add_metric([*labels.values(), direction],
+                                 conn.transfer_bytes[direction])
+                new = conn.take_transfer_seconds(direction)
+                counts, total = hist[direction]
+                for t in new:
+                    for i, bound in enumerate(LATENCY_BUCKETS):
+                        counts[i] += t <= bound
+                    counts[-1] += 1
+                    total[0] += t
+                buckets = [(str(b), c) for b, c in zip(LATENCY_BUCKETS, counts, strict=False)]
+                seconds.add_metric([*labels.values(), direction],
+                                   buckets + [("+Inf", counts[-1])], total[0])
+            yield moved
+            yield seconds
+            stats = conn.pool.stats()
+            yield counter("pdmesh_kv_pool_hits", "Blocks found in the KV pool.", labels,
+                          stats.hits)
+            yield counter("pdmesh_kv_pool_misses", "Blocks looked for in the KV pool and "
+                          "not found.", labels, stats.misses)
         yield counter("pdmesh_num_preemptions", "Requests that gave up their KV blocks "
                       "(recomputed here, or handed back).", labels, sched.preemptions)
         yield counter("pdmesh_requests_recomputed", "Requests the recompute scheduler "
@@ -76,6 +208,8 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
                           labels, lb.pauses)
             yield counter("pdmesh_dyntralb_resumes", "Paused requests DyntraLB resumed.",
                           labels, lb.resumes)
+            yield counter("pdmesh_dyntralb_frozen_steps", "Steps this rank was frozen for "
+                          "admission by DyntraLB.", labels, lb.frozen_steps)
         ep = loop.engine.ep
         if ep is not None:
             yield gauge("pdmesh_eplb_placement_version", "Expert placement this rank runs.",

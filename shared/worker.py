@@ -138,12 +138,14 @@ def serve_worker(a: argparse.Namespace, role: str,
                     dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0)
     metrics_port = None
     if a.metrics_port >= 0:
-        from shared.metrics import serve_metrics, worker_metrics
+        from shared.metrics import WorkerRequestMetrics, serve_metrics, worker_metrics
 
         labels = {"model_name": model_name, "instance": inst.id, "role": role,
                   "dp_rank": str(inst.dp_rank)}
+        per_request = WorkerRequestMetrics(labels)
+        loop.on_finished = per_request.finished
         metrics_port = serve_metrics(worker_metrics(loop, labels, eplb), a.host,
-                                     a.metrics_port)
+                                     a.metrics_port, per_request.registry)
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
                      load=lambda: asdict(loop.load()))
     beat.start()

@@ -24,7 +24,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 
 from services.gateway.detokenize import IncrementalText
 from services.gateway.pd import Channels, MeshError, Piece, generate
@@ -57,22 +63,79 @@ def error(status: int, message: str, param: str | None = None,
 
 
 class _Metrics:
-    def __init__(self) -> None:
+    """The gateway's /metrics: requests as clients see them (vLLM's names, pdmesh_), what
+    the mesh had to do for them, and which instances the router sees."""
+
+    def __init__(self, model: str, router: Router | None = None) -> None:
+        from shared.metrics import LATENCY_BUCKETS  # (also turns off _created series)
+
         self.registry = CollectorRegistry()
-        self.success = Counter("pdmesh_request_success", "Finished requests",
-                               ["finished_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens",
-                                     registry=self.registry)
-        self.generation_tokens = Counter("pdmesh_generation_tokens", "Generated tokens",
-                                         registry=self.registry)
+        m = {"model_name": model}
+        reg = self.registry
+        self._success = Counter("pdmesh_request_success", "Finished requests",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.model = model
+        self.prompt_tokens = Counter("pdmesh_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", list(m), registry=reg).labels(**m)
+        self.generation_tokens = Counter("pdmesh_generation_tokens", "Generated tokens "
+                                         "sent to clients", list(m), registry=reg).labels(**m)
         self.failures = Counter("pdmesh_request_failure", "Requests that failed",
-                                registry=self.registry)
+                                list(m), registry=reg).labels(**m)
+        self.ttft = Histogram("pdmesh_time_to_first_token_seconds", "Arrival to the first "
+                              "token", list(m), buckets=LATENCY_BUCKETS,
+                              registry=reg).labels(**m)
+        self.itl = Histogram("pdmesh_inter_token_latency_seconds", "Between two tokens of "
+                             "a response", list(m), buckets=LATENCY_BUCKETS,
+                             registry=reg).labels(**m)
+        self.e2e = Histogram("pdmesh_e2e_request_latency_seconds", "Arrival to the last "
+                             "token", list(m), buckets=LATENCY_BUCKETS,
+                             registry=reg).labels(**m)
+        self._retries = Counter("pdmesh_gateway_retries", "Calls retried on another "
+                                "instance", ["model_name", "role"], registry=reg)
+        for role in ("prefill", "decode"):  # exported at 0 from the start
+            self._retries.labels(model_name=model, role=role)
+        self.migrated = Counter("pdmesh_requests_migrated", "Requests continued on another "
+                                "decode instance after theirs failed mid-stream", list(m),
+                                registry=reg).labels(**m)
+        self.handed_back = Counter("pdmesh_requests_handed_back", "Requests a decode "
+                                   "instance handed back (recompute scheduler) and the "
+                                   "gateway re-prefilled", list(m), registry=reg).labels(**m)
+        self.rejected = Counter("pdmesh_requests_rejected", "Requests answered 429 "
+                                "(queue limits)", list(m), registry=reg).labels(**m)
+        if router is not None:
+            reg.register(_InstancesUp(router, model))  # type: ignore[arg-type]
+
+    def success(self, reason: str) -> None:
+        self._success.labels(model_name=self.model, finished_reason=reason).inc()
+
+    # what the mesh path reports (services/gateway/pd.py)
+    def retried(self, role: str) -> None:
+        self._retries.labels(model_name=self.model, role=role).inc()
+
+
+class _InstancesUp:
+    """pdmesh_instance_up{instance, role, address}: 1 for each instance the router would
+    route to (heartbeat fresh, not draining), read when scraped."""
+
+    def __init__(self, router: Router, model: str):
+        self.router = router
+        self.model = model
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("pdmesh_instance_up", "Instances the gateway routes to",
+                              labels=["model_name", "instance", "role", "address"])
+        for role in ("prefill", "decode", "mixed"):
+            for inst in self.router.instances(role):
+                g.add_metric([self.model, inst.id, role, inst.address], 1)
+        yield g
 
 
 def create_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="pdmesh gateway")
     channels = Channels()
-    metrics = _Metrics()
+    metrics = _Metrics(state.model_name, state.router)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -82,7 +145,8 @@ def create_app(state: GatewayState) -> FastAPI:
         return error(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}", field)
 
     if state.max_queued_requests is not None:
-        app.add_middleware(_InFlightLimit, limit=state.max_queued_requests)
+        app.add_middleware(_InFlightLimit, limit=state.max_queued_requests,
+                           rejected=metrics.rejected)
     if state.api_key:  # added last: runs first, so a refused key takes no slot
         app.add_middleware(_ApiKey, key=state.api_key)
 
@@ -143,7 +207,8 @@ def create_app(state: GatewayState) -> FastAPI:
         except ValueError as e:
             return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces = generate(state.router, channels, rid, prompt, params, body.priority)
+        pieces = generate(state.router, channels, rid, prompt, params, body.priority,
+                          events=metrics)
         text = IncrementalText(state.tokenizer, body.stop_strings(), params.skip_special_tokens)
         stream = _Stream(rid, state.model_name, chat, prompt, text, state.tokenizer,
                          params.logprobs, metrics)
@@ -154,7 +219,10 @@ def create_app(state: GatewayState) -> FastAPI:
                 return JSONResponse(await stream.whole(first, deltas))
         except MeshError as e:
             await deltas.aclose()
-            metrics.failures.inc()
+            if e.status == 429:
+                metrics.rejected.inc()
+            else:
+                metrics.failures.inc()
             return error(e.status, str(e), kind=_error_kind(e.status))
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(stream.sse(first, deltas, include_usage),
@@ -189,9 +257,10 @@ class _InFlightLimit:
 
     PATHS = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app: Any, limit: int):
+    def __init__(self, app: Any, limit: int, rejected: Any = None):
         self.app = app
         self.limit = limit
+        self.rejected = rejected  # a counter
         self.in_flight = 0  # the event loop's thread only
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -199,6 +268,8 @@ class _InFlightLimit:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
+            if self.rejected is not None:
+                self.rejected.inc()
             response = error(429, f"the gateway has {self.in_flight} requests in flight, its "
                                   f"--max-queued-requests limit; retry after "
                                   f"{RETRY_AFTER_S} s", kind="rate_limit_error")
@@ -239,6 +310,8 @@ class _Stream:
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
         self.text, self.tok, self.logprobs, self.metrics = text, tok, logprobs, metrics
         self.created = int(time.time())
+        self.t0 = time.perf_counter()
+        self._last: float | None = None  # when the last token reached us
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -251,6 +324,7 @@ class _Stream:
                 if piece.num_cached_tokens is not None:
                     self.cached_tokens = piece.num_cached_tokens
                 self.completion_tokens += len(piece.token_ids)
+                self._timing(len(piece.token_ids))
                 delta = self.text.add(piece.token_ids)
                 lps = list(zip(piece.token_ids, piece.logprobs, strict=False))
                 if self.text.stopped:
@@ -270,9 +344,25 @@ class _Stream:
                 "total_tokens": len(self.prompt) + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
+    def _timing(self, n: int) -> None:
+        """TTFT for the first token; for later ones, the wait shared over the tokens
+        that arrived together."""
+        if not n:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self.metrics.ttft.observe(now - self.t0)
+            n -= 1
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self._last = now
+
     def _finished(self) -> None:
         self.metrics.prompt_tokens.inc(len(self.prompt))
-        self.metrics.success.labels(finished_reason=self.finish_reason or "stop").inc()
+        self.metrics.success(self.finish_reason or "stop")
+        self.metrics.e2e.observe(time.perf_counter() - self.t0)
 
     async def whole(self, first: Delta, deltas: AsyncIterator[Delta]) -> dict[str, Any]:
         parts = [first[0]]

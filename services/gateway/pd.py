@@ -38,6 +38,23 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
+class _Count:
+    def inc(self, n: float = 1) -> None:
+        pass
+
+
+class MeshEvents:
+    """What the mesh path reports (the gateway's metrics implement the same): a call
+    retried on another instance, a request migrated to another decode instance, one
+    handed back by a decode instance's recompute scheduler. These do nothing."""
+
+    migrated = _Count()
+    handed_back = _Count()
+
+    def retried(self, role: str) -> None:
+        pass
+
+
 class MeshError(Exception):
     """The mesh could not serve the request; ``status`` is the HTTP status to answer
     (429: every instance was at its queue limit, worth retrying a little later)."""
@@ -167,14 +184,17 @@ class Channels:
 
 async def generate(router: Router, channels: Channels, request_id: str, prompt: list[int],
                    params: SamplingParams, priority: int = 0,
-                   timeout_s: float = 600.0) -> AsyncIterator[Piece]:
+                   timeout_s: float = 600.0,
+                   events: MeshEvents | None = None) -> AsyncIterator[Piece]:
+    events = events or MeshEvents()
     sampling = sampling_to_proto(params)
     if not router.instances("prefill") and router.instances("mixed"):
         async for piece in _mixed(router, channels, request_id, prompt, sampling, priority,
                                   timeout_s):
             yield piece
         return
-    first = await _prefill(router, channels, request_id, prompt, sampling, priority, timeout_s)
+    first = await _prefill(router, channels, request_id, prompt, sampling, priority, timeout_s,
+                           events=events)
     lp = [logprobs_from_proto(first.first_logprobs)] if params.logprobs is not None else []
     yield Piece([first.first_token], lp, first.finish_reason or None, first.num_cached_tokens)
     if first.finish_reason:
@@ -215,6 +235,9 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
                         "tokens", request_id, inst.address, e.code.name, len(tokens))
             dead.add(inst.id)
             codes.append(e.code)
+            events.retried("decode")
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # it had started there
+                events.migrated.inc()
             router.forget()
             await asyncio.sleep(BACKOFF_S)
         finally:
@@ -223,13 +246,15 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
             # re-prefill prompt + tokens so far, then continue on a decode instance: the
             # client's stream goes on as if nothing happened
             handed_back += 1
+            events.handed_back.inc()
             if handed_back > MAX_HAND_BACKS:
                 raise MeshError(f"decode handed the request back {MAX_HAND_BACKS} times "
                                 "(out of KV cache); retry later")
             log.info("request %s: handed back by decode %s after %d tokens; re-prefilling",
                      request_id, inst.address, len(tokens))
             nxt = await _prefill(router, channels, f"{request_id}-r{handed_back}", prompt,
-                                 sampling, priority, timeout_s, output_token_ids=tokens)
+                                 sampling, priority, timeout_s, output_token_ids=tokens,
+                                 events=events)
             lp = ([logprobs_from_proto(nxt.first_logprobs)]
                   if params.logprobs is not None else [])
             tokens.append(nxt.first_token)
@@ -285,7 +310,8 @@ async def _mixed(router: Router, channels: Channels, request_id: str, prompt: li
 
 async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],
                    sampling, priority: int, timeout_s: float,
-                   output_token_ids: list[int] | None = None) -> prefill_pb2.PrefillResponse:
+                   output_token_ids: list[int] | None = None,
+                   events: MeshEvents | None = None) -> prefill_pb2.PrefillResponse:
     """The next token from a prefill instance (retrying elsewhere, with backoff);
     ``output_token_ids``: tokens generated before a decode instance handed the request
     back, computed with the prompt."""
@@ -314,6 +340,8 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
                 break
             tried.add(inst.id)
             router.forget()
+            if events is not None:
+                events.retried("prefill")
         finally:
             router.answered(inst, prompt + carried)
         await asyncio.sleep(BACKOFF_S * (2 ** attempt))

@@ -125,6 +125,7 @@ class DyntraLB:
         self._long_until = -1  # dynamic mode: balancing stays on until this step
         self.pauses = 0
         self.resumes = 0
+        self.frozen_steps = 0  # steps this rank admitted nothing new (its cap was 0)
         self.last_bubble = 0.0
         self.active = False
 
@@ -170,6 +171,7 @@ class DyntraLB:
         for rid in rank_plan.resume:
             scheduler.resume(rid)
         scheduler.admit_blocks = rank_plan.admit_blocks
+        self.frozen_steps += rank_plan.admit_blocks == 0
         self.pauses += len(rank_plan.pause)
         self.resumes += len(rank_plan.resume)
         if cfg.enable_diagnostics:

@@ -192,6 +192,7 @@ class EngineCore:
         req = Request(rid, list(prompt_token_ids), params,
                       eos_token_ids=self.model_config.eos_token_ids, priority=priority)
         req.token_ids.extend(done)
+        req.num_carried_outputs = len(done)
         self._requests[rid] = req
         self.scheduler.add(req)
         return req

@@ -18,6 +18,7 @@ tokens (a different byte length, so it never collides with a full block's key).
 from __future__ import annotations
 
 import logging
+import time
 
 from shared.engine.block_manager import BlockHasher
 from shared.engine.request import Request
@@ -37,6 +38,22 @@ class PoolConnector:
         self.save_prompts = save_prompts
         for t in regions.tensors:
             pool.register(t)
+        # transfers, for metrics: direction -> [bytes, seconds of each transfer]
+        self.transfer_bytes = {"put": 0, "get": 0}
+        self.transfer_seconds: dict[str, list[float]] = {"put": [], "get": []}
+
+    def take_transfer_seconds(self, direction: str) -> list[float]:
+        """The transfer times recorded since the last call (the metrics collector's)."""
+        taken, self.transfer_seconds[direction] = self.transfer_seconds[direction], []
+        return taken
+
+    def _account(self, direction: str, regions: list, ok: list[bool], seconds: float) -> None:
+        self.transfer_bytes[direction] += sum(n for regs, done in zip(regions, ok, strict=True)
+                                              if done for _, n in regs)
+        times = self.transfer_seconds[direction]
+        times.append(seconds)
+        if len(times) > 4096:  # read and cleared by the metrics collector; bounded anyway
+            del times[:2048]
 
     def prompt_keys(self, request: Request, num_tokens: int) -> list[str]:
         """Pool keys covering the request's first ``num_tokens`` tokens, in block order."""
@@ -72,11 +89,13 @@ class PoolConnector:
         first, end = start_token // bs, start_token + num_tokens
         keys = self.prompt_keys(request, end)[first:]
         regions = [self.regions.regions(block_ids[first + i]) for i in range(len(keys))]
+        t0 = time.perf_counter()
         try:
             ok = self.pool.get(keys, regions)
         except ConnectionError as e:
             log.warning("request %s: pool load failed (%s); recomputing", request.request_id, e)
             return False
+        self._account("get", regions, ok, time.perf_counter() - t0)
         if not all(ok):
             log.warning("request %s: %d of %d blocks vanished from the pool; recomputing",
                         request.request_id, len(ok) - sum(ok), len(ok))
@@ -89,11 +108,13 @@ class PoolConnector:
         # the prompt, and any output tokens the request came with (a re-prefill)
         keys = self.prompt_keys(request, request.num_tokens)
         regions = [self.regions.regions(b) for b in block_ids[:len(keys)]]
+        t0 = time.perf_counter()
         try:
             stored = self.pool.put(keys, regions)
         except ConnectionError as e:  # decode will find nothing and compute the prompt
             log.warning("request %s: pool save failed (%s)", request.request_id, e)
             return keys
+        self._account("put", regions, stored, time.perf_counter() - t0)
         if not all(stored):
             log.warning("request %s: pool refused %d of %d blocks", request.request_id,
                         len(stored) - sum(stored), len(stored))

@@ -147,6 +147,7 @@ class EngineLoop:
         """``eplb``: a RankEplb (expert-parallel ranks with dynamic EPLB)."""
         self.engine = engine
         self.eplb = eplb
+        self.on_finished = None  # called with each finished Request (metrics)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, Request | None]] = {}
@@ -291,6 +292,8 @@ class EngineLoop:
                          else self._streams.get(req.request_id))
             if entry is None:
                 continue
+            if out.finished and self.on_finished is not None:
+                self.on_finished(req)
             stream, tokens = entry[0], out.new_token_ids
             lps = (req.logprobs[-len(tokens):]
                    if tokens and req.sampling_params.logprobs is not None else [])

@@ -70,6 +70,11 @@ class Request:
     kv_keys: list[str] = field(default_factory=list)  # pool keys of the saved prompt
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = field(init=False)  # tokens that end it: stop ids, eos
+    # for metrics: outputs it arrived with, when it was first scheduled, when this
+    # engine produced its first token (time.monotonic)
+    num_carried_outputs: int = 0
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

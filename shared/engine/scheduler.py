@@ -10,6 +10,7 @@ victim is preempted: its blocks are freed and it waits to be recomputed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import KVCacheManager
@@ -57,6 +58,8 @@ class Scheduler:
         self.recompute_elsewhere = False
         self.handed_back: list[Request] = []
         self.recomputed = 0  # requests handed back, since start
+        self.prefix_queries = 0  # prompt tokens looked up in the local prefix cache
+        self.prefix_hits = 0  # ... and found there
 
     @property
     def has_unfinished(self) -> bool:
@@ -113,6 +116,11 @@ class Scheduler:
                     self.kv.forget_from(req, hit_tokens // self.kv.block_size)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
+            if fresh:
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += hit_tokens
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.transition(RequestStatus.RUNNING)
             self.running.append(req)
             out.requests.append(req)
@@ -188,6 +196,8 @@ class Scheduler:
             if token is None:
                 continue
             req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             status = self.stop_status(req, token)
             if status is not None:
                 self.finish(req, status)

@@ -1,0 +1,110 @@
+"""Every service's /metrics after a few requests, as Prometheus would scrape them: the
+counters moved by exactly what was sent, and the exported names are the catalogue's
+(shared.metrics.METRIC_NAMES) that dashboards use."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from shared.launcher import Service
+from shared.metrics import METRIC_NAMES
+
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+MODEL = "tiny"
+PROMPTS = [list(range(100 + 9 * i, 140 + 13 * i)) for i in range(5)]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def mesh(qwen3_path, tmp_path_factory, registry_prefix):
+    logs = tmp_path_factory.mktemp("metrics-logs")
+    reg = ["--registry-prefix", registry_prefix + "-metrics"]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], logs)
+        started.append(kv)
+        roles = {}
+        for role in ("prefill", "decode"):
+            roles[role] = Service(role, [role, str(qwen3_path), "--kvstore", kv.address,
+                                         "--served-model-name", MODEL, *ENGINE, *reg], logs)
+            started.append(roles[role])
+        gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
+                                 "--served-model-name", MODEL, *reg], logs)
+        started.append(gw)
+        yield {"url": gw.info["http"], **roles}
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """name{labels} -> value, plus bare family names -> summed value."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        out[key] = float(value)
+        family = re.match(r"[a-zA-Z_:][\w:]*", key).group(0)
+        out.setdefault("__" + family, 0.0)
+        out["__" + family] += float(value)
+    return out
+
+
+def total(samples: dict[str, float], name: str) -> float:
+    assert "__" + name in samples, f"{name} is not exported"
+    return samples["__" + name]
+
+
+def test_counters_move_by_exactly_what_was_sent(mesh):
+    client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
+                           timeout=60)
+    for i, prompt in enumerate(PROMPTS):
+        args = dict(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
+                    extra_body={"ignore_eos": True})
+        if i % 2:
+            list(client.completions.create(stream=True, **args))
+        else:
+            client.completions.create(**args)
+    n, prompt_tokens = len(PROMPTS), sum(map(len, PROMPTS))
+    gw = scrape(mesh["url"] + "/metrics")
+    assert gw['pdmesh_request_success_total{finished_reason="length",model_name="tiny"}'] == n
+    assert total(gw, "pdmesh_prompt_tokens_total") == prompt_tokens
+    assert total(gw, "pdmesh_generation_tokens_total") == n * NEW
+    assert total(gw, "pdmesh_time_to_first_token_seconds_count") == n
+    assert total(gw, "pdmesh_inter_token_latency_seconds_count") == n * (NEW - 1)
+    assert total(gw, "pdmesh_e2e_request_latency_seconds_count") == n
+    assert total(gw, "pdmesh_instance_up") == 2  # one prefill, one decode
+    pre = scrape(mesh["prefill"].info["metrics"])
+    assert total(pre, "pdmesh_prompt_tokens_total") == prompt_tokens
+    assert total(pre, "pdmesh_generation_tokens_total") == n  # the first token each
+    assert total(pre, "pdmesh_request_queue_time_seconds_count") == n
+    assert pre[_key(pre, "pdmesh_kv_transfer_bytes_total", 'direction="put"')] > 0
+    dec = scrape(mesh["decode"].info["metrics"])
+    assert total(dec, "pdmesh_generation_tokens_total") == n * (NEW - 1)
+    assert total(dec, "pdmesh_request_decode_time_seconds_count") == n
+    assert dec[_key(dec, "pdmesh_kv_transfer_bytes_total", 'direction="get"')] > 0
+    assert total(dec, "pdmesh_kv_pool_hits_total") > 0
+    # every sample is labelled as the catalogue says
+    assert re.search(r'pdmesh_num_requests_running\{[^}]*dp_rank="0"[^}]*'
+                     r'role="decode"', "\n".join(dec)), list(dec)[:5]
+    # the names exported are the catalogue's: nothing unlisted, nothing listed missing
+    # (DyntraLB, expert parallelism and the EPLB controller export theirs elsewhere)
+    exported = {k[2:] for s in (gw, pre, dec) for k in s if k.startswith("__pdmesh_")}
+    assert not [k for k in exported if k.endswith("_created")]
+    families = {re.sub(r"_(bucket|sum|count)$", "", k) for k in exported}
+    unconditional = {m for m, where in METRIC_NAMES.items()
+                     if "(" not in where and where != "eplb"}
+    assert unconditional <= families, unconditional - families
+    assert families <= set(METRIC_NAMES), families - set(METRIC_NAMES)
+
+
+def _key(samples: dict[str, float], name: str, label: str) -> str:
+    found = [k for k in samples if k.startswith(name + "{") and label in k]
+    assert found, f"no {name} sample with {label}"
+    return found[0]
