@@ -144,6 +144,14 @@ class Heartbeat:
             except redis.RedisError as e:  # keep serving; the next beat may get through
                 log.warning("heartbeat to redis failed: %s", e)
 
+    def mark_draining(self) -> None:
+        """Publish ``draining`` now (not at the next beat): routers skip the instance."""
+        self.inst.draining = True
+        try:
+            self._beat()
+        except redis.RedisError as e:
+            log.warning("marking %s draining failed: %s", self.inst.id, e)
+
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
         self._thread.join(5)

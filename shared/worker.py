@@ -61,6 +61,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="host of rank 0's process-group store (default: --host)")
     g.add_argument("--data-parallel-rpc-port", type=int, default=None,
                    help="port of rank 0's process-group store (default: a free one)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds requests in flight get to finish")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="HTTP port of /metrics (0: any free one; -1: none)")
     g.add_argument("--eplb-address", default=None,
@@ -132,10 +134,23 @@ def serve_worker(a: argparse.Namespace, role: str,
         return server, port
 
     server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
-    signal.signal(signal.SIGTERM, lambda *_: loop.stop())
-    signal.signal(signal.SIGINT, lambda *_: loop.stop())
     inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name,
                     dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0)
+    beat_box: list[Heartbeat] = []
+
+    def drain(*_: object) -> None:
+        """SIGTERM / SIGINT: marked draining in the registry at once (routers send
+        nothing new), new requests refused, those in flight finish up to
+        --shutdown-timeout; a second signal stops at once."""
+        first = not loop.draining
+        loop.drain(a.shutdown_timeout)
+        if first and beat_box:
+            threading.Thread(target=beat_box[0].mark_draining, daemon=True).start()
+            log.warning("%s: draining (up to %.0f s for requests in flight)", role,
+                        a.shutdown_timeout)
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
     metrics_port = None
     if a.metrics_port >= 0:
         from shared.metrics import WorkerRequestMetrics, serve_metrics, worker_metrics
@@ -149,6 +164,7 @@ def serve_worker(a: argparse.Namespace, role: str,
     beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst,
                      load=lambda: asdict(loop.load()))
     beat.start()
+    beat_box.append(beat)
     print(f"{role} ready: " + json.dumps({
         "grpc": f"{host}:{port}", "model": model_name, "device": engine.device,
         "id": inst.id, "dp_rank": inst.dp_rank, "kv_blocks": engine.kv.num_blocks,
@@ -262,7 +278,7 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
         for svc in ranks:  # SIGTERM to all at once: they agree to stop at the next step
             if svc.proc.poll() is None:
                 os.killpg(svc.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + a.shutdown_timeout + 10  # the ranks drain first
         for svc in ranks:
             svc.stop(timeout_s=max(0.1, deadline - time.monotonic()))
 

@@ -20,6 +20,7 @@ import grpc
 from services.prefill.server import load_proto
 from shared.engine.loop import (
     AsyncRequestStream,
+    Draining,
     EngineLoop,
     QueueFull,
     SessionSink,
@@ -49,6 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                       aio_loop=asyncio.get_running_loop())
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         assert isinstance(stream, AsyncRequestStream)
@@ -114,10 +117,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.loop.submit(list(req.prompt_token_ids), params,
                                      request_id=req.request_id or None, priority=req.priority,
                                      output_token_ids=list(req.output_token_ids), sink=sink)
-                except (QueueFull, ValueError) as e:  # the limit, or the client's fault
-                    rejected[req.request_id] = (grpc.StatusCode.RESOURCE_EXHAUSTED
-                                                if isinstance(e, QueueFull)
-                                                else grpc.StatusCode.INVALID_ARGUMENT)
+                except (QueueFull, Draining, ValueError) as e:  # the limit, draining, or
+                    rejected[req.request_id] = (                   # the client's fault
+                        grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull)
+                        else grpc.StatusCode.UNAVAILABLE if isinstance(e, Draining)
+                        else grpc.StatusCode.INVALID_ARGUMENT)
                     sink.push(req.request_id, StreamEvent([], finished=True, error=str(e)))
                     continue
                 live.add(req.request_id)
@@ -127,7 +131,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.loop.abort(msg.abort_request_id)
 
     async def Health(self, request, context):  # noqa: N802
-        return common_pb2.HealthResponse(serving=True, role=self.role, model=self.model_name,
+        return common_pb2.HealthResponse(serving=not self.loop.draining, role=self.role,
+                                         model=self.model_name,
                                          load=load_proto(self.loop))
 
 

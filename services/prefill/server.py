@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from shared.engine.loop import AsyncRequestStream, EngineLoop, QueueFull
+from shared.engine.loop import AsyncRequestStream, Draining, EngineLoop, QueueFull
 from shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
 
@@ -52,6 +52,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                       aio_loop=asyncio.get_running_loop())
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         assert isinstance(stream, AsyncRequestStream)
@@ -80,5 +82,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return resp
 
     async def Health(self, request, context):  # noqa: N802
-        return common_pb2.HealthResponse(serving=True, role="prefill", model=self.model_name,
+        return common_pb2.HealthResponse(serving=not self.loop.draining, role="prefill",
+                                         model=self.model_name,
                                          load=load_proto(self.loop))

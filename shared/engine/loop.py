@@ -18,6 +18,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from shared.engine.engine import EngineCore, StepOutput
@@ -25,6 +26,11 @@ from shared.engine.request import Logprob, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class Draining(Exception):
+    """A request refused because the instance is draining (shutting down gracefully):
+    the caller should go to another instance (gRPC UNAVAILABLE)."""
 
 
 class QueueFull(Exception):
@@ -152,6 +158,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, Request | None]] = {}
         self._stop = threading.Event()
+        self._drain_deadline: float | None = None  # set by ``drain``
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -164,6 +171,29 @@ class EngineLoop:
         """Ask ``run`` to return (after failing every stream still open)."""
         self._stop.set()
         self._wake.set()
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (Draining) and let ``run`` return once every request in
+        flight has finished, or after ``timeout_s`` (what is left then fails, and callers
+        continue it elsewhere). A second call stops at once."""
+        if self._drain_deadline is not None:
+            self.stop()
+            return
+        self._drain_deadline = time.monotonic() + timeout_s
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _should_stop(self) -> bool:
+        if self._stop.is_set():
+            return True
+        if self._drain_deadline is None:
+            return False
+        with self._lock:
+            idle = not self._streams
+        return idle or time.monotonic() >= self._drain_deadline
 
     def load(self) -> LoopLoad:
         s = self.engine.scheduler
@@ -183,6 +213,8 @@ class EngineLoop:
         ``max_queued_requests`` already wait). With ``aio_loop`` the stream is an
         AsyncRequestStream read on that event loop; with ``sink`` its events go to that
         session."""
+        if self._drain_deadline is not None:
+            raise Draining("this instance is draining (shutting down); use another")
         self.engine.validate_request(prompt, params, output_token_ids)
         rid = request_id or f"loop-{next(self._ids)}"
         if sink is not None:
@@ -217,7 +249,7 @@ class EngineLoop:
         if self.engine.ep is not None:
             self._run_lockstep()
             return
-        while not self._stop.is_set():
+        while not self._should_stop():
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
@@ -251,7 +283,7 @@ class EngineLoop:
             version = self.eplb.known_version() if self.eplb is not None else 0
             flags.zero_()
             flags[0] = int(self.engine.has_unfinished())
-            flags[1] = int(self._stop.is_set())
+            flags[1] = -int(self._should_stop())  # MAX of -stop: every rank wants to stop
             flags[2], flags[3] = version, -version
             if lb is not None:
                 active, long_seen, floor = lb.local_summary(self.engine.scheduler)
@@ -259,7 +291,7 @@ class EngineLoop:
                 flags[4 + world + rank] = long_seen
                 flags[4 + 2 * world + rank] = floor
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if flags[1]:
+            if flags[1] < 0:  # ranks stop together, once all are done (or told to)
                 break
             if self.eplb is not None:
                 self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))

@@ -127,3 +127,16 @@ def apply_json_patch(doc: dict, ops: list[dict]) -> dict:
             node = node[int(p)] if isinstance(node, list) else node[p]
         node[last] = op["value"]
     return out
+
+
+def test_engine_pods_drain_before_they_are_killed():
+    """prefill and decode drain on SIGTERM: the pod's grace period outlasts
+    --shutdown-timeout, and a preStop hook runs first."""
+    docs = {d["metadata"]["name"]: d for d in k8s_docs(K8S / "base") if d["kind"] == "Deployment"}
+    for name in ("prefill", "decode"):
+        spec = docs[name]["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        timeout = next(float(a.split("=", 1)[1]) for a in container["args"]
+                       if a.startswith("--shutdown-timeout="))
+        assert spec["terminationGracePeriodSeconds"] > timeout, name
+        assert container["lifecycle"]["preStop"]["exec"]["command"], name
