@@ -36,6 +36,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str, dict[str, Any]]] = [
     (("serve",), "shared.up", "one mixed instance behind the gateway (single box)",
      {"mixed": True}),
     (("health",), "shared.health", "probe a service (for healthchecks)", {}),
+    (("status",), "shared.status", "live instances, pool and EPLB at a glance", {}),
     (("config", "check"), "shared.config.check",
      "print the effective --additional-config or its errors", {}),
 ]

@@ -34,6 +34,7 @@ from shared.registry import (
     add_registry_args,
     advertised_host,
 )
+from shared.tracing import Tracing, add_tracing_args
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="the EPLB controller's gRPC address, with dynamic EPLB (default: the "
                         "one in the registry)")
     add_registry_args(p)
+    add_tracing_args(p)
     add_service_args(p)
 
 
@@ -86,7 +88,8 @@ def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
 
 
 def serve_worker(a: argparse.Namespace, role: str,
-                 add_servicer: Callable[[grpc.aio.Server, EngineLoop, str], None]) -> int:
+                 add_servicer: Callable[[grpc.aio.Server, EngineLoop, str, Tracing], None]
+                 ) -> int:
     # every flag checked before anything heavy starts
     service = resolve_service_config(a, role, resolve_device(a.device))
     scheduling = scheduling_settings(a, service)
@@ -122,13 +125,14 @@ def serve_worker(a: argparse.Namespace, role: str,
                         record_path=config.expert_map_record_path)
     loop = EngineLoop(engine, eplb)
     model_name = a.served_model_name or a.model
+    tracing = Tracing.from_args(f"pdmesh-{role}", a)
     # gRPC runs on an asyncio loop in one thread; the engine steps in the main thread
     aio = asyncio.new_event_loop()
     threading.Thread(target=aio.run_forever, name="grpc-aio", daemon=True).start()
 
     async def start_server() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        add_servicer(server, loop, model_name)
+        add_servicer(server, loop, model_name, tracing)
         port = server.add_insecure_port(f"{a.host}:{a.port}")
         await server.start()
         return server, port
@@ -180,6 +184,7 @@ def serve_worker(a: argparse.Namespace, role: str,
         aio.call_soon_threadsafe(aio.stop)
         if pool is not None:
             pool.close()
+        tracing.shutdown()  # flushes spans not yet exported
     return 0
 
 

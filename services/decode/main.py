@@ -16,8 +16,8 @@ from shared.worker import serve_worker
 def run(a: argparse.Namespace, role: str = "decode") -> int:
     """``role`` "mixed": the same service on an engine that prefills too (no pool)."""
 
-    def add(server: grpc.aio.Server, loop: EngineLoop, model_name: str) -> None:
-        servicer = DecodeServicer(loop, model_name, role=role)
+    def add(server: grpc.aio.Server, loop: EngineLoop, model_name: str, tracing) -> None:
+        servicer = DecodeServicer(loop, model_name, role=role, tracing=tracing)
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
     return serve_worker(a, role, add)

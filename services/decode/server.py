@@ -28,19 +28,56 @@ from shared.engine.loop import (
 )
 from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
+from shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, loop: EngineLoop, model_name: str, idle_timeout_s: float = 600.0,
-                 role: str = "decode"):
+                 role: str = "decode", tracing: Tracing | None = None):
         self.loop = loop
         self.role = role
         self.model_name = model_name
         self.idle_timeout_s = idle_timeout_s
+        self.tracing = tracing or Tracing("pdmesh-decode", None)
+        self._spans: dict[str, object] = {}  # request id -> its server span (tracing on)
+        self._last_events: dict[str, StreamEvent] = {}
+
+    def _begin_span(self, request, carrier) -> None:
+        if self.tracing.enabled:
+            self._spans[request.request_id] = self.tracing.start(
+                self.role, self.tracing.extract(carrier), kind="server", attributes={
+                    "pdmesh.request_id": request.request_id,
+                    "pdmesh.prompt_tokens": len(request.prompt_token_ids),
+                    "pdmesh.carried_tokens": len(request.output_token_ids)})
+
+    def _end_span(self, rid: str, event: StreamEvent | None) -> None:
+        span = self._spans.pop(rid, None) if self._spans else None
+        if span is None:
+            return
+        if event is not None and event.timing:
+            t = event.timing
+            if t["kv_get"]:
+                self.tracing.record("kv.get", span, *t["kv_get"])
+            self.tracing.record("queue", span, t["arrival"], t["scheduled"])
+            self.tracing.record("first_token", span, t["scheduled"], t["first_token"])
+            span.set_attribute("pdmesh.finish_reason", event.finish_reason or "")
+        if event is not None and event.error:
+            span.set_attribute("pdmesh.error", event.error)
+        span.end()
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        self._begin_span(request, dict(context.invocation_metadata())
+                         if self.tracing.enabled else {})
+        try:
+            async for chunk in self._generate(request, context):
+                yield chunk
+        finally:
+            self._end_span(request.request_id,
+                           self._last_events.pop(request.request_id, None))
+
+    async def _generate(self, request, context):
         try:
             params = sampling_from_proto(request.sampling)
             stream = self.loop.submit(list(request.prompt_token_ids), params,
@@ -64,6 +101,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 chunk = decode_pb2.GenerateChunk()
                 _fill_chunk(chunk, event)
                 finished = event.finished
+                if finished and self._spans:
+                    self._last_events[request.request_id] = event
                 yield chunk
         finally:
             if not finished:  # cancelled, timed out or failed: free the request's blocks
@@ -96,16 +135,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         item.error_code = code.value[0]
                         item.error_message = event.error
                         live.discard(rid)
+                        self._end_span(rid, event)
                         continue
                     _fill_chunk(item.chunk, event)
                     if event.finished:
                         live.discard(rid)
+                        self._end_span(rid, event)
                 if out.outputs:
                     yield out
         finally:
             reader.cancel()
             for rid in live:  # the stream ended early: free every running request's blocks
                 self.loop.abort(rid)
+                self._end_span(rid, None)
 
     async def _read_session(self, requests, sink: SessionSink, live: set[str],
                             rejected: dict[str, grpc.StatusCode]) -> None:
@@ -125,6 +167,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     sink.push(req.request_id, StreamEvent([], finished=True, error=str(e)))
                     continue
                 live.add(req.request_id)
+                self._begin_span(req, req.trace_context)
             elif msg.abort_request_id:
                 if msg.abort_request_id in live:
                     live.discard(msg.abort_request_id)
@@ -158,5 +201,6 @@ def _merged(items: list[tuple[str, StreamEvent]]) -> list[tuple[str, StreamEvent
             continue
         merged[rid] = StreamEvent(prev.token_ids + ev.token_ids, prev.logprobs + ev.logprobs,
                                   ev.finished, ev.finish_reason, ev.stop_reason,
-                                  prev.num_cached_tokens, ev.kv_keys or prev.kv_keys, ev.error)
+                                  prev.num_cached_tokens, ev.kv_keys or prev.kv_keys, ev.error,
+                                  ev.timing)
     return list(merged.items())

@@ -38,6 +38,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 from services.gateway.router import Router
 from shared.engine.request import Logprob
 from shared.models.tokenizer import Tokenizer
+from shared.tracing import Tracing
 
 Delta = tuple[str, list[tuple[int, dict[int, Logprob]]]]  # new text, (token, logprobs)s
 
@@ -50,6 +51,7 @@ class GatewayState:
     max_model_len: int
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests in flight here; None: no limit
+    tracing: Tracing | None = None  # None or disabled: no traces, no cost
 
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
@@ -176,14 +178,14 @@ def create_app(state: GatewayState) -> FastAPI:
             "max_model_len": state.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt = _completion_prompt(body, state.tokenizer)
         if isinstance(prompt, JSONResponse):
             return prompt
-        return await _serve(body, prompt, chat=False)
+        return await _serve(body, prompt, chat=False, headers=request.headers)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = state.tokenizer.apply_chat_template(
@@ -191,9 +193,12 @@ def create_app(state: GatewayState) -> FastAPI:
         except ValueError as e:
             return error(400, str(e), "messages")
         return await _serve(body, state.tokenizer.encode(text, add_special_tokens=False),
-                            chat=True)
+                            chat=True, headers=request.headers)
 
-    async def _serve(body: _Base, prompt: list[int], chat: bool) -> Response:
+    tracing = state.tracing or Tracing("pdmesh-gateway", None)
+
+    async def _serve(body: _Base, prompt: list[int], chat: bool, headers: Any = None
+                     ) -> Response:
         if body.model != state.model_name:
             return error(404, f"model: {body.model!r} is not served here "
                               f"(serving {state.model_name!r})", "model")
@@ -207,11 +212,18 @@ def create_app(state: GatewayState) -> FastAPI:
         except ValueError as e:
             return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        span = None
+        if tracing.enabled:  # one trace per request, under the caller's traceparent
+            span = tracing.start(f"POST /v1/{'chat/' if chat else ''}completions",
+                                 tracing.extract(dict(headers or {})), kind="server",
+                                 attributes={"pdmesh.request_id": rid,
+                                             "pdmesh.prompt_tokens": len(prompt),
+                                             "pdmesh.stream": bool(body.stream)})
         pieces = generate(state.router, channels, rid, prompt, params, body.priority,
-                          events=metrics)
+                          events=metrics, trace=(tracing, span) if span is not None else None)
         text = IncrementalText(state.tokenizer, body.stop_strings(), params.skip_special_tokens)
         stream = _Stream(rid, state.model_name, chat, prompt, text, state.tokenizer,
-                         params.logprobs, metrics)
+                         params.logprobs, metrics, span)
         deltas = stream.deltas(pieces)
         try:  # the first token before any answer: a failure here gets its status code
             first = await deltas.__anext__()
@@ -306,8 +318,9 @@ class _Stream:
 
     def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
                  text: IncrementalText, tok: Tokenizer, logprobs: int | None,
-                 metrics: _Metrics):
+                 metrics: _Metrics, span: Any = None):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        self.span = span  # the request's trace span, ended with the answer
         self.text, self.tok, self.logprobs, self.metrics = text, tok, logprobs, metrics
         self.created = int(time.time())
         self.t0 = time.perf_counter()
@@ -338,6 +351,10 @@ class _Stream:
         finally:
             await pieces.aclose()  # type: ignore[attr-defined]  (cancels the gRPC calls)
             self.metrics.generation_tokens.inc(self.completion_tokens)
+            if self.span is not None:
+                self.span.set_attribute("pdmesh.completion_tokens", self.completion_tokens)
+                self.span.set_attribute("pdmesh.finish_reason", self.finish_reason or "")
+                self.span.end()
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,

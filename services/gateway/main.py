@@ -28,6 +28,7 @@ from shared.registry import (
     add_registry_args,
     advertised_host,
 )
+from shared.tracing import Tracing, add_tracing_args
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="answer 429 (Retry-After) while this many requests are in flight "
                         "here (default: no limit)")
     add_registry_args(p)
+    add_tracing_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -60,7 +62,8 @@ def run(a: argparse.Namespace) -> int:
     state = GatewayState(tokenizer=Tokenizer(a.model), router=router,
                          model_name=name,
                          max_model_len=a.max_model_len or cfg.max_position_embeddings,
-                         api_key=a.api_key, max_queued_requests=a.max_queued_requests)
+                         api_key=a.api_key, max_queued_requests=a.max_queued_requests,
+                         tracing=Tracing.from_args("pdmesh-gateway", a))
     app = create_app(state)
     # IPPROTO_TCP named explicitly: asyncio only sets TCP_NODELAY on sockets whose proto
     # says TCP, and without it Nagle holds each SSE event behind the client's delayed ACK
@@ -82,4 +85,5 @@ def run(a: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         beat.stop()
+        state.tracing.shutdown()  # exports the spans still buffered
     return 0

@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -185,7 +186,10 @@ class Channels:
 async def generate(router: Router, channels: Channels, request_id: str, prompt: list[int],
                    params: SamplingParams, priority: int = 0,
                    timeout_s: float = 600.0,
-                   events: MeshEvents | None = None) -> AsyncIterator[Piece]:
+                   events: MeshEvents | None = None,
+                   trace: tuple[Any, Any] | None = None) -> AsyncIterator[Piece]:
+    """``trace``: (Tracing, the request's span): prefill and decode calls become its
+    child spans and carry the context to the instances."""
     events = events or MeshEvents()
     sampling = sampling_to_proto(params)
     if not router.instances("prefill") and router.instances("mixed"):
@@ -194,7 +198,7 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
             yield piece
         return
     first = await _prefill(router, channels, request_id, prompt, sampling, priority, timeout_s,
-                           events=events)
+                           events=events, trace=trace)
     lp = [logprobs_from_proto(first.first_logprobs)] if params.logprobs is not None else []
     yield Piece([first.first_token], lp, first.finish_reason or None, first.num_cached_tokens)
     if first.finish_reason:
@@ -209,10 +213,12 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
         if inst is None:
             _raise_if_all_refused("decode", codes)
             raise MeshError("no decode instance is available")
+        span = _child(trace, "decode", inst, {"pdmesh.attempt": len(dead),
+                                             "pdmesh.carried_tokens": len(tokens)})
         chunks = channels.session(inst.address).generate(decode_pb2.GenerateRequest(
             request_id=f"{request_id}-d{len(dead)}r{handed_back}", prompt_token_ids=prompt,
             output_token_ids=tokens, block_keys=keys, sampling=sampling,
-            priority=priority), timeout_s)
+            priority=priority, trace_context=_carrier(trace, span)), timeout_s)
         recomputed = False
         try:
             async for chunk in chunks:
@@ -242,6 +248,10 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
             await asyncio.sleep(BACKOFF_S)
         finally:
             await chunks.aclose()  # aborts the request on decode when the client left
+            if span is not None:
+                span.set_attribute("pdmesh.outcome", "handed back" if recomputed else
+                                   "failed" if inst.id in dead else "finished")
+                span.end()
         if recomputed:
             # re-prefill prompt + tokens so far, then continue on a decode instance: the
             # client's stream goes on as if nothing happened
@@ -252,9 +262,15 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
                                 "(out of KV cache); retry later")
             log.info("request %s: handed back by decode %s after %d tokens; re-prefilling",
                      request_id, inst.address, len(tokens))
-            nxt = await _prefill(router, channels, f"{request_id}-r{handed_back}", prompt,
-                                 sampling, priority, timeout_s, output_token_ids=tokens,
-                                 events=events)
+            hop = _child(trace, "recompute", None, {"pdmesh.carried_tokens": len(tokens)})
+            try:
+                nxt = await _prefill(router, channels, f"{request_id}-r{handed_back}",
+                                     prompt, sampling, priority, timeout_s,
+                                     output_token_ids=tokens, events=events,
+                                     trace=(trace[0], hop) if hop is not None else None)
+            finally:
+                if hop is not None:
+                    hop.end()
             lp = ([logprobs_from_proto(nxt.first_logprobs)]
                   if params.logprobs is not None else [])
             tokens.append(nxt.first_token)
@@ -311,7 +327,8 @@ async def _mixed(router: Router, channels: Channels, request_id: str, prompt: li
 async def _prefill(router: Router, channels: Channels, request_id: str, prompt: list[int],
                    sampling, priority: int, timeout_s: float,
                    output_token_ids: list[int] | None = None,
-                   events: MeshEvents | None = None) -> prefill_pb2.PrefillResponse:
+                   events: MeshEvents | None = None,
+                   trace: tuple[Any, Any] | None = None) -> prefill_pb2.PrefillResponse:
     """The next token from a prefill instance (retrying elsewhere, with backoff);
     ``output_token_ids``: tokens generated before a decode instance handed the request
     back, computed with the prompt."""
@@ -325,11 +342,12 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
             break
         stub = prefill_pb2_grpc.PrefillStub(channels.get(inst.address))
         router.sent(inst, prompt + carried)
+        span = _child(trace, "prefill", inst, {"pdmesh.attempt": attempt})
         try:
             return await stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=f"{request_id}-p{attempt}", prompt_token_ids=prompt,
                 sampling=sampling, priority=priority, output_token_ids=carried),
-                timeout=timeout_s)
+                timeout=timeout_s, metadata=tuple(_carrier(trace, span).items()) or None)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise MeshError(e.details() or "invalid request", 400) from e
@@ -344,6 +362,32 @@ async def _prefill(router: Router, channels: Channels, request_id: str, prompt: 
                 events.retried("prefill")
         finally:
             router.answered(inst, prompt + carried)
+            if span is not None:
+                span.end()
         await asyncio.sleep(BACKOFF_S * (2 ** attempt))
     _raise_if_all_refused("prefill", codes)
     raise MeshError(last)
+
+
+def _child(trace: tuple[Any, Any] | None, name: str, inst: Any,
+           attributes: dict[str, Any]) -> Any:
+    """A client span under the request's span (None when not tracing); with ``inst``,
+    the routing decision as attributes."""
+    if trace is None:
+        return None
+    tracing, parent = trace
+    if inst is not None:
+        attributes = {**attributes, "pdmesh.instance": inst.id,
+                      "pdmesh.address": inst.address,
+                      "pdmesh.route": "least estimated TTFT" if name == "prefill"
+                      else "fewest KV blocks in use"}
+    return tracing.start(name, tracing.context_of(parent), kind="client",
+                         attributes=attributes)
+
+
+def _carrier(trace: tuple[Any, Any] | None, span: Any) -> dict[str, str]:
+    """The W3C trace context of ``span``, to send along (empty when not tracing)."""
+    if trace is None or span is None:
+        return {}
+    tracing = trace[0]
+    return tracing.inject(tracing.context_of(span))

@@ -13,8 +13,9 @@ from shared.worker import add_worker_args as add_args
 from shared.worker import serve_worker
 
 
-def _add(server: grpc.aio.Server, loop: EngineLoop, model_name: str) -> None:
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, model_name), server)
+def _add(server: grpc.aio.Server, loop: EngineLoop, model_name: str, tracing) -> None:
+    prefill_pb2_grpc.add_PrefillServicer_to_server(
+        PrefillServicer(loop, model_name, tracing=tracing), server)
 
 
 def run(a: argparse.Namespace) -> int:

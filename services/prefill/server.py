@@ -20,6 +20,7 @@ import grpc
 from shared.engine.loop import AsyncRequestStream, Draining, EngineLoop, QueueFull
 from shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from shared.proto.convert import logprobs_to_proto, sampling_from_proto
+from shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,27 @@ def load_proto(loop: EngineLoop) -> common_pb2.WorkerLoad:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, loop: EngineLoop, model_name: str, timeout_s: float = 600.0):
+    def __init__(self, loop: EngineLoop, model_name: str, timeout_s: float = 600.0,
+                 tracing: Tracing | None = None):
         self.loop = loop
+        self.tracing = tracing or Tracing("pdmesh-prefill", None)
         self.model_name = model_name
         self.timeout_s = timeout_s
 
     async def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
+        span = None
+        if self.tracing.enabled:
+            parent = self.tracing.extract(dict(context.invocation_metadata()))
+            span = self.tracing.start("prefill", parent, kind="server", attributes={
+                "pdmesh.request_id": request.request_id,
+                "pdmesh.prompt_tokens": len(request.prompt_token_ids)})
+        try:
+            return await self._prefill(request, context, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _prefill(self, request, context, span):
         try:
             params = sampling_from_proto(request.sampling)
             # this instance produces one token only (after any the request carries, when
@@ -79,6 +95,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish)
         if event.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(event.logprobs[0]))
+        if span is not None and event.timing:
+            t = event.timing
+            span.set_attribute("pdmesh.cached_tokens", event.num_cached_tokens)
+            self.tracing.record("queue", span, t["arrival"], t["scheduled"])
+            self.tracing.record("compute", span, t["scheduled"], t["first_token"])
+            if t["kv_get"]:
+                self.tracing.record("kv.get", span, *t["kv_get"])
+            if t["kv_put"]:
+                self.tracing.record("kv.put", span, *t["kv_put"],
+                                    attributes={"pdmesh.blocks": len(event.kv_keys)})
         return resp
 
     async def Health(self, request, context):  # noqa: N802

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no requests-done line on stderr while running")
 
 
 @dataclass
@@ -99,14 +103,25 @@ async def _run(a: argparse.Namespace) -> dict:
             async with sem:
                 return await _one(client, a, p)
 
+        def progress(done: int) -> None:
+            print(f"\rrequests done {done}/{len(prompts)}", end="", file=sys.stderr,
+                  flush=True)
+
+        finished = itertools.count(1)
         tasks = []
         t0 = time.perf_counter()
+        if a.progress:
+            progress(0)
         for p in prompts:
             tasks.append(asyncio.create_task(limited(p)))
+            if a.progress:
+                tasks[-1].add_done_callback(lambda _: progress(next(finished)))
             if a.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(a.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        if a.progress:
+            print(file=sys.stderr)
     return summarize(results, duration, a)
 
 

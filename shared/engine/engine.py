@@ -259,7 +259,9 @@ class EngineCore:
             for i in sample_idx:  # these computed their prompt's last token just now
                 req = sched.requests[i]
                 if not req.kv_keys:  # its prompt (and any tokens it came with) just done
+                    t0 = time.monotonic()
                     req.kv_keys = self.connector.save(req, self.kv.block_ids(req))
+                    req.kv_put_time = (t0, time.monotonic())
         tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)
         for req in finished:

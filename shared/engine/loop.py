@@ -54,6 +54,7 @@ class StreamEvent:
     num_cached_tokens: int = 0
     kv_keys: list[str] = field(default_factory=list)
     error: str | None = None
+    timing: dict[str, object] | None = None  # the request's timestamps, when finished
 
 
 class RequestStream:
@@ -93,7 +94,7 @@ class AsyncRequestStream(RequestStream):
             event = StreamEvent(event.token_ids + more.token_ids, event.logprobs + more.logprobs,
                                 more.finished, more.finish_reason, more.stop_reason,
                                 event.num_cached_tokens, more.kv_keys or event.kv_keys,
-                                more.error)
+                                more.error, more.timing)
         return event
 
 
@@ -330,7 +331,8 @@ class EngineLoop:
             lps = (req.logprobs[-len(tokens):]
                    if tokens and req.sampling_params.logprobs is not None else [])
             event = StreamEvent(tokens, lps, out.finished, req.finish_reason, req.stop_reason,
-                                max(req.num_cached_tokens, 0), list(req.kv_keys))
+                                max(req.num_cached_tokens, 0), list(req.kv_keys),
+                                timing=req.timing() if out.finished else None)
             if isinstance(stream, AsyncRequestStream):
                 batches.setdefault(stream.loop, []).append((stream, event))
             else:

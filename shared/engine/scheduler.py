@@ -110,7 +110,10 @@ class Scheduler:
             req.num_computed_tokens += hit_tokens
             if pooled:
                 assert self.connector is not None
-                if self.connector.load(req, self.kv.block_ids(req), hit_tokens, pooled):
+                t0 = time.monotonic()
+                loaded = self.connector.load(req, self.kv.block_ids(req), hit_tokens, pooled)
+                req.kv_get_time = (t0, time.monotonic())
+                if loaded:
                     req.num_computed_tokens += pooled
                 else:  # recompute from the local hits; nothing unfilled stays findable
                     self.kv.forget_from(req, hit_tokens // self.kv.block_size)
