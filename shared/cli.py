@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +49,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or with ``only`` a command's arguments alone filled in."""
     p = argparse.ArgumentParser(prog="pdmesh", description=__doc__)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-format", default="text", choices=("text", "json"))
+    # the same two after the command (pdmesh gateway --log-level info), where users of
+    # vllm serve / sglang put them; SUPPRESS keeps the ones given before it otherwise
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS)
+    common.add_argument("--log-format", default=argparse.SUPPRESS, choices=("text", "json"))
     sub = p.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for words, module, help_, kwargs in COMMANDS:
@@ -59,7 +64,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 g = sub.add_parser(words[0], help=f"{words[0]} commands")
                 groups[words[0]] = g.add_subparsers(dest=words[0], required=True)
             parent = groups[words[0]]
-        cmd = parent.add_parser(words[-1], help=help_)
+        cmd = parent.add_parser(words[-1], help=help_, parents=[common])
         if only is None or only == words[0]:
             importlib.import_module(module).add_args(cmd)
             _model_positional(cmd)
@@ -97,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(only)
     args = parser.parse_args(argv)
     _resolve_model(args, parser)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shared.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ConnectionError) as e:

@@ -37,6 +37,7 @@ class Instance:
     model: str = ""
     dp_size: int = 1
     dp_rank: int = 0
+    group: str = ""  # a DP instance's ranks share it (the EPLB controller's group name)
     load: dict[str, int] = field(default_factory=dict)
     heartbeat: float = 0.0  # unix time of the last heartbeat
     draining: bool = False
@@ -59,7 +60,7 @@ class Registry:
             raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {inst.role!r}")
         inst.heartbeat = time.time()
         mapping = {"role": inst.role, "address": inst.address, "model": inst.model,
-                   "dp_size": inst.dp_size, "dp_rank": inst.dp_rank,
+                   "dp_size": inst.dp_size, "dp_rank": inst.dp_rank, "group": inst.group,
                    "heartbeat": inst.heartbeat,
                    "draining": int(inst.draining),
                    **{k: int(inst.load.get(k, 0)) for k in LOAD_FIELDS}}
@@ -87,7 +88,7 @@ class Registry:
             inst = Instance(
                 id=key.rsplit(":", 1)[1], role=h.get("role", ""), address=h.get("address", ""),
                 model=h.get("model", ""), dp_size=int(h.get("dp_size", 1)),
-                dp_rank=int(h.get("dp_rank", 0)),
+                dp_rank=int(h.get("dp_rank", 0)), group=h.get("group", ""),
                 load={k: int(h.get(k, 0)) for k in LOAD_FIELDS},
                 heartbeat=float(h.get("heartbeat", 0)), draining=h.get("draining") == "1")
             if (role is None or inst.role == role) and (model is None or inst.model == model):

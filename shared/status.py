@@ -14,10 +14,9 @@ A kvstore or controller that does not answer within ``--rpc-timeout`` shows as
 unreachable; only redis being down is fatal (one line naming the URL, exit status 2).
 Nothing here imports torch, so the command answers in well under a second.
 
-EPLB groups are named ``<role>@<dp host>:<dp rpc port>`` (the launcher's ready line says
-which). The registry does not carry the DP rpc port, so the DP groups derived from it
-(prefill / decode / mixed instances with dp_size > 1, keyed by role, host, model and
-dp_size) get the controller's figures only for names given with ``--eplb-group``.
+EPLB groups are named ``<role>@<dp host>:<dp rpc port>``; every DP rank registers its
+group, so the DP instances in the registry (prefill / decode / mixed with dp_size > 1)
+are matched to the controller's figures directly. ``--eplb-group`` adds a group by name.
 """
 
 from __future__ import annotations
@@ -158,15 +157,18 @@ def _eplb_groups(found: list[Instance], names: list[str], controller: Instance |
                  timeout_s: float) -> list[EplbGroupStatus]:
     """The DP groups the registry shows, each matched to a ``names`` entry of the same
     role and host; names that match no registered group get a row of their own."""
-    ranks: dict[tuple[str, str, str, int], list[Instance]] = {}
+    ranks: dict[tuple[str, str, str, int, str], list[Instance]] = {}
     for i in found:
         if i.role in DP_ROLES and i.dp_size > 1:
-            ranks.setdefault((i.role, _host(i.address), i.model, i.dp_size), []).append(i)
+            key = (i.role, _host(i.address), i.model, i.dp_size, i.group)
+            ranks.setdefault(key, []).append(i)
     unmatched = list(names)
     rows = []
-    for (role, host, model, dp_size), members in ranks.items():
-        name = next((n for n in unmatched if n.startswith(f"{role}@{host}:")), "")
-        if name:
+    for (role, host, model, dp_size, group), members in ranks.items():
+        # ranks register their group (the controller's name for it); --eplb-group
+        # names one for ranks of older versions that do not
+        name = group or next((n for n in unmatched if n.startswith(f"{role}@{host}:")), "")
+        if name in unmatched:
             unmatched.remove(name)
         versions = sorted({m.load.get("placement_version", 0) for m in members})
         rows.append(EplbGroupStatus(name, role, host, model, dp_size,

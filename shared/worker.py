@@ -139,7 +139,9 @@ def serve_worker(a: argparse.Namespace, role: str,
 
     server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
     inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name,
-                    dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0)
+                    dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0,
+                    group=(f"{role}@{config.data_parallel_address}"
+                           if a.data_parallel_size > 1 else ""))
     beat_box: list[Heartbeat] = []
 
     def drain(*_: object) -> None:

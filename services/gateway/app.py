@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from services.gateway.pd import Channels, MeshError, Piece, generate
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
 from services.gateway.router import Router
 from shared.engine.request import Logprob
+from shared.logs import REQUEST_LOG, request_record
 from shared.models.tokenizer import Tokenizer
 from shared.tracing import Tracing
 
@@ -52,7 +54,11 @@ class GatewayState:
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests in flight here; None: no limit
     tracing: Tracing | None = None  # None or disabled: no traces, no cost
+    log_requests: int | None = None  # --log-requests-level when --log-requests; else None
 
+
+_REQUESTS = logging.getLogger(REQUEST_LOG)
+_REQUESTS.setLevel(logging.INFO)  # --log-requests shows them whatever --log-level says
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
@@ -224,6 +230,8 @@ def create_app(state: GatewayState) -> FastAPI:
         text = IncrementalText(state.tokenizer, body.stop_strings(), params.skip_special_tokens)
         stream = _Stream(rid, state.model_name, chat, prompt, text, state.tokenizer,
                          params.logprobs, metrics, span)
+        if state.log_requests is not None:
+            stream.log_level, stream.params = state.log_requests, params
         deltas = stream.deltas(pieces)
         try:  # the first token before any answer: a failure here gets its status code
             first = await deltas.__anext__()
@@ -321,6 +329,9 @@ class _Stream:
                  metrics: _Metrics, span: Any = None):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
         self.span = span  # the request's trace span, ended with the answer
+        self.log_level: int | None = None  # log the request when it ends (--log-requests)
+        self.params: Any = None
+        self.ttft: float | None = None
         self.text, self.tok, self.logprobs, self.metrics = text, tok, logprobs, metrics
         self.created = int(time.time())
         self.t0 = time.perf_counter()
@@ -351,10 +362,27 @@ class _Stream:
         finally:
             await pieces.aclose()  # type: ignore[attr-defined]  (cancels the gRPC calls)
             self.metrics.generation_tokens.inc(self.completion_tokens)
+            if self.log_level is not None:
+                self._log()
             if self.span is not None:
                 self.span.set_attribute("pdmesh.completion_tokens", self.completion_tokens)
                 self.span.set_attribute("pdmesh.finish_reason", self.finish_reason or "")
                 self.span.end()
+
+    def _log(self) -> None:
+        level = self.log_level or 0
+        rec = request_record(
+            level, request_id=self.rid, model=self.model, prompt_tokens=len(self.prompt),
+            completion_tokens=self.completion_tokens, finish_reason=self.finish_reason,
+            seconds=time.perf_counter() - self.t0, ttft_s=self.ttft, params=self.params,
+            prompt_text=self.tok.decode(self.prompt) if level >= 2 else "",
+            output_text=self.text.text if level >= 2 else "")
+        trace_id = (format(self.span.get_span_context().trace_id, "032x")
+                    if self.span is not None else None)
+        _REQUESTS.info("request %s finished (%s): %d prompt + %d generated tokens in "
+                       "%.3f s", self.rid, self.finish_reason, len(self.prompt),
+                       self.completion_tokens, rec["e2e_s"],
+                       extra={"request_id": self.rid, "trace_id": trace_id, "request": rec})
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
@@ -368,7 +396,8 @@ class _Stream:
             return
         now = time.perf_counter()
         if self._last is None:
-            self.metrics.ttft.observe(now - self.t0)
+            self.ttft = now - self.t0
+            self.metrics.ttft.observe(self.ttft)
             n -= 1
         else:
             gap = (now - self._last) / n

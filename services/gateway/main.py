@@ -47,6 +47,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 (Retry-After) while this many requests are in flight "
                         "here (default: no limit)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log every finished request (detail: --log-requests-level)")
+    p.add_argument("--log-requests-level", type=int, default=2, choices=(0, 1, 2, 3),
+                   help="0 metadata, 1 + sampling parameters, 2 + the start of the input "
+                        "and output, 3 + all of them")
     add_registry_args(p)
     add_tracing_args(p)
 
@@ -63,7 +68,8 @@ def run(a: argparse.Namespace) -> int:
                          model_name=name,
                          max_model_len=a.max_model_len or cfg.max_position_embeddings,
                          api_key=a.api_key, max_queued_requests=a.max_queued_requests,
-                         tracing=Tracing.from_args("pdmesh-gateway", a))
+                         tracing=Tracing.from_args("pdmesh-gateway", a),
+                         log_requests=a.log_requests_level if a.log_requests else None)
     app = create_app(state)
     # IPPROTO_TCP named explicitly: asyncio only sets TCP_NODELAY on sockets whose proto
     # says TCP, and without it Nagle holds each SSE event behind the client's delayed ACK

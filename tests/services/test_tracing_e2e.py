@@ -3,6 +3,7 @@ a small receiver in this test (the services' real exporter, a real gRPC server).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent import futures
@@ -64,7 +65,8 @@ def test_one_trace_per_request_nested_across_services(qwen3_path, receiver, tmp_
                                           "--served-model-name", MODEL, *ENGINE, *reg,
                                           *tracing], tmp_path, env=fast_export))
         gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
-                                 "--served-model-name", MODEL, *reg, *tracing], tmp_path,
+                                 "--served-model-name", MODEL, *reg, *tracing,
+                                 "--log-requests", "--log-format", "json"], tmp_path,
                      env=fast_export)
         started.append(gw)
         r = httpx.post(gw.info["http"] + "/v1/completions", timeout=60,
@@ -88,6 +90,15 @@ def test_one_trace_per_request_nested_across_services(qwen3_path, receiver, tmp_
     finally:
         for s in reversed(started):
             s.stop()
+    # --log-requests --log-format json: the request's line carries its ids
+    lines = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
+             if ln.startswith("{")]
+    logged = [ln for ln in lines if ln["logger"] == "pdmesh.requests"]
+    assert len(logged) == 1, lines
+    assert logged[0]["trace_id"] == TRACE_ID and logged[0]["request_id"].startswith("cmpl-")
+    entry = logged[0]["request"]
+    assert entry["prompt_tokens"] == 40 and entry["completion_tokens"] == 8
+    assert entry["finish_reason"] == "length" and "input" in entry and "output" in entry
     with rec.lock:
         spans = {(svc, s.name): s for svc, s in rec.spans}
     # one trace: the caller's

@@ -205,3 +205,18 @@ def test_watch_redraws_until_ctrl_c(registry_prefix):
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(10)
     assert rc == 0 and "Traceback" not in proc.stderr.read()
+
+
+def test_dp_ranks_name_their_eplb_group(registry_prefix):
+    """Ranks register their group, so the EPLB section finds it without --eplb-group."""
+    from shared.status import collect
+
+    prefix = registry_prefix + ":status-group"
+    reg = Registry(REDIS, prefix)
+    for rank in (0, 1):
+        reg.put(Instance(f"decode-r{rank}", "decode", f"127.0.0.1:{7000 + rank}", "m",
+                         dp_size=2, dp_rank=rank, group="decode@127.0.0.1:29500",
+                         load={"placement_version": 3}))
+    groups = collect(reg, REDIS).eplb_groups
+    assert [(g.group, g.ranks, g.rank_versions) for g in groups] == [
+        ("decode@127.0.0.1:29500", [0, 1], [3])]
