@@ -43,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="",
                    help="extra engine flags for prefill and decode, as one string")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill only")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="trace every service to this OTLP/gRPC collector")
     p.add_argument("--decode-args", default="",
                    help="extra flags for decode only, e.g. \"--data-parallel-size 2 "
                         "--enable-expert-parallel\"")
@@ -109,8 +111,10 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
             redis_proc, redis_url = _start_redis(log_dir)
         reg = ["--redis-url", redis_url, "--registry-prefix", a.registry_prefix]
         print(f"[up] redis at {redis_url}; logs in {log_dir}", flush=True)
+        trace = (["--otlp-traces-endpoint", a.otlp_traces_endpoint]
+                 if a.otlp_traces_endpoint else [])
         workers = ["--model", str(model), "--served-model-name", name, "--host", a.host,
-                   *a.engine_args.split(), *reg]
+                   *a.engine_args.split(), *reg, *trace]
         roles = [("mixed", 1)]
         if not mixed:
             kv = Service("kvstore", ["kvstore", "--host", a.host, *reg], log_dir)
@@ -138,7 +142,7 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
                 started.append(svc)
                 print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
         gw_args = ["gateway", "--model", str(model), "--served-model-name", name,
-                   "--host", a.host, "--port", str(a.port), *reg]
+                   "--host", a.host, "--port", str(a.port), *reg, *trace]
         if a.api_key:
             gw_args += ["--api-key", a.api_key]
         gw = Service("gateway", gw_args, log_dir)
