@@ -88,7 +88,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         total = len(request.prompt_token_ids) + len(carried) + 1
         finish = "stop" if event.finish_reason == "stop" else (
             "length" if params.max_tokens == len(carried) + 1
-            or total >= self.loop.engine.max_model_len else "")
+            or total >= self.loop.max_model_len else "")
         resp = prefill_pb2.PrefillResponse(
             first_token=event.token_ids[0], block_keys=event.kv_keys,
             num_cached_tokens=event.num_cached_tokens,

@@ -184,6 +184,10 @@ class EngineLoop:
         self._wake.set()
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def draining(self) -> bool:
         return self._drain_deadline is not None
 
