@@ -22,6 +22,7 @@ from shared.launcher import Service
 from shared.models.tiny import make_tiny_model
 from shared.proto import eplb_pb2, eplb_pb2_grpc
 from shared.registry import Registry
+from tests.prometheus_text import sample
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -144,10 +145,10 @@ def test_controller_rebalances_while_answers_stay_exact(mesh, expected):
     # per-layer balancedness of the placement in force
     for url in mesh["decode"].info["metrics"]:
         text = httpx.get(url, timeout=10).text
-        assert _sample(text, "pdmesh_eplb_placement_version") >= 1
-        assert _sample(text, "pdmesh_eplb_expert_weight_bytes_moved_total") > 0
+        assert sample(text, "pdmesh_eplb_placement_version") >= 1
+        assert sample(text, "pdmesh_eplb_expert_weight_bytes_moved_total") > 0
     text = httpx.get(mesh["controller"].info["metrics"], timeout=10).text
-    assert _sample(text, "pdmesh_eplb_placement_version") >= 1
+    assert sample(text, "pdmesh_eplb_placement_version") >= 1
     assert 'placement="current"' in text and "pdmesh_eplb_balancedness{" in text
 
 
@@ -156,11 +157,3 @@ def test_instance_keeps_serving_without_its_controller(mesh, expected):
     os.killpg(ctl.proc.pid, signal.SIGKILL)
     ctl.proc.wait(10)
     assert [ask(mesh["url"], p) for p in PROMPTS[:3]] == expected[:3]
-
-
-def _sample(text: str, name: str) -> float:
-    """The value of the first sample of ``name`` in a Prometheus exposition."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported:\n{text[:2000]}")

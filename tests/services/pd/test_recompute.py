@@ -14,6 +14,7 @@ import pytest
 
 from shared.engine import LLM, SamplingParams
 from shared.launcher import Service
+from tests.prometheus_text import sample
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -78,15 +79,8 @@ def test_handed_back_requests_finish_with_the_uninterrupted_text(mesh, expected)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(one, range(len(PROMPTS))))
     assert got == expected
-    handed_back = sum(_sample(httpx.get(url, timeout=10).text,
+    handed_back = sum(sample(httpx.get(url, timeout=10).text,
                               "pdmesh_requests_recomputed_total")
                       for url in mesh["decode"].info["metrics"])
     print(f"requests handed back: {handed_back:.0f}")
     assert handed_back > 0, "the KV budget never ran out: the test proved nothing"
-
-
-def _sample(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
