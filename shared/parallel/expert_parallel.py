@@ -124,6 +124,10 @@ class ExpertParallel:
         validate_placement(phy2log, num_experts)
         self.version = 0
         self.placements = [LayerPlacement.from_phy2log(p, num_experts) for p in phy2log]
+        # the maps the forward indexes with, on the experts' device (set with a placement,
+        # not copied over every step)
+        self._device = experts[0].w13.device if experts else torch.device("cpu")
+        self._maps = [self._on_device(p) for p in self.placements]
         mine = slice(rank * self.slots_per_rank, (rank + 1) * self.slots_per_rank)
         self.w13: list[torch.Tensor] = []  # [slots_per_rank, H, 2I] per MoE layer
         self.w2: list[torch.Tensor] = []  # [slots_per_rank, I, H]
@@ -133,19 +137,22 @@ class ExpertParallel:
             self.w2.append(w.w2.index_select(0, local).contiguous())
         self.bytes_moved = 0
 
+    def _on_device(self, p: LayerPlacement) -> tuple[torch.Tensor, torch.Tensor]:
+        return p.log2phy.to(self._device), p.logcnt.to(self._device)
+
     # -- the forward ------------------------------------------------------------------
     def moe(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, backend) -> torch.Tensor:
         """One MoE layer for this rank's tokens x [T, H] (T may be 0)."""
         i = self.layer_index[layer]
-        p = self.placements[i]
         dev = x.device
         top_k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)  # [T*k] logical experts
         n = flat.shape[0]
         # spread each expert's rows over its replicas
-        rep = torch.arange(n, device=dev) % p.logcnt.to(dev)[flat]
-        slot = p.log2phy.to(dev)[flat, rep]
+        log2phy, logcnt = self._maps[i]
+        rep = torch.arange(n, device=dev) % logcnt[flat]
+        slot = log2phy[flat, rep]
         order = torch.argsort(slot, stable=True)
         token_of = order // top_k
         send_x = x.index_select(0, token_of)
@@ -229,5 +236,6 @@ class ExpertParallel:
             moved += out.numel() * out.element_size()
         self.w13[i], self.w2[i] = new_w
         self.placements[i] = LayerPlacement.from_phy2log(new_phy2log, self.num_experts)
+        self._maps[i] = self._on_device(self.placements[i])
         self.bytes_moved += moved
         return moved
