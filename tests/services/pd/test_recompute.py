@@ -43,7 +43,7 @@ def mesh(qwen3_path, tmp_path_factory, registry_prefix):
         gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
                                  "--served-model-name", MODEL, *reg], logs)
         started.append(gw)
-        yield {"url": gw.info["http"], "decode": dec}
+        yield {"url": gw.info["http"], "decode": dec, "reg": reg, "logs": logs}
     finally:
         for s in reversed(started):
             s.stop()
@@ -84,3 +84,32 @@ def test_handed_back_requests_finish_with_the_uninterrupted_text(mesh, expected)
                       for url in mesh["decode"].info["metrics"])
     print(f"requests handed back: {handed_back:.0f}")
     assert handed_back > 0, "the KV budget never ran out: the test proved nothing"
+
+
+def test_queue_overflow_is_429_while_admitted_requests_complete(mesh, expected, qwen3_path):
+    """The same decode dp=2 mesh behind a gateway that takes two requests at a time:
+    the rest of a burst gets 429 with Retry-After at once, the admitted ones finish
+    with the uninterrupted text, and the mesh serves on."""
+    gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
+                             "--served-model-name", MODEL, "--max-queued-requests", "2",
+                             *mesh["reg"]], mesh["logs"])
+    try:
+        def one(i: int) -> tuple[int, str, str | None]:
+            r = httpx.post(gw.info["http"] + "/v1/completions", timeout=180, json={
+                "model": MODEL, "prompt": PROMPTS[i], "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True})
+            if r.status_code == 200:
+                return 200, r.json()["choices"][0]["text"], None
+            return r.status_code, r.json()["error"]["message"], r.headers.get("retry-after")
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(one, range(len(PROMPTS))))
+        refused = [a for a in answers if a[0] == 429]
+        served = [(i, a) for i, a in enumerate(answers) if a[0] == 200]
+        assert refused and served, answers
+        assert all(a[2] == "1" and "--max-queued-requests" in a[1] for a in refused)
+        assert all(a[1] == expected[i] for i, a in served)
+        assert len(refused) + len(served) == len(PROMPTS)
+        assert one(0) == (200, expected[0], None)  # and it serves on
+    finally:
+        gw.stop()
