@@ -196,11 +196,5 @@ def _merged(items: list[tuple[str, StreamEvent]]) -> list[tuple[str, StreamEvent
     merged: dict[str, StreamEvent] = {}
     for rid, ev in items:
         prev = merged.get(rid)
-        if prev is None or prev.finished:
-            merged[rid] = ev
-            continue
-        merged[rid] = StreamEvent(prev.token_ids + ev.token_ids, prev.logprobs + ev.logprobs,
-                                  ev.finished, ev.finish_reason, ev.stop_reason,
-                                  prev.num_cached_tokens, ev.kv_keys or prev.kv_keys, ev.error,
-                                  ev.timing)
+        merged[rid] = ev if prev is None or prev.finished else prev.then(ev)
     return list(merged.items())

@@ -56,6 +56,14 @@ class StreamEvent:
     error: str | None = None
     timing: dict[str, object] | None = None  # the request's timestamps, when finished
 
+    def then(self, more: StreamEvent) -> StreamEvent:
+        """This event followed by ``more`` of the same request, as one event (readers
+        that fell behind get the steps they missed together)."""
+        return StreamEvent(self.token_ids + more.token_ids, self.logprobs + more.logprobs,
+                           more.finished, more.finish_reason, more.stop_reason,
+                           self.num_cached_tokens, more.kv_keys or self.kv_keys, more.error,
+                           more.timing)
+
 
 class RequestStream:
     """What one request produced, event by event."""
@@ -90,11 +98,7 @@ class AsyncRequestStream(RequestStream):
         """The next event merged with any already waiting."""
         event = await self._aq.get()
         while not event.finished and not self._aq.empty():
-            more = self._aq.get_nowait()
-            event = StreamEvent(event.token_ids + more.token_ids, event.logprobs + more.logprobs,
-                                more.finished, more.finish_reason, more.stop_reason,
-                                event.num_cached_tokens, more.kv_keys or event.kv_keys,
-                                more.error, more.timing)
+            event = event.then(self._aq.get_nowait())
         return event
 
 

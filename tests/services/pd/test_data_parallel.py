@@ -4,7 +4,6 @@ ranks serve, and stopping the instance stops every rank."""
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +13,7 @@ import pytest
 from shared.engine import LLM, SamplingParams
 from shared.launcher import Service
 from shared.registry import Registry
+from tests.processes import alive
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -76,21 +76,9 @@ def test_concurrent_requests_equal_the_single_process_engine(mesh, expected):
 
 def test_stopping_the_instance_stops_every_rank(mesh):
     pids = mesh["decode"].info["pids"]
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     mesh["decode"].stop()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not any(alive(p) for p in pids)

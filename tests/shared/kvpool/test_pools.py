@@ -11,6 +11,7 @@ import torch
 from services.kvstore.master import MasterSupervisor, free_port
 from shared.kvpool import CacheRegions, InProcessPool, KVPool
 from shared.kvpool.mooncake import MooncakePool
+from tests.processes import alive
 
 
 def caches(seed: int | None, layers: int = 3, blocks: int = 6):
@@ -172,19 +173,10 @@ def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
         sup.kill()
         sup.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(master_pid):
+        while time.monotonic() < deadline and alive(master_pid):
             time.sleep(0.05)
-        assert not _alive(master_pid), f"mooncake_master {master_pid} outlived its supervisor"
+        assert not alive(master_pid), f"mooncake_master {master_pid} outlived its supervisor"
     finally:
         if sup.poll() is None:
             sup.kill()
             sup.wait()
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
