@@ -36,11 +36,16 @@ def add_tracing_args(p: argparse.ArgumentParser) -> None:
                    help="OTLP/gRPC collector for traces (turns tracing on)")
 
 
+def endpoint_from_args(a: argparse.Namespace) -> str | None:
+    return a.otlp_traces_endpoint or ("http://127.0.0.1:4317" if a.enable_trace else None)
+
+
 class Tracing:
     """A service's tracer, or nothing (``enabled`` False) at no cost."""
 
     def __init__(self, service: str, endpoint: str | None):
         self.enabled = endpoint is not None
+        self.endpoint = endpoint
         self.tracer: Any = None
         self._provider: Any = None
         if not self.enabled:
@@ -58,9 +63,7 @@ class Tracing:
 
     @classmethod
     def from_args(cls, service: str, a: argparse.Namespace) -> Tracing:
-        endpoint = a.otlp_traces_endpoint or ("http://127.0.0.1:4317" if a.enable_trace
-                                              else None)
-        return cls(service, endpoint)
+        return cls(service, endpoint_from_args(a))
 
     def shutdown(self) -> None:
         if self._provider is not None:

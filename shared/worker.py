@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ from dataclasses import asdict
 import grpc
 
 from shared.config.service import add_service_args, resolve_service_config
+from shared.edge import EdgeConfig, edge_port, start_edge, stop_edge
 from shared.engine.args import add_engine_args, engine_config_from_args
 from shared.engine.engine import EngineCore
 from shared.engine.loop import EngineLoop
@@ -34,7 +36,7 @@ from shared.registry import (
     add_registry_args,
     advertised_host,
 )
-from shared.tracing import Tracing, add_tracing_args
+from shared.tracing import Tracing, add_tracing_args, endpoint_from_args
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,11 @@ def connect_pool(kvstore: str, host: str, segment_mb: int) -> KVPool:
 
 
 def serve_worker(a: argparse.Namespace, role: str,
-                 add_servicer: Callable[[grpc.aio.Server, EngineLoop, str, Tracing], None]
-                 ) -> int:
+                 add_servicer: Callable[[grpc.aio.Server, EngineLoop, str, Tracing], None],
+                 edge_module: str | None = None) -> int:
+    """``edge_module``: serve gRPC from a separate process running that module
+    (shared.edge), not from a thread of this one. PDMESH_INPROCESS_GRPC=1 keeps it here
+    (``add_servicer``), for comparison."""
     # every flag checked before anything heavy starts
     service = resolve_service_config(a, role, resolve_device(a.device))
     scheduling = scheduling_settings(a, service)
@@ -100,6 +105,16 @@ def serve_worker(a: argparse.Namespace, role: str,
     # that long to send it. 0.2 ms keeps token latency near the step time.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     host = advertised_host(a.host, a.advertise_host)
+    model_name = a.served_model_name or a.model
+    edge = None
+    if edge_module is not None and os.environ.get("PDMESH_INPROCESS_GRPC") != "1":
+        # started first: it imports and binds while this process loads the model; it
+        # traces the requests (this process has no spans of its own)
+        edge = start_edge(edge_module, EdgeConfig(
+            role, a.host, a.port, model_name, endpoint_from_args(a), a.log_level,
+            a.log_format))
+    tracing = Tracing.from_args(f"pdmesh-{role}", a) if edge is None else \
+        Tracing(f"pdmesh-{role}", None)
     pool = None
     if role != "mixed":
         if not a.kvstore:
@@ -124,20 +139,22 @@ def serve_worker(a: argparse.Namespace, role: str,
         eplb = RankEplb(engine.ep, engine.model.load_recorder, finder,
                         record_path=config.expert_map_record_path)
     loop = EngineLoop(engine, eplb)
-    model_name = a.served_model_name or a.model
-    tracing = Tracing.from_args(f"pdmesh-{role}", a)
-    # gRPC runs on an asyncio loop in one thread; the engine steps in the main thread
-    aio = asyncio.new_event_loop()
-    threading.Thread(target=aio.run_forever, name="grpc-aio", daemon=True).start()
+    if edge is not None:
+        port = edge_port(*edge)
+        loop.attach_link(edge[1])
+    else:
+        # gRPC runs on an asyncio loop in one thread; the engine steps in the main thread
+        aio = asyncio.new_event_loop()
+        threading.Thread(target=aio.run_forever, name="grpc-aio", daemon=True).start()
 
-    async def start_server() -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
-        add_servicer(server, loop, model_name, tracing)
-        port = server.add_insecure_port(f"{a.host}:{a.port}")
-        await server.start()
-        return server, port
+        async def start_server() -> tuple[grpc.aio.Server, int]:
+            server = grpc.aio.server()
+            add_servicer(server, loop, model_name, tracing)
+            port = server.add_insecure_port(f"{a.host}:{a.port}")
+            await server.start()
+            return server, port
 
-    server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
+        server, port = asyncio.run_coroutine_threadsafe(start_server(), aio).result(30)
     inst = Instance(Heartbeat.new_id(role), role, f"{host}:{port}", model_name,
                     dp_size=a.data_parallel_size, dp_rank=a.data_parallel_rank or 0,
                     group=(f"{role}@{config.data_parallel_address}"
@@ -182,8 +199,11 @@ def serve_worker(a: argparse.Namespace, role: str,
         loop.run()  # the engine steps in the main thread until a signal stops it
     finally:
         beat.stop()
-        asyncio.run_coroutine_threadsafe(server.stop(grace=5), aio).result(10)
-        aio.call_soon_threadsafe(aio.stop)
+        if edge is not None:
+            stop_edge(*edge)
+        else:
+            asyncio.run_coroutine_threadsafe(server.stop(grace=5), aio).result(10)
+            aio.call_soon_threadsafe(aio.stop)
         if pool is not None:
             pool.close()
         tracing.shutdown()  # flushes spans not yet exported

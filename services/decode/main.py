@@ -20,7 +20,7 @@ def run(a: argparse.Namespace, role: str = "decode") -> int:
         servicer = DecodeServicer(loop, model_name, role=role, tracing=tracing)
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
-    return serve_worker(a, role, add)
+    return serve_worker(a, role, add, edge_module="services.decode.edge")
 
 
 __all__ = ["add_args", "run"]

@@ -97,7 +97,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             while not finished:
                 event = await asyncio.wait_for(stream.next(), self.idle_timeout_s)
                 if event.error:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
+                    if event.error_code is not None:  # refused, not started
+                        finished = True
+                    await context.abort(_status(event.error_code), event.error)
                 chunk = decode_pb2.GenerateChunk()
                 _fill_chunk(chunk, event)
                 finished = event.finished
@@ -131,7 +133,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         continue  # aborted by the client; nothing more to tell it
                     item = out.outputs.add(request_id=rid)
                     if event.error is not None:
-                        code = rejected.pop(rid, grpc.StatusCode.UNAVAILABLE)
+                        code = rejected.pop(rid, None) or _status(event.error_code)
                         item.error_code = code.value[0]
                         item.error_message = event.error
                         live.discard(rid)
@@ -174,9 +176,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.loop.abort(msg.abort_request_id)
 
     async def Health(self, request, context):  # noqa: N802
+        refresh = getattr(self.loop, "refresh", None)  # an engine in another process
+        if refresh is not None:
+            await refresh()
         return common_pb2.HealthResponse(serving=not self.loop.draining, role=self.role,
                                          model=self.model_name,
                                          load=load_proto(self.loop))
+
+
+def _status(code: str | None) -> grpc.StatusCode:
+    """A refusal's gRPC status (an engine failure when none is given)."""
+    return grpc.StatusCode[code] if code else grpc.StatusCode.UNAVAILABLE
 
 
 def _fill_chunk(chunk: decode_pb2.GenerateChunk, event: StreamEvent) -> None:

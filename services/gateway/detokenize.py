@@ -2,6 +2,12 @@
 
 Text is released only when it is final: a trailing incomplete UTF-8 sequence ("\\ufffd")
 is held back, and so is any tail that could still grow into a stop string.
+
+Each step decodes a short window, not the whole output (which made a request's
+detokenization quadratic in its length): the text of ``ids[prefix:]`` minus that of
+``ids[prefix:read]``, where ``read`` is where the last released text ended and
+``prefix`` a few tokens before it, so that decoders which strip a leading space or
+merge bytes across tokens see the same context as a full decode would.
 """
 
 from __future__ import annotations
@@ -15,19 +21,36 @@ class IncrementalText:
         self.stops = stops
         self.skip = skip_special_tokens
         self.token_ids: list[int] = []
-        self.text = ""  # everything decoded so far
+        self.text = ""  # everything decoded so far (complete characters)
         self.sent = 0  # characters of text already released
         self.stopped = False
+        self._prefix = 0  # the decode window: ids[_prefix:], of which ids[_prefix:_read]
+        self._read = 0    # were decoded before (text ``_prefix_text``)
+        self._prefix_text = ""
 
     def add(self, token_ids: list[int]) -> str:
         """Take new tokens; return the text that became final (may be "")."""
         if self.stopped:
             return ""
         self.token_ids.extend(token_ids)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip)
-        end = len(self.text)
-        if self.text.endswith("\ufffd"):
-            end -= 1
+        self.text += self._decoded(final=False)
+        return self._release(len(self.text))
+
+    def _decoded(self, final: bool) -> str:
+        """Text the tokens since ``_read`` add; "" while they end inside a character
+        (unless ``final``: then as decoded, replacement character included)."""
+        ids = self.token_ids
+        window = self.tokenizer.decode(ids[self._prefix:], skip_special_tokens=self.skip)
+        if len(window) <= len(self._prefix_text) or (
+                window.endswith("\ufffd") and not final):
+            return ""
+        new = window[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(ids)
+        self._prefix_text = self.tokenizer.decode(ids[self._prefix:self._read],
+                                                  skip_special_tokens=self.skip)
+        return new
+
+    def _release(self, end: int) -> str:
         for stop in self.stops:
             at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at != -1:
@@ -46,6 +69,10 @@ class IncrementalText:
         """At the end of generation: whatever was held back and is not a stop string."""
         if self.stopped:
             return ""
-        out = self.text[self.sent:]
+        self.text += self._decoded(final=True)
+        out = self._release(len(self.text))  # a stop string may sit in the last tokens
+        if self.stopped:
+            return out
+        out += self.text[self.sent:]
         self.sent = len(self.text)
         return out

@@ -14,6 +14,7 @@ set; an engine failure ends every stream with ``error``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -55,6 +56,10 @@ class StreamEvent:
     kv_keys: list[str] = field(default_factory=list)
     error: str | None = None
     timing: dict[str, object] | None = None  # the request's timestamps, when finished
+    # why a request was refused, as a gRPC status name (RESOURCE_EXHAUSTED, UNAVAILABLE,
+    # INVALID_ARGUMENT), when that is known only after submission (engine in another
+    # process); None: the engine failed (UNAVAILABLE)
+    error_code: str | None = None
 
     def then(self, more: StreamEvent) -> StreamEvent:
         """This event followed by ``more`` of the same request, as one event (readers
@@ -62,7 +67,7 @@ class StreamEvent:
         return StreamEvent(self.token_ids + more.token_ids, self.logprobs + more.logprobs,
                            more.finished, more.finish_reason, more.stop_reason,
                            self.num_cached_tokens, more.kv_keys or self.kv_keys, more.error,
-                           more.timing)
+                           more.timing, more.error_code)
 
 
 class RequestStream:
@@ -123,6 +128,18 @@ class SessionSink:
         return items
 
 
+class LinkStream(RequestStream):
+    """A request submitted by the gRPC edge process: its events go back over the link,
+    all of one step in one message."""
+
+    def __init__(self, request_id: str, link):
+        super().__init__(request_id)
+        self.link = link
+
+    def put(self, event: StreamEvent) -> None:
+        self.link.put(self.request_id, event)
+
+
 class SessionStream(AsyncRequestStream):
     """A request whose events go to a SessionSink instead of a queue of its own."""
 
@@ -166,6 +183,14 @@ class EngineLoop:
         self._drain_deadline: float | None = None  # set by ``drain``
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._link = None  # an EngineLink: requests come from a gRPC edge process
+        self._load_sent = 0.0
+        self._drain_told = False
+
+    def attach_link(self, link) -> None:
+        """Serve the requests of a gRPC edge process (shared.engine.link) from now on."""
+        self._link = link
+        self._send_load(force=True)
 
     def run(self) -> None:
         """Step in the calling thread until ``stop``. Call it from the main thread: torch's
@@ -217,17 +242,19 @@ class EngineLoop:
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                priority: int = 0, output_token_ids: list[int] | None = None,
                aio_loop: asyncio.AbstractEventLoop | None = None,
-               sink: SessionSink | None = None) -> RequestStream:
+               sink: SessionSink | None = None, link=None) -> RequestStream:
         """Queue a request (ValueError, naming the field, if it is invalid; QueueFull if
         ``max_queued_requests`` already wait). With ``aio_loop`` the stream is an
         AsyncRequestStream read on that event loop; with ``sink`` its events go to that
-        session."""
+        session; with ``link`` they go back to the edge process."""
         if self._drain_deadline is not None:
             raise Draining("this instance is draining (shutting down); use another")
         self.engine.validate_request(prompt, params, output_token_ids)
         rid = request_id or f"loop-{next(self._ids)}"
-        if sink is not None:
-            stream: RequestStream = SessionStream(rid, sink)
+        if link is not None:
+            stream: RequestStream = LinkStream(rid, link)
+        elif sink is not None:
+            stream = SessionStream(rid, sink)
         elif aio_loop is not None:
             stream = AsyncRequestStream(rid, aio_loop)
         else:
@@ -261,8 +288,7 @@ class EngineLoop:
         while not self._should_stop():
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._idle(0.05)
                 continue
             try:
                 outputs = self.engine.step()
@@ -305,8 +331,7 @@ class EngineLoop:
             if self.eplb is not None:
                 self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
             if not flags[0]:
-                self._wake.wait(0.005)
-                self._wake.clear()
+                self._idle(0.005)
                 continue
             if lb is not None:  # counts engine steps, not idle turns
                 lb.on_step(self.engine.scheduler, flags[4:4 + world].tolist(),
@@ -320,6 +345,47 @@ class EngineLoop:
                 continue
             self._dispatch_step(outputs)
         self._fail_all("engine stopped")
+
+    def _idle(self, timeout_s: float) -> None:
+        if self._link is not None:
+            self._send_load()
+            self._link.wait(timeout_s)  # a signal's drain() waits for the timeout
+        else:
+            self._wake.wait(timeout_s)
+            self._wake.clear()
+
+    def _send_load(self, force: bool = False) -> None:
+        """The edge answers Health from this (at most every 0.1 s, and at once when
+        draining starts)."""
+        now = time.monotonic()
+        if force or now - self._load_sent >= 0.1:
+            self._load_sent = now
+            self._link.send(("load", dataclasses.asdict(self.load()), self.draining,
+                             self.max_model_len))
+
+    def _poll_link(self) -> None:
+        link = self._link
+        for message in link.receive():
+            if message[0] == "add":
+                _, rid, prompt, params, priority, done = message
+                try:
+                    self.submit(prompt, params, request_id=rid, priority=priority,
+                                output_token_ids=done, link=link)
+                except (QueueFull, Draining, ValueError) as e:
+                    code = ("RESOURCE_EXHAUSTED" if isinstance(e, QueueFull) else
+                            "UNAVAILABLE" if isinstance(e, Draining) else "INVALID_ARGUMENT")
+                    link.put(rid, StreamEvent([], finished=True, error=str(e),
+                                              error_code=code))
+            elif message[0] == "abort":
+                self._inbox.put(("abort", message[1]))
+            elif message[0] == "load?":
+                self._send_load(force=True)
+        if link.closed and not self._stop.is_set():
+            log.error("the gRPC edge process went away; stopping")
+            self._stop.set()
+        if self._drain_deadline is not None and not self._drain_told:
+            self._drain_told = True
+            self._send_load(force=True)
 
     def _dispatch_step(self, outputs: list[StepOutput]) -> None:
         """Hand a step's events to their readers; readers on an event loop get the whole
@@ -347,13 +413,18 @@ class EngineLoop:
                 stream.put(event)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
+        if self._link is not None:
+            self._link.flush()
+            self._send_load()
 
     def _drain_inbox(self) -> None:
+        if self._link is not None:
+            self._poll_link()
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
                 rid, prompt, params, priority, done = payload  # type: ignore[misc]
                 try:
@@ -369,6 +440,8 @@ class EngineLoop:
                 rid = payload  # type: ignore[assignment]
                 self.engine.abort(rid)
                 self._finish_stream(rid, StreamEvent([], finished=True, finish_reason="abort"))
+        if self._link is not None:
+            self._link.flush()
 
     def _finish_stream(self, rid: str, event: StreamEvent) -> None:
         with self._lock:
@@ -382,6 +455,8 @@ class EngineLoop:
         for rid in pending:
             self.engine.abort(rid)
             self._finish_stream(rid, StreamEvent([], finished=True, error=message))
+        if self._link is not None:
+            self._link.flush()
 
 
 def _deliver(items: list[tuple[AsyncRequestStream, StreamEvent]]) -> None:

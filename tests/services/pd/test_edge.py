@@ -1,0 +1,91 @@
+"""The decode instance's gRPC edge runs in a process of its own (shared.edge): it and
+the engine process live and die together, and requests pass between them intact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from shared.engine import SamplingParams
+from shared.launcher import Service
+from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
+from shared.proto.convert import sampling_to_proto
+from tests.processes import alive
+
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16"]
+
+
+def edge_pid(engine_pid: int) -> int:
+    with open(f"/proc/{engine_pid}/task/{engine_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    edges = [p for p in children
+             if b"services.decode.edge" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(edges) == 1, children
+    return edges[0]
+
+
+def wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def mixed(qwen3_path, tmp_path, registry_prefix):
+    svc = Service("mixed", ["mixed", "--model", str(qwen3_path), *ENGINE,
+                            "--registry-prefix", registry_prefix], tmp_path)
+    try:
+        yield svc
+    finally:
+        svc.stop(signal.SIGKILL)
+
+
+def generate(address: str, prompt: list[int], n: int) -> list[int]:
+    stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(address))
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    out: list[int] = []
+    for chunk in stub.Generate(decode_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                          sampling=sp), timeout=60):
+        out += chunk.token_ids
+    return out
+
+
+def test_requests_and_health_pass_through_the_edge(mixed):
+    assert len(generate(mixed.address, [5, 6, 7, 8], 12)) == 12
+    stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(mixed.address))
+    health = stub.Health(common_pb2.HealthRequest(), timeout=10)
+    assert health.serving and health.role == "mixed"
+    assert health.load.total_kv_blocks > 0
+    assert health.load.free_kv_blocks == health.load.total_kv_blocks
+    with pytest.raises(grpc.RpcError) as e:  # refused by the engine, code kept
+        generate(mixed.address, [5, 6, 99999999], 4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids" in e.value.details()
+
+
+def test_engine_stops_when_its_edge_dies(mixed):
+    edge = edge_pid(mixed.proc.pid)
+    os.kill(edge, signal.SIGKILL)
+    assert wait_gone(mixed.proc.pid), "the engine process outlived its gRPC edge"
+
+
+def test_edge_dies_with_its_engine(mixed):
+    edge = edge_pid(mixed.proc.pid)
+    os.kill(mixed.proc.pid, signal.SIGKILL)
+    assert wait_gone(edge), "the gRPC edge outlived its engine process"
+    with pytest.raises(grpc.RpcError) as e:
+        generate(mixed.address, [5, 6, 7], 2)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_to_the_engine_stops_both(mixed):
+    edge = edge_pid(mixed.proc.pid)
+    os.kill(mixed.proc.pid, signal.SIGTERM)  # drains (nothing in flight), then stops
+    assert wait_gone(mixed.proc.pid) and wait_gone(edge)
