@@ -12,18 +12,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from shared.launcher import Service
 from shared.models.config import ModelConfig
+from shared.signals import SignalStop
 
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 
@@ -99,9 +98,7 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
         print(f"[up] making the tiny demo model in {model}", flush=True)
         make_tiny_model(model, "qwen3", seed=0)
     name = a.served_model_name or model.name
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = SignalStop().install()
     started: list[Service] = []
     redis_proc = None
     try:
@@ -153,13 +150,13 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
               f"     try: curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fib(n):\", "
               f"\"max_tokens\": 32}}'\n     Ctrl-C stops everything.", flush=True)
-        while not stop.is_set():
+        exited = False
+        while not exited and not stop.wait(0.5):
             for svc in started:
                 if svc.proc.poll() is not None:
                     print(f"[up] {svc.role} exited with {svc.proc.returncode}; see "
                           f"{svc.log_path}", file=sys.stderr, flush=True)
-                    stop.set()
-            stop.wait(0.5)
+                    exited = True
     finally:
         print("[up] stopping", flush=True)
         for svc in reversed(started):

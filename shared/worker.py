@@ -36,6 +36,7 @@ from shared.registry import (
     add_registry_args,
     advertised_host,
 )
+from shared.signals import SignalStop
 from shared.tracing import Tracing, add_tracing_args, endpoint_from_args
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ def serve_worker(a: argparse.Namespace, role: str,
     (shared.edge), not from a thread of this one. PDMESH_INPROCESS_GRPC=1 keeps it here
     (``add_servicer``), for comparison."""
     # every flag checked before anything heavy starts
-    service = resolve_service_config(a, role, resolve_device(a.device))
+    device = resolve_device(a.device)
+    service = resolve_service_config(a, role, device)
     scheduling = scheduling_settings(a, service)
     if a.data_parallel_size > 1 and a.data_parallel_rank is None:
         return launch_ranks(a, role)
@@ -121,7 +123,7 @@ def serve_worker(a: argparse.Namespace, role: str,
             raise ValueError(f"--kvstore: a {role} instance needs the kvstore's address")
         pool = connect_pool(a.kvstore, host, a.pool_segment_mb)
     config = dataclasses.replace(engine_config_from_args(a), **parallel_settings(a, service),
-                                 **scheduling)
+                                 **scheduling, **serving_defaults(a, device))
     sched = service.additional.scheduler_config
     if sched.dyntra_lb_config.enabled:
         config = dataclasses.replace(config, dyntra_lb=sched.dyntra_lb_config)
@@ -162,16 +164,19 @@ def serve_worker(a: argparse.Namespace, role: str,
     beat_box: list[Heartbeat] = []
 
     def drain(*_: object) -> None:
-        """SIGTERM / SIGINT: marked draining in the registry at once (routers send
-        nothing new), new requests refused, those in flight finish up to
-        --shutdown-timeout; a second signal stops at once."""
-        first = not loop.draining
+        """SIGTERM / SIGINT: new requests refused, those in flight finish up to
+        --shutdown-timeout; a second signal stops at once. In the handler only flags
+        are set (shared.signals); the loop calls ``draining`` when it notices."""
         loop.drain(a.shutdown_timeout)
-        if first and beat_box:
-            threading.Thread(target=beat_box[0].mark_draining, daemon=True).start()
-            log.warning("%s: draining (up to %.0f s for requests in flight)", role,
-                        a.shutdown_timeout)
 
+    def draining() -> None:
+        """Marked draining in the registry at once, so routers send nothing new."""
+        if beat_box:
+            threading.Thread(target=beat_box[0].mark_draining, daemon=True).start()
+        log.warning("%s: draining (up to %.0f s for requests in flight)", role,
+                    a.shutdown_timeout)
+
+    loop.on_drain = draining
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
     metrics_port = None
@@ -208,6 +213,20 @@ def serve_worker(a: argparse.Namespace, role: str,
             pool.close()
         tracing.shutdown()  # flushes spans not yet exported
     return 0
+
+
+# vLLM's defaults for `vllm serve` on CPU (the offline LLM keeps the larger ones)
+CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def serving_defaults(a: argparse.Namespace, device: str) -> dict:
+    """EngineConfig fields whose default differs when serving, as in vLLM: on CPU a step
+    computes at most 2,048 tokens unless --max-num-batched-tokens says otherwise, so a
+    burst of prompts is prefilled in chunks and the first ones answer early, not all
+    together after one long step."""
+    if a.max_num_batched_tokens is None and device == "cpu":
+        return {"max_num_batched_tokens": CPU_SERVING_MAX_NUM_BATCHED_TOKENS}
+    return {}
 
 
 def parallel_settings(a: argparse.Namespace, service) -> dict:
@@ -276,9 +295,7 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
     argv = list(sys.argv[1:])
     logs = Path(tempfile.mkdtemp(prefix=f"pdmesh-{role}-dp-"))
     ranks: list[Service] = []
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = SignalStop().install()
     try:
         for r in range(a.data_parallel_size):
             args = [*argv, "--data-parallel-rank", str(r), "--data-parallel-address", host,

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
-import threading
 from concurrent import futures
 
 import grpc
@@ -29,6 +27,7 @@ from shared.registry import (
     add_registry_args,
     advertised_host,
 )
+from shared.signals import SignalStop
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +74,7 @@ def run(a: argparse.Namespace) -> int:
         print("kvstore ready: " + json.dumps({
             "grpc": f"{host}:{port}", "master": ports.master_address,
             "metadata": ports.metadata_url, "master_pid": supervisor.pid}), flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        stop.wait()
+        SignalStop().install().wait()
         beat.stop()
     finally:
         if server is not None:

@@ -54,7 +54,7 @@ def encode_event(request_id: str, event: StreamEvent) -> tuple:
     """A step's tokens for one request as a bare tuple (most events); anything more -
     finished, logprobs, an error - as the whole event."""
     if (event.finished or event.logprobs or event.error is not None
-            or event.timing is not None):
+            or event.timing is not None or event.kv_keys):
         return (request_id, event)
     return (request_id, event.token_ids, event.num_cached_tokens)
 

@@ -186,6 +186,8 @@ class EngineLoop:
         self._link = None  # an EngineLink: requests come from a gRPC edge process
         self._load_sent = 0.0
         self._drain_told = False
+        self._stop_asked = False  # a second drain(): stop now
+        self.on_drain = None  # called once, from the loop, when draining starts
 
     def attach_link(self, link) -> None:
         """Serve the requests of a gRPC edge process (shared.engine.link) from now on."""
@@ -206,11 +208,12 @@ class EngineLoop:
         """Refuse new requests (Draining) and let ``run`` return once every request in
         flight has finished, or after ``timeout_s`` (what is left then fails, and callers
         continue it elsewhere). A second call stops at once."""
+        # Called from signal handlers: plain assignments only, no locks, no wake-up
+        # (shared.signals); the loop notices within its idle wait.
         if self._drain_deadline is not None:
-            self.stop()
+            self._stop_asked = True
             return
         self._drain_deadline = time.monotonic() + timeout_s
-        self._wake.set()
 
     @property
     def max_model_len(self) -> int:
@@ -221,7 +224,7 @@ class EngineLoop:
         return self._drain_deadline is not None
 
     def _should_stop(self) -> bool:
-        if self._stop.is_set():
+        if self._stop.is_set() or self._stop_asked:
             return True
         if self._drain_deadline is None:
             return False
@@ -286,6 +289,7 @@ class EngineLoop:
             self._run_lockstep()
             return
         while not self._should_stop():
+            self._notice_drain()
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._idle(0.05)
@@ -314,6 +318,7 @@ class EngineLoop:
         lb = self.engine.dyntralb
         flags = torch.zeros(4 + 3 * world, dtype=torch.int64)
         while True:
+            self._notice_drain()
             self._drain_inbox()
             version = self.eplb.known_version() if self.eplb is not None else 0
             flags.zero_()
@@ -345,6 +350,14 @@ class EngineLoop:
                 continue
             self._dispatch_step(outputs)
         self._fail_all("engine stopped")
+
+    def _notice_drain(self) -> None:
+        if self._drain_deadline is not None and not self._drain_told:
+            self._drain_told = True
+            if self._link is not None:
+                self._send_load(force=True)
+            if self.on_drain is not None:
+                self.on_drain()
 
     def _idle(self, timeout_s: float) -> None:
         if self._link is not None:
@@ -383,9 +396,6 @@ class EngineLoop:
         if link.closed and not self._stop.is_set():
             log.error("the gRPC edge process went away; stopping")
             self._stop.set()
-        if self._drain_deadline is not None and not self._drain_told:
-            self._drain_told = True
-            self._send_load(force=True)
 
     def _dispatch_step(self, outputs: list[StepOutput]) -> None:
         """Hand a step's events to their readers; readers on an event loop get the whole

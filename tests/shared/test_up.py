@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from shared.engine import LLM, SamplingParams
+from tests.processes import alive
 
 
 def running_with(marker: str) -> list[int]:
@@ -65,9 +66,17 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
         expected = offline.generate([[5, 6, 7, 8]], SamplingParams(
             temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
         assert r.json()["choices"][0]["text"] == expected
-        proc.send_signal(signal.SIGINT)
+        # the gRPC edge processes of the engines (they carry no prefix on their command
+        # line; each is a child of its engine process)
+        ours = set(running_with(prefix))
+        edges = [pid for pid in running_with("services.decode.edge")
+                 if _parent(pid) in ours]
+        assert edges, "no gRPC edge process found"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, and a supervisor's SIGTERM right after:
+        proc.send_signal(signal.SIGTERM)  # the second arrives while the first is handled
         proc.wait(60)
         assert running_with(prefix) == []  # every service it started is gone
+        assert not [pid for pid in edges if alive(pid)]
         if master:
             host, port = master.split(":")
             with socket.socket() as s:  # and so is the Mooncake master
@@ -78,3 +87,11 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
             proc.wait()
         for pid in running_with(prefix):
             subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ValueError):
+        return -1
