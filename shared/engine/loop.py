@@ -21,10 +21,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from shared.engine.engine import EngineCore, StepOutput
 from shared.engine.request import Logprob, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the gRPC edge processes import this module without torch)
+    from shared.engine.engine import EngineCore, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -90,6 +92,8 @@ class Request:
         eos = () if sp.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset((*sp.stop_token_ids, *eos))
         if self.sampling_params.seed is not None:
+            import torch  # (not at import: gRPC edge processes read this module too)
+
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
