@@ -74,12 +74,17 @@ def start_edge(module: str, config: EdgeConfig) -> tuple[subprocess.Popen, Engin
 def edge_port(proc: subprocess.Popen, link: EngineLink, timeout_s: float = 60.0) -> int:
     """The port the edge bound, once it serves; RuntimeError if it failed to start."""
     message = link.receive_one(timeout_s)
-    if not message or message[0] != "port":
+    if message and message[0] == "port":
+        return int(message[1])
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"the gRPC edge process did not start (exit status "
-                           f"{proc.returncode}; its error is above)")
-    return int(message[1])
+    if message and message[0] == "error":  # it could not serve what the flags asked
+        raise ValueError(message[1])
+    raise RuntimeError(f"the gRPC edge process did not start (exit status "
+                       f"{proc.returncode}; its error is above)")
 
 
 def stop_edge(proc: subprocess.Popen, link: EngineLink) -> None:
@@ -222,9 +227,10 @@ async def _serve(config: EdgeConfig, add_servicer: Callable[..., None]) -> int:
     add_servicer(server, remote, config)
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError as e:
-        print(f"pdmesh: error: --port: cannot listen on {config.host}:{config.port} ({e})",
-              file=sys.stderr, flush=True)
+    except RuntimeError as e:  # the engine process reports it (and exits with it)
+        writer.write(frame(("error", f"--port: cannot listen on {config.host}:"
+                                     f"{config.port} ({e})")))
+        await writer.drain()
         return 2
     await server.start()
     writer.write(frame(("port", port)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import grpc
@@ -89,3 +90,19 @@ def test_sigterm_to_the_engine_stops_both(mixed):
     edge = edge_pid(mixed.proc.pid)
     os.kill(mixed.proc.pid, signal.SIGTERM)  # drains (nothing in flight), then stops
     assert wait_gone(mixed.proc.pid) and wait_gone(edge)
+
+
+def test_a_port_in_use_is_a_clear_error_naming_the_flag(qwen3_path):
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "shared.cli", "mixed", str(qwen3_path),
+                            *ENGINE, "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"pdmesh: error: --port: cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
