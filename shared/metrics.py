@@ -42,6 +42,7 @@ METRIC_NAMES: dict[str, str] = {
     "pdmesh_gateway_retries_total": "gateway",
     "pdmesh_requests_migrated_total": "gateway",
     "pdmesh_requests_handed_back_total": "gateway",
+    "pdmesh_requests_offloaded_total": "gateway",
     "pdmesh_requests_rejected_total": "gateway",
     "pdmesh_instance_up": "gateway",
     # engine instances (prefill, decode, mixed; one DP rank each)

@@ -42,6 +42,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-args", default="",
                    help="extra engine flags for prefill and decode, as one string")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill only")
+    p.add_argument("--prefill-offload-threshold", type=int, default=2048, metavar="TOKENS",
+                   help="the gateway's: while prefill has this many prompt tokens queued, "
+                        "decode instances prefill new prompts themselves (on one box they "
+                        "share the cores anyway); 0: never")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="trace every service to this OTLP/gRPC collector")
     p.add_argument("--decode-args", default="",
@@ -139,7 +143,8 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
                 started.append(svc)
                 print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
         gw_args = ["gateway", "--model", str(model), "--served-model-name", name,
-                   "--host", a.host, "--port", str(a.port), *reg, *trace]
+                   "--host", a.host, "--port", str(a.port), *reg, *trace,
+                   "--prefill-offload-threshold", str(a.prefill_offload_threshold)]
         if a.api_key:
             gw_args += ["--api-key", a.api_key]
         gw = Service("gateway", gw_args, log_dir)

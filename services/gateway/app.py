@@ -108,6 +108,10 @@ class _Metrics:
         self.handed_back = Counter("pdmesh_requests_handed_back", "Requests a decode "
                                    "instance handed back (recompute scheduler) and the "
                                    "gateway re-prefilled", list(m), registry=reg).labels(**m)
+        self.offloaded = Counter("pdmesh_requests_offloaded", "Requests whose prompt a "
+                                 "decode instance computed itself because prefill was "
+                                 "backed up (--prefill-offload-threshold)", list(m),
+                                 registry=reg).labels(**m)
         self.rejected = Counter("pdmesh_requests_rejected", "Requests answered 429 "
                                 "(queue limits)", list(m), registry=reg).labels(**m)
         if router is not None:

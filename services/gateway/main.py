@@ -44,6 +44,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--prefill-offload-threshold", type=int, default=0, metavar="TOKENS",
+                   help="while every prefill instance has at least this many prompt tokens "
+                        "queued, let a decode instance prefill new prompts itself (up to "
+                        "half that backlog); 0: never (default; `pdmesh up` sets 2048, "
+                        "its prefill and decode share one box)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 (Retry-After) while this many requests are in flight "
                         "here (default: no limit)")
@@ -62,7 +67,10 @@ def run(a: argparse.Namespace) -> int:
     cfg = ModelConfig.from_folder(a.model)
     name = a.served_model_name or a.model
     registry = Registry(a.redis_url, a.registry_prefix)
-    router = Router(registry, name)
+    if a.prefill_offload_threshold < 0:
+        raise ValueError(f"--prefill-offload-threshold: must be >= 0, got "
+                         f"{a.prefill_offload_threshold}")
+    router = Router(registry, name, offload_threshold=a.prefill_offload_threshold)
     router.start()
     state = GatewayState(tokenizer=Tokenizer(a.model), router=router,
                          model_name=name,

@@ -51,6 +51,7 @@ class MeshEvents:
 
     migrated = _Count()
     handed_back = _Count()
+    offloaded = _Count()
 
     def retried(self, role: str) -> None:
         pass
@@ -197,19 +198,27 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
                                   timeout_s):
             yield piece
         return
-    first = await _prefill(router, channels, request_id, prompt, sampling, priority, timeout_s,
-                           events=events, trace=trace)
-    lp = [logprobs_from_proto(first.first_logprobs)] if params.logprobs is not None else []
-    yield Piece([first.first_token], lp, first.finish_reason or None, first.num_cached_tokens)
-    if first.finish_reason:
-        return
-    tokens = [first.first_token]
-    keys = list(first.block_keys)
+    offload = router.offload_target(prompt)
+    tokens: list[int] = []
+    keys: list[str] = []
+    if offload is None:
+        first = await _prefill(router, channels, request_id, prompt, sampling, priority,
+                               timeout_s, events=events, trace=trace)
+        lp = [logprobs_from_proto(first.first_logprobs)] if params.logprobs is not None else []
+        yield Piece([first.first_token], lp, first.finish_reason or None,
+                    first.num_cached_tokens)
+        if first.finish_reason:
+            return
+        tokens = [first.first_token]
+        keys = list(first.block_keys)
+    else:  # prefill is backed up: this decode instance computes the prompt itself
+        events.offloaded.inc()
+        router.sent(offload, prompt)
     dead: set[str] = set()
     codes: list[grpc.StatusCode] = []  # why each decode instance failed
     handed_back = 0
     while len(dead) < DECODE_ATTEMPTS:
-        inst = router.pick("decode", exclude=dead)
+        inst = offload if offload is not None else router.pick("decode", exclude=dead)
         if inst is None:
             _raise_if_all_refused("decode", codes)
             raise MeshError("no decode instance is available")
@@ -225,11 +234,15 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
                 if chunk.finish_reason == "recomputed":  # out of KV there (decode's
                     recomputed = True                     # recompute scheduler)
                     break
+                cached = None
+                if offload is not None:  # its first token: the prompt is done there
+                    router.answered(offload, prompt)
+                    cached, offload = chunk.num_cached_tokens, None
                 tokens += chunk.token_ids
                 yield Piece(list(chunk.token_ids),
                             [logprobs_from_proto(m) for m in chunk.logprobs]
                             if chunk.logprobs else [],
-                            chunk.finish_reason or None)
+                            chunk.finish_reason or None, cached)
                 if chunk.finish_reason:
                     return
         except DecodeFailed as e:
@@ -247,6 +260,9 @@ async def generate(router: Router, channels: Channels, request_id: str, prompt: 
             router.forget()
             await asyncio.sleep(BACKOFF_S)
         finally:
+            if offload is not None:  # ended before its first token: no longer queued
+                router.answered(offload, prompt)
+                offload = None
             await chunks.aclose()  # aborts the request on decode when the client left
             if span is not None:
                 span.set_attribute("pdmesh.outcome", "handed back" if recomputed else

@@ -72,10 +72,13 @@ class Router:
     keeps the copy fresh, so a pick on the gateway's event loop never waits on redis;
     without it (tests, tools) a pick re-reads the registry when the copy is stale."""
 
-    def __init__(self, registry: Registry, model: str | None = None, refresh_s: float = 0.25):
+    def __init__(self, registry: Registry, model: str | None = None, refresh_s: float = 0.25,
+                 offload_threshold: int = 0):
         self.registry = registry
         self.model = model  # only instances serving this model (None: any)
         self.refresh_s = refresh_s
+        # prefill offload (0: off): see ``offload_target``
+        self.offload_threshold = offload_threshold
         self._cache: list[Instance] = []
         self._at = float("-inf")
         self._lock = threading.Lock()
@@ -83,7 +86,9 @@ class Router:
         self._refresh_now = threading.Event()
         self._background = False
         self._estimates: dict[str, PrefixEstimate] = {}  # prefill instance id -> its cache
-        self._inflight: dict[str, int] = {}  # prefill instance id -> prompt tokens sent
+        # instance id -> prompt tokens sent and not yet answered (prefill instances, and
+        # decode instances prefilling offloaded prompts)
+        self._inflight: dict[str, int] = {}
 
     def start(self) -> None:
         self._refresh()
@@ -140,8 +145,8 @@ class Router:
         return self._rng.choice([i for i in live if costs[i.id] == best])
 
     def sent(self, inst: Instance, prompt: list[int]) -> None:
-        """A prompt went to prefill instance ``inst``: it will cache the prompt's blocks
-        and has its tokens queued until ``answered``."""
+        """A prompt went to instance ``inst`` to be prefilled: it will cache the prompt's
+        blocks and has its tokens queued until ``answered``."""
         with self._lock:
             bs = inst.load.get("block_size") or DEFAULT_BLOCK_SIZE
             est = self._estimates.setdefault(inst.id, PrefixEstimate())
@@ -155,6 +160,33 @@ class Router:
                 self._inflight[inst.id] = left
             else:
                 self._inflight.pop(inst.id, None)
+
+    def offload_target(self, prompt: list[int]) -> Instance | None:
+        """A decode instance that should prefill this prompt itself, or None (the usual
+        path through a prefill instance).
+
+        Only while prefill is backed up: when even the least-loaded prefill instance has
+        at least ``offload_threshold`` prompt tokens queued, a decode instance takes the
+        prompt if its own queue of prompts to prefill stays under half of that backlog.
+        A burst is then prefilled by both kinds of instance at once and reaches decode
+        sooner; at low load nothing changes (decode never computes a prompt, its steps
+        stay short). Worth it where prefill and decode share hardware (``pdmesh up`` on
+        one box); on separate machines it trades decode step time for TTFT."""
+        if not self.offload_threshold:
+            return None
+        prefill = self.instances("prefill")
+        decode = self.instances("decode")
+        if not prefill or not decode:
+            return None
+        with self._lock:
+            backlog = min(max(i.load.get("queued_prefill_tokens", 0),
+                              self._inflight.get(i.id, 0)) for i in prefill)
+            if backlog < self.offload_threshold:
+                return None
+            best = min(decode, key=lambda i: self._inflight.get(i.id, 0))
+            if self._inflight.get(best.id, 0) + len(prompt) > backlog // 2:
+                return None
+        return best
 
     def forget(self) -> None:
         """Re-read the registry soon (after an instance failed)."""

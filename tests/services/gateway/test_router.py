@@ -122,3 +122,43 @@ def test_prefix_estimate_keeps_at_most_the_instance_capacity():
     est.add(new, capacity=12)
     assert est.hits(new) == 10 and est.hits(old) == 0  # old's first blocks were evicted
     assert block_hashes([1, 2, 3], 4) == []  # no full block, nothing cacheable
+
+
+def test_prefill_offload_only_while_prefill_is_backed_up(registry_prefix):
+    reg = registry(registry_prefix + "-r9",
+                   Instance("p1", "prefill", "a:1", load={"queued_prefill_tokens": 0}),
+                   Instance("d1", "decode", "b:1"),
+                   Instance("d2", "decode", "b:2"))
+    prompt = list(range(100))
+    assert Router(reg).offload_target(prompt) is None  # off by default
+    r = Router(reg, offload_threshold=1000)
+    assert r.offload_target(prompt) is None  # prefill idle: the usual path
+    p1 = r.pick("prefill")
+    for _ in range(9):  # 900 tokens queued there: still under the threshold
+        r.sent(p1, prompt)
+    assert r.offload_target(prompt) is None
+    r.sent(p1, prompt)  # 1000 queued: decode may take prompts, up to half the backlog
+    first = r.offload_target(prompt)
+    assert first is not None and first.role == "decode"
+    r.sent(first, prompt)
+    second = r.offload_target(prompt)  # the other decode instance, now less loaded
+    assert second is not None and second.id != first.id
+    r.sent(second, prompt)
+    for _ in range(4):
+        r.sent(first, prompt)
+        r.sent(second, prompt)  # 500 queued on each: a sixth would pass half of 1000
+    assert r.offload_target(prompt) is None
+    r.answered(first, prompt)  # its first prompt done
+    assert r.offload_target(prompt).id == first.id
+    for _ in range(10):
+        r.answered(p1, prompt)  # prefill caught up: no more offloading
+    assert r.offload_target(prompt) is None
+
+
+def test_no_offload_without_a_decode_or_prefill_instance(registry_prefix):
+    reg = registry(registry_prefix + "-r10",
+                   Instance("p1", "prefill", "a:1", load={"queued_prefill_tokens": 50_000}))
+    assert Router(reg, offload_threshold=10).offload_target([1, 2, 3]) is None
+    reg = registry(registry_prefix + "-r11",
+                   Instance("d1", "decode", "b:1"))
+    assert Router(reg, offload_threshold=10).offload_target([1, 2, 3]) is None

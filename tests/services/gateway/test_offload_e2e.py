@@ -1,0 +1,91 @@
+"""Prefill offload with real processes: a PD mesh (kvstore, prefill, decode, gateway
+with --prefill-offload-threshold 1). A burst backs prefill up, so the decode instance
+computes some prompts itself; every answer is still the offline greedy text, and a
+request on an idle mesh goes through prefill as usual."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from shared.engine import LLM, SamplingParams
+from shared.launcher import Service
+from tests.prometheus_text import sample
+
+MODEL = "tiny"
+MAX_TOKENS = 24
+PROMPTS = [list(range(300 + 37 * i, 500 + 37 * i)) for i in range(10)]  # 200 tokens each
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+
+
+@pytest.fixture(scope="module")
+def mesh(qwen3_path, tmp_path_factory, registry_prefix):
+    logs = tmp_path_factory.mktemp("offload-logs")
+    reg = ["--registry-prefix", registry_prefix + "-offload"]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], logs)
+        started.append(kv)
+        for role in ("prefill", "decode"):
+            started.append(Service(role, [role, "--model", str(qwen3_path), "--kvstore",
+                                          kv.address, "--served-model-name", MODEL,
+                                          *ENGINE, *reg], logs))
+        gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
+                                 "--served-model-name", MODEL,
+                                 "--prefill-offload-threshold", "1", *reg], logs)
+        started.append(gw)
+        yield gw.info["http"]
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_path):
+    llm = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                ignore_eos=True))
+    return [o.outputs[0].text for o in outs]
+
+
+def complete(base: str, prompt: list[int]) -> dict:
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def offloaded(base: str) -> float:
+    return sample(httpx.get(base + "/metrics", timeout=10).text,
+                  "pdmesh_requests_offloaded_total")
+
+
+def test_idle_mesh_does_not_offload(mesh, expected):
+    before = offloaded(mesh)
+    for prompt, want in zip(PROMPTS[:2], expected[:2], strict=True):
+        assert complete(mesh, prompt)["choices"][0]["text"] == want
+    assert offloaded(mesh) == before, "offloaded on an idle mesh"
+
+
+def test_burst_offloads_some_prompts_to_decode_with_the_same_text(mesh, expected):
+    before = offloaded(mesh)
+    go = threading.Barrier(len(PROMPTS))
+
+    def one(i: int) -> dict:
+        go.wait()
+        return complete(mesh, PROMPTS[i])
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(one, range(len(PROMPTS))))
+    texts = [a["choices"][0]["text"] for a in answers]
+    assert texts == expected, [i for i, t in enumerate(texts) if t != expected[i]]
+    for a in answers:
+        assert a["usage"]["completion_tokens"] == MAX_TOKENS
+        assert isinstance(a["usage"]["prompt_tokens_details"]["cached_tokens"], int)
+    moved = offloaded(mesh) - before
+    assert 1 <= moved < len(PROMPTS), moved  # some, not all: prefill kept its share
