@@ -68,6 +68,9 @@ class OneEach:
 
     def answered(self, inst, prompt) -> None: ...
 
+    def offload_target(self, prompt) -> None:
+        return None  # prefill offload off
+
     def forget(self) -> None: ...
 
 
