@@ -10,36 +10,19 @@ import httpx
 import openai
 import pytest
 
-from shared.launcher import Service
 from shared.metrics import METRIC_NAMES
+from tests.mesh import MODEL, pd_mesh
 
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
-          "--pool-segment-mb", "64"]
-MODEL = "tiny"
 PROMPTS = [list(range(100 + 9 * i, 140 + 13 * i)) for i in range(5)]
 NEW = 12
 
 
 @pytest.fixture(scope="module")
 def mesh(qwen3_path, tmp_path_factory, registry_prefix):
-    logs = tmp_path_factory.mktemp("metrics-logs")
-    reg = ["--registry-prefix", registry_prefix + "-metrics"]
-    started: list[Service] = []
-    try:
-        kv = Service("kvstore", ["kvstore", *reg], logs)
-        started.append(kv)
-        roles = {}
-        for role in ("prefill", "decode"):
-            roles[role] = Service(role, [role, str(qwen3_path), "--kvstore", kv.address,
-                                         "--served-model-name", MODEL, *ENGINE, *reg], logs)
-            started.append(roles[role])
-        gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
-                                 "--served-model-name", MODEL, *reg], logs)
-        started.append(gw)
-        yield {"url": gw.info["http"], **roles}
-    finally:
-        for s in reversed(started):
-            s.stop()
+    with pd_mesh(qwen3_path, tmp_path_factory.mktemp("metrics-logs"),
+                 registry_prefix + "-metrics") as services:
+        yield {"url": services["gateway"].info["http"], "prefill": services["prefill"],
+               "decode": services["decode"]}
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -12,36 +12,19 @@ import httpx
 import pytest
 
 from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
+from tests.mesh import MODEL, pd_mesh
 from tests.prometheus_text import sample
 
-MODEL = "tiny"
 MAX_TOKENS = 24
 PROMPTS = [list(range(300 + 37 * i, 500 + 37 * i)) for i in range(10)]  # 200 tokens each
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
-          "--pool-segment-mb", "64"]
 
 
 @pytest.fixture(scope="module")
 def mesh(qwen3_path, tmp_path_factory, registry_prefix):
-    logs = tmp_path_factory.mktemp("offload-logs")
-    reg = ["--registry-prefix", registry_prefix + "-offload"]
-    started: list[Service] = []
-    try:
-        kv = Service("kvstore", ["kvstore", *reg], logs)
-        started.append(kv)
-        for role in ("prefill", "decode"):
-            started.append(Service(role, [role, "--model", str(qwen3_path), "--kvstore",
-                                          kv.address, "--served-model-name", MODEL,
-                                          *ENGINE, *reg], logs))
-        gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
-                                 "--served-model-name", MODEL,
-                                 "--prefill-offload-threshold", "1", *reg], logs)
-        started.append(gw)
-        yield gw.info["http"]
-    finally:
-        for s in reversed(started):
-            s.stop()
+    with pd_mesh(qwen3_path, tmp_path_factory.mktemp("offload-logs"),
+                 registry_prefix + "-offload",
+                 gateway_args=["--prefill-offload-threshold", "1"]) as services:
+        yield services["gateway"].info["http"]
 
 
 @pytest.fixture(scope="module")

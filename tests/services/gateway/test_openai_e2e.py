@@ -11,33 +11,16 @@ import openai
 import pytest
 
 from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
+from tests.mesh import MODEL, pd_mesh
 
 KEY = "test-key"
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
-          "--pool-segment-mb", "64"]
-MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def mesh(qwen3_path, tmp_path_factory, registry_prefix):
-    logs = tmp_path_factory.mktemp("mesh-logs")
-    reg = ["--registry-prefix", registry_prefix + "-gw"]
-    started: list[Service] = []
-    try:
-        kv = Service("kvstore", ["kvstore", *reg], logs)
-        started.append(kv)
-        for role in ("prefill", "decode"):
-            started.append(Service(role, [role, "--model", str(qwen3_path), "--kvstore",
-                                          kv.address, "--served-model-name", MODEL,
-                                          *ENGINE, *reg], logs))
-        gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
-                                 "--served-model-name", MODEL, "--api-key", KEY, *reg], logs)
-        started.append(gw)
-        yield gw.info["http"]
-    finally:
-        for s in reversed(started):
-            s.stop()
+    with pd_mesh(qwen3_path, tmp_path_factory.mktemp("mesh-logs"), registry_prefix + "-gw",
+                 gateway_args=["--api-key", KEY]) as services:
+        yield services["gateway"].info["http"]
 
 
 @pytest.fixture(scope="module")

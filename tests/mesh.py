@@ -1,0 +1,39 @@
+"""The PD mesh the end-to-end tests start: kvstore (with its Mooncake master), one
+prefill, one decode and a gateway, as real processes on loopback with free ports and
+the test's own registry prefix, stopped by process id whatever happens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from shared.launcher import Service
+
+MODEL = "tiny"  # the served model name
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+
+
+@contextmanager
+def pd_mesh(model: Path, logs: Path, prefix: str, *, gateway_args: Sequence[str] = (),
+            prefill_args: Sequence[str] = (), decode_args: Sequence[str] = ()
+            ) -> Iterator[dict[str, Service]]:
+    """{"kvstore", "prefill", "decode", "gateway"}: the running services (the gateway's
+    URL is ``["gateway"].info["http"]``)."""
+    reg = ["--registry-prefix", prefix]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], logs)
+        started.append(kv)
+        for role, extra in (("prefill", prefill_args), ("decode", decode_args)):
+            started.append(Service(role, [role, str(model), "--kvstore", kv.address,
+                                          "--served-model-name", MODEL, *ENGINE, *extra,
+                                          *reg], logs))
+        started.append(Service("gateway", ["gateway", str(model), "--port", "0",
+                                           "--served-model-name", MODEL, *gateway_args,
+                                           *reg], logs))
+        yield {s.role: s for s in started}
+    finally:
+        for s in reversed(started):
+            s.stop()
