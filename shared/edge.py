@@ -18,10 +18,8 @@ goes away.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import json
-import logging
 import pickle
 import signal
 import socket
@@ -41,11 +39,7 @@ from shared.engine.loop import (
     StreamEvent,
 )
 from shared.engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before any fork
-_PR_SET_PDEATHSIG = 1
+from shared.launcher import die_with_parent
 
 
 @dataclass
@@ -66,13 +60,14 @@ def start_edge(module: str, config: EdgeConfig) -> tuple[subprocess.Popen, Engin
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     config.fd = theirs.fileno()
     proc = subprocess.Popen([sys.executable, "-m", module, json.dumps(config.__dict__)],
-                            pass_fds=(theirs.fileno(),), preexec_fn=_die_with_parent)
+                            pass_fds=(theirs.fileno(),), preexec_fn=die_with_parent)
     theirs.close()
     return proc, EngineLink(ours)
 
 
 def edge_port(proc: subprocess.Popen, link: EngineLink, timeout_s: float = 60.0) -> int:
-    """The port the edge bound, once it serves; RuntimeError if it failed to start."""
+    """The port the edge bound, once it serves; ValueError with the edge's message if
+    it could not serve what the flags asked, RuntimeError if it died."""
     message = link.receive_one(timeout_s)
     if message and message[0] == "port":
         return int(message[1])
@@ -95,14 +90,6 @@ def stop_edge(proc: subprocess.Popen, link: EngineLink) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _die_with_parent() -> None:
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-
-
-class EngineGone(Exception):
-    pass
 
 
 class RemoteEngineLoop:
@@ -176,9 +163,7 @@ class RemoteEngineLoop:
             pass
         finally:
             self._closed = True
-            for waiter in self._load_waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake_load_waiters()
             streams, self._streams = self._streams, {}
             for stream in streams.values():
                 _put(stream, StreamEvent([], finished=True,
@@ -196,10 +181,13 @@ class RemoteEngineLoop:
         elif kind == "load":
             _, load, self._draining, self.max_model_len = message
             self._load = LoopLoad(**load)
-            waiters, self._load_waiters = self._load_waiters, []
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake_load_waiters()
+
+    def _wake_load_waiters(self) -> None:
+        waiters, self._load_waiters = self._load_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 def _put(stream: RequestStream, event: StreamEvent) -> None:

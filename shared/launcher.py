@@ -4,6 +4,7 @@ Used by `pdmesh up` and by the end-to-end tests."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -13,6 +14,17 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+# Looked up here, not in the child: between fork and exec the child may only call what is
+# already resolved (another thread could have held the import lock at fork time).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn``: the kernel kills the child when the process that started it
+    dies (killed, crashed), so no helper process outlives its owner."""
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 class Service:

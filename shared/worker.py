@@ -163,12 +163,6 @@ def serve_worker(a: argparse.Namespace, role: str,
                            if a.data_parallel_size > 1 else ""))
     beat_box: list[Heartbeat] = []
 
-    def drain(*_: object) -> None:
-        """SIGTERM / SIGINT: new requests refused, those in flight finish up to
-        --shutdown-timeout; a second signal stops at once. In the handler only flags
-        are set (shared.signals); the loop calls ``draining`` when it notices."""
-        loop.drain(a.shutdown_timeout)
-
     def draining() -> None:
         """Marked draining in the registry at once, so routers send nothing new."""
         if beat_box:
@@ -176,9 +170,11 @@ def serve_worker(a: argparse.Namespace, role: str,
         log.warning("%s: draining (up to %.0f s for requests in flight)", role,
                     a.shutdown_timeout)
 
+    # SIGTERM / SIGINT: new requests refused, those in flight finish up to
+    # --shutdown-timeout; a second signal stops at once. The handler only sets the
+    # loop's flags (shared.signals); the loop calls ``draining`` when it notices.
+    SignalStop(on_signal=lambda _: loop.drain(a.shutdown_timeout)).install()
     loop.on_drain = draining
-    signal.signal(signal.SIGTERM, drain)
-    signal.signal(signal.SIGINT, drain)
     metrics_port = None
     if a.metrics_port >= 0:
         from shared.metrics import WorkerRequestMetrics, serve_metrics, worker_metrics

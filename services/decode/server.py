@@ -176,9 +176,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.loop.abort(msg.abort_request_id)
 
     async def Health(self, request, context):  # noqa: N802
-        refresh = getattr(self.loop, "refresh", None)  # an engine in another process
-        if refresh is not None:
-            await refresh()
+        await self.loop.refresh()
         return common_pb2.HealthResponse(serving=not self.loop.draining, role=self.role,
                                          model=self.model_name,
                                          load=load_proto(self.loop))

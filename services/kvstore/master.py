@@ -16,11 +16,9 @@ oldest blocks, as a cache should.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,19 +29,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.launcher import die_with_parent
+
 log = logging.getLogger(__name__)
-
-
-# Looked up here, not in the child: between fork and exec the child may only call what is
-# already resolved (another thread could have held the import lock at fork time).
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills the master if its supervisor dies
-    without stopping it (killed, crashed), so no master outlives its kvstore."""
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def find_master_binary() -> str:
@@ -138,7 +126,7 @@ class MasterSupervisor:
                *self.eviction.flags()]
         out = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         log.info("mooncake_master pid %d on %s (metadata %s)", self._proc.pid,
                  p.master_address, p.metadata_url)
 

@@ -182,14 +182,13 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[RequestStream, Request | None]] = {}
-        self._stop = threading.Event()
         self._drain_deadline: float | None = None  # set by ``drain``
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._link = None  # an EngineLink: requests come from a gRPC edge process
         self._load_sent = 0.0
         self._drain_told = False
-        self._stop_asked = False  # a second drain(): stop now
+        self._stopping = False  # set by stop() or a second drain(): return now
         self.on_drain = None  # called once, from the loop, when draining starts
 
     def attach_link(self, link) -> None:
@@ -204,7 +203,7 @@ class EngineLoop:
 
     def stop(self) -> None:
         """Ask ``run`` to return (after failing every stream still open)."""
-        self._stop.set()
+        self._stopping = True
         self._wake.set()
 
     def drain(self, timeout_s: float) -> None:
@@ -214,9 +213,13 @@ class EngineLoop:
         # Called from signal handlers: plain assignments only, no locks, no wake-up
         # (shared.signals); the loop notices within its idle wait.
         if self._drain_deadline is not None:
-            self._stop_asked = True
+            self._stopping = True
             return
         self._drain_deadline = time.monotonic() + timeout_s
+
+    async def refresh(self) -> None:
+        """Load and draining are read here directly (an engine in another process is
+        asked first: shared.edge.RemoteEngineLoop.refresh)."""
 
     @property
     def max_model_len(self) -> int:
@@ -227,7 +230,7 @@ class EngineLoop:
         return self._drain_deadline is not None
 
     def _should_stop(self) -> bool:
-        if self._stop.is_set() or self._stop_asked:
+        if self._stopping:
             return True
         if self._drain_deadline is None:
             return False
@@ -396,9 +399,9 @@ class EngineLoop:
                 self._inbox.put(("abort", message[1]))
             elif message[0] == "load?":
                 self._send_load(force=True)
-        if link.closed and not self._stop.is_set():
+        if link.closed and not self._stopping:
             log.error("the gRPC edge process went away; stopping")
-            self._stop.set()
+            self._stopping = True
 
     def _dispatch_step(self, outputs: list[StepOutput]) -> None:
         """Hand a step's events to their readers; readers on an event loop get the whole
