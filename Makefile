@@ -9,22 +9,22 @@ install:
 
 up: install
 	@bash scripts/ensure_redis.sh
-	$(PY) -m shared.cli up  # makes the tiny demo model in $(MODEL_DIR) on first use
+	$(PY) -m pdmesh up  # makes the tiny demo model in $(MODEL_DIR) on first use
 
 test: install
 	@bash scripts/ensure_redis.sh
-	.venv/bin/ruff check shared services tests
+	.venv/bin/ruff check pdmesh shared services tests
 	$(PY) -m pytest -q tests
 
 lint: install
-	.venv/bin/ruff check shared services tests
+	.venv/bin/ruff check pdmesh shared services tests
 
 bench: install
-	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m shared.cli make-tiny-model $(MODEL_DIR) --arch qwen3
-	$(PY) -m shared.cli bench offline --model $(MODEL_DIR)
+	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m pdmesh make-tiny-model $(MODEL_DIR) --arch qwen3
+	$(PY) -m pdmesh bench offline --model $(MODEL_DIR)
 
 proto: install
-	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. shared/proto/*.proto
+	@bash scripts/gen_proto.sh $(PY)
 
 clean:
 	rm -rf .venv .cache

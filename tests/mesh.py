@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from shared.launcher import Service
+from pdmesh.shared.infra.launcher import Service
 
 MODEL = "tiny"  # the served model name
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",

@@ -1,14 +1,14 @@
 """The decode (and mixed) instance's gRPC edge process: `Decode` served from here, the
-engine stepping in the process that started it (shared.edge)."""
+engine stepping in the process that started it (pdmesh.shared.runtime.edge)."""
 
 from __future__ import annotations
 
 import sys
 
-from services.decode.server import DecodeServicer
-from shared.edge import EdgeConfig, serve_edge
-from shared.proto import decode_pb2_grpc
-from shared.tracing import Tracing
+from pdmesh.services.decode.server import DecodeServicer
+from pdmesh.shared.infra.tracing import Tracing
+from pdmesh.shared.proto import decode_pb2_grpc
+from pdmesh.shared.runtime.edge import EdgeConfig, serve_edge
 
 
 def add_servicer(server, remote, config: EdgeConfig) -> None:

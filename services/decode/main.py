@@ -6,11 +6,11 @@ import argparse
 
 import grpc
 
-from services.decode.server import DecodeServicer
-from shared.engine.loop import EngineLoop
-from shared.proto import decode_pb2_grpc
-from shared.worker import add_worker_args as add_args
-from shared.worker import serve_worker
+from pdmesh.services.decode.server import DecodeServicer
+from pdmesh.shared.proto import decode_pb2_grpc
+from pdmesh.shared.runtime.loop import EngineLoop
+from pdmesh.shared.runtime.worker import add_worker_args as add_args
+from pdmesh.shared.runtime.worker import serve_worker
 
 
 def run(a: argparse.Namespace, role: str = "decode") -> int:
@@ -20,7 +20,7 @@ def run(a: argparse.Namespace, role: str = "decode") -> int:
         servicer = DecodeServicer(loop, model_name, role=role, tracing=tracing)
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
-    return serve_worker(a, role, add, edge_module="services.decode.edge")
+    return serve_worker(a, role, add, edge_module="pdmesh.services.decode.edge")
 
 
 __all__ = ["add_args", "run"]

@@ -17,8 +17,11 @@ import logging
 
 import grpc
 
-from services.prefill.server import load_proto
-from shared.engine.loop import (
+from pdmesh.services.prefill.server import load_proto
+from pdmesh.shared.infra.tracing import Tracing
+from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
+from pdmesh.shared.proto.convert import logprobs_to_proto, sampling_from_proto
+from pdmesh.shared.runtime.loop import (
     AsyncRequestStream,
     Draining,
     EngineLoop,
@@ -26,9 +29,6 @@ from shared.engine.loop import (
     SessionSink,
     StreamEvent,
 )
-from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
-from shared.proto.convert import logprobs_to_proto, sampling_from_proto
-from shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.eplb.algorithm import balancedness, rebalance_experts
+from pdmesh.shared.parallel.rebalance import balancedness, rebalance_experts
 
 log = logging.getLogger(__name__)
 

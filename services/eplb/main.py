@@ -17,16 +17,16 @@ import signal
 
 import grpc
 
-from services.eplb.controller import EplbController
-from services.eplb.server import SERVER_OPTIONS, EplbServicer, decide_periodically
-from shared.proto import eplb_pb2_grpc
-from shared.registry import (
+from pdmesh.services.eplb.controller import EplbController
+from pdmesh.services.eplb.server import SERVER_OPTIONS, EplbServicer, decide_periodically
+from pdmesh.shared.infra.registry import (
     Heartbeat,
     Instance,
     Registry,
     add_registry_args,
     advertised_host,
 )
+from pdmesh.shared.proto import eplb_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ async def _serve(a: argparse.Namespace, controller: EplbController) -> None:
     timer = asyncio.create_task(decide_periodically(controller, a.interval_s, stop))
     metrics = None
     if a.metrics_port >= 0:
-        from shared.metrics import serve_metrics
+        from pdmesh.shared.infra.metrics import serve_metrics
 
         metrics = serve_metrics(controller_metrics(controller, beat.inst.id), a.host,
                                 a.metrics_port)

@@ -15,14 +15,14 @@ import logging
 import grpc
 import torch
 
-from services.eplb.controller import (
+from pdmesh.services.eplb.controller import (
     Decision,
     EplbController,
     LoadSample,
     NoLoadError,
     PublishedPlacement,
 )
-from shared.proto import common_pb2, eplb_pb2, eplb_pb2_grpc
+from pdmesh.shared.proto import common_pb2, eplb_pb2, eplb_pb2_grpc
 
 log = logging.getLogger(__name__)
 

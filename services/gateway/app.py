@@ -33,14 +33,14 @@ from prometheus_client import (
     generate_latest,
 )
 
-from services.gateway.detokenize import IncrementalText
-from services.gateway.pd import Channels, MeshError, Piece, generate
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
-from services.gateway.router import Router
-from shared.engine.request import Logprob
-from shared.logs import REQUEST_LOG, request_record
-from shared.models.tokenizer import Tokenizer
-from shared.tracing import Tracing
+from pdmesh.services.gateway.detokenize import IncrementalText
+from pdmesh.services.gateway.pd import Channels, MeshError, Piece, generate
+from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
+from pdmesh.services.gateway.router import Router
+from pdmesh.shared.engine.request import Logprob
+from pdmesh.shared.infra.logs import REQUEST_LOG, request_record
+from pdmesh.shared.infra.tracing import Tracing
+from pdmesh.shared.models.tokenizer import Tokenizer
 
 Delta = tuple[str, list[tuple[int, dict[int, Logprob]]]]  # new text, (token, logprobs)s
 
@@ -75,7 +75,7 @@ class _Metrics:
     the mesh had to do for them, and which instances the router sees."""
 
     def __init__(self, model: str, router: Router | None = None) -> None:
-        from shared.metrics import LATENCY_BUCKETS  # (also turns off _created series)
+        from pdmesh.shared.infra.metrics import LATENCY_BUCKETS  # (also turns off _created series)
 
         self.registry = CollectorRegistry()
         m = {"model_name": model}

@@ -12,7 +12,7 @@ merge bytes across tokens see the same context as a full decode would.
 
 from __future__ import annotations
 
-from shared.models.tokenizer import Tokenizer
+from pdmesh.shared.models.tokenizer import Tokenizer
 
 
 class IncrementalText:

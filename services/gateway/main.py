@@ -17,18 +17,18 @@ import socket
 
 import uvicorn
 
-from services.gateway.app import GatewayState, create_app
-from services.gateway.router import Router
-from shared.models.config import ModelConfig
-from shared.models.tokenizer import Tokenizer
-from shared.registry import (
+from pdmesh.services.gateway.app import GatewayState, create_app
+from pdmesh.services.gateway.router import Router
+from pdmesh.shared.infra.registry import (
     Heartbeat,
     Instance,
     Registry,
     add_registry_args,
     advertised_host,
 )
-from shared.tracing import Tracing, add_tracing_args
+from pdmesh.shared.infra.tracing import Tracing, add_tracing_args
+from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

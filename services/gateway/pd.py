@@ -22,11 +22,11 @@ from typing import Any
 
 import grpc
 
-from services.gateway.router import Router
-from shared.engine.request import Logprob
-from shared.engine.sampling_params import SamplingParams
-from shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from shared.proto.convert import logprobs_from_proto, sampling_to_proto
+from pdmesh.services.gateway.router import Router
+from pdmesh.shared.engine.request import Logprob
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdmesh.shared.proto.convert import logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.sampling_params import SamplingParams
 
 
 class _Base(BaseModel):

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import redis
 
-from shared.registry import Instance, Registry
+from pdmesh.shared.infra.registry import Instance, Registry
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.kvpool.base import KVPool
+from pdmesh.shared.kvpool.base import KVPool
 
 
 @dataclass

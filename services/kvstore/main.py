@@ -15,19 +15,19 @@ from concurrent import futures
 
 import grpc
 
-from services.kvstore.index import PoolIndex
-from services.kvstore.master import EvictionPolicy, MasterPorts, MasterSupervisor, free_port
-from services.kvstore.server import KVStoreServicer
-from shared.kvpool.mooncake import MooncakePool
-from shared.proto import kvstore_pb2_grpc
-from shared.registry import (
+from pdmesh.services.kvstore.index import PoolIndex
+from pdmesh.services.kvstore.server import KVStoreServicer
+from pdmesh.shared.infra.registry import (
     Heartbeat,
     Instance,
     Registry,
     add_registry_args,
     advertised_host,
 )
-from shared.signals import SignalStop
+from pdmesh.shared.infra.signals import SignalStop
+from pdmesh.shared.kvpool.master import EvictionPolicy, MasterPorts, MasterSupervisor, free_port
+from pdmesh.shared.kvpool.mooncake import MooncakePool
+from pdmesh.shared.proto import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 

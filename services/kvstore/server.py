@@ -6,10 +6,10 @@ import logging
 
 import grpc
 
-from services.kvstore.index import PoolIndex
-from services.kvstore.master import MasterSupervisor
-from shared.kvpool.mooncake import PoolUnavailable
-from shared.proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from pdmesh.services.kvstore.index import PoolIndex
+from pdmesh.shared.kvpool.master import MasterSupervisor
+from pdmesh.shared.kvpool.mooncake import PoolUnavailable
+from pdmesh.shared.proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 

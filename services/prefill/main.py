@@ -6,11 +6,11 @@ import argparse
 
 import grpc
 
-from services.prefill.server import PrefillServicer
-from shared.engine.loop import EngineLoop
-from shared.proto import prefill_pb2_grpc
-from shared.worker import add_worker_args as add_args
-from shared.worker import serve_worker
+from pdmesh.services.prefill.server import PrefillServicer
+from pdmesh.shared.proto import prefill_pb2_grpc
+from pdmesh.shared.runtime.loop import EngineLoop
+from pdmesh.shared.runtime.worker import add_worker_args as add_args
+from pdmesh.shared.runtime.worker import serve_worker
 
 
 def _add(server: grpc.aio.Server, loop: EngineLoop, model_name: str, tracing) -> None:

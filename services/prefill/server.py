@@ -17,10 +17,10 @@ import logging
 
 import grpc
 
-from shared.engine.loop import AsyncRequestStream, Draining, EngineLoop, QueueFull
-from shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
-from shared.proto.convert import logprobs_to_proto, sampling_from_proto
-from shared.tracing import Tracing
+from pdmesh.shared.infra.tracing import Tracing
+from pdmesh.shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdmesh.shared.proto.convert import logprobs_to_proto, sampling_from_proto
+from pdmesh.shared.runtime.loop import AsyncRequestStream, Draining, EngineLoop, QueueFull
 
 log = logging.getLogger(__name__)
 

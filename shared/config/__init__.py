@@ -8,10 +8,10 @@ value and forbidden combination. Layout: ``schema`` / ``scheduler_schema`` /
 values, ``rules`` checks combinations, ``parse`` ties them together.
 """
 
-from shared.config.engine_args import EngineArgs
-from shared.config.errors import ConfigError, ConfigProblem
-from shared.config.parse import parse_additional_config
-from shared.config.schema import AdditionalConfig
+from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.errors import ConfigError, ConfigProblem
+from pdmesh.shared.config.parse import parse_additional_config
+from pdmesh.shared.config.schema import AdditionalConfig
 
 __all__ = [
     "AdditionalConfig",

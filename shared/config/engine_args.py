@@ -1,7 +1,7 @@
 """The engine flags that decide which additional-config keys may be combined.
 
 Spelled as ``vllm serve`` spells them; ``kv_role`` comes from ``--kv-transfer-config``.
-Only what the cross-key rules in ``shared.config.rules`` read is here.
+Only what the cross-key rules in ``pdmesh.shared.config.rules`` read is here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config.options import option, section
+from pdmesh.shared.config.options import option, section
 
 PHASES = ("all", "prefill", "decode")
 

@@ -3,7 +3,7 @@ environment variables vLLM-Ascend is migrating to additional-config (PR #9064).
 
 Precedence, high to low: the key at its current path > its deprecated top-level spelling >
 its environment variable > the default. Every use of an old spelling is a warning that
-names the new one; ``shared.config.migrate`` applies these tables.
+names the new one; ``pdmesh.shared.config.migrate`` applies these tables.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config.options import option
+from pdmesh.shared.config.options import option
 
 # Top-level keys moved under scheduler_config (additional_config.md "scheduler_config";
 # vLLM-Ascend SchedulerConfig.from_additional_config also moves batch_job_sched_config).

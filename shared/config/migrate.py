@@ -15,9 +15,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shared.config.errors import ConfigError, ConfigProblem
-from shared.config.legacy import ENV_VARS, MOVED_KEYS, REMOVED_KEYS
-from shared.config.reader import ReadContext, field_type, read_value
+from pdmesh.shared.config.errors import ConfigError, ConfigProblem
+from pdmesh.shared.config.legacy import ENV_VARS, MOVED_KEYS, REMOVED_KEYS
+from pdmesh.shared.config.reader import ReadContext, field_type, read_value
 
 _FLAG = "--additional-config"
 _PYTHON_LOOK = re.compile(r"\b(True|False|None)\b|'|,\s*[}\]]")

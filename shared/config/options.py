@@ -2,7 +2,7 @@
 
 Every section of ``--additional-config`` is a frozen dataclass. Each field carries an
 ``OptionSpec`` in its metadata: one line of documentation, the allowed choices or range,
-and whether the option only acts on Ascend NPUs. ``shared.config.reader`` walks these
+and whether the option only acts on Ascend NPUs. ``pdmesh.shared.config.reader`` walks these
 dataclasses to check raw JSON, so a key, its type and its default are written once.
 """
 

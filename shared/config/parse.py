@@ -16,14 +16,14 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from shared.config.engine_args import EngineArgs
-from shared.config.errors import ConfigError, ConfigProblem
-from shared.config.legacy import MODEL_RUNNER_V2_ENV
-from shared.config.migrate import apply_legacy, decode
-from shared.config.options import schema_fields, spec_of
-from shared.config.reader import ReadContext, read_section
-from shared.config.rules import RuleContext, run_rules
-from shared.config.schema import AdditionalConfig
+from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.errors import ConfigError, ConfigProblem
+from pdmesh.shared.config.legacy import MODEL_RUNNER_V2_ENV
+from pdmesh.shared.config.migrate import apply_legacy, decode
+from pdmesh.shared.config.options import schema_fields, spec_of
+from pdmesh.shared.config.reader import ReadContext, read_section
+from pdmesh.shared.config.rules import RuleContext, run_rules
+from pdmesh.shared.config.schema import AdditionalConfig
 
 DEVICES = ("cpu", "cuda", "npu")
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
-from shared.config.errors import ConfigProblem
-from shared.config.options import schema_fields, spec_of
+from pdmesh.shared.config.errors import ConfigProblem
+from pdmesh.shared.config.options import schema_fields, spec_of
 
 
 @dataclass

@@ -3,14 +3,14 @@
 Defaults and ranges are vLLM-Ascend's (``vllm_ascend/ascend_config.py``: SchedulerConfig,
 DyntraLBConfig, ShortRequestFirstConfig, ProfilingChunkConfig, BatchJobSchedConfig).
 The policies are scheduling logic, not kernels, so none of these keys is Ascend-only.
-Which node role may run which policy is checked in ``shared.config.rules.scheduler``.
+Which node role may run which policy is checked in ``pdmesh.shared.config.rules.scheduler``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config.options import option, section
+from pdmesh.shared.config.options import option, section
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class BatchJobSchedConfig:
 class SchedulerConfig:
     """``scheduler_config``: balance, recompute, DyntraLB, ShortRequestFirst, profiling-chunk
     and batch-job scheduling. The deprecated top-level spellings of the first four keys are
-    moved here by ``shared.config.legacy``; a value written here wins over them."""
+    moved here by ``pdmesh.shared.config.legacy``; a value written here wins over them."""
 
     enable_balance_scheduling: bool = option(
         False, "Balance scheduling across DP ranks (PD-mixed instances only).")

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config.feature_schema import (
+from pdmesh.shared.config.feature_schema import (
     AscendCompilationConfig,
     AscendFusionConfig,
     DynamicSpecConfig,
@@ -25,8 +25,8 @@ from shared.config.feature_schema import (
     WeightPrefetchConfig,
     XliteGraphConfig,
 )
-from shared.config.options import option, section
-from shared.config.scheduler_schema import SchedulerConfig
+from pdmesh.shared.config.options import option, section
+from pdmesh.shared.config.scheduler_schema import SchedulerConfig
 
 NPU = {"ascend_only": True}
 
@@ -35,7 +35,7 @@ NPU = {"ascend_only": True}
 class AdditionalConfig:
     """The parsed, validated ``--additional-config``; every value resolved.
 
-    Produced by ``shared.config.parse_additional_config``. ``warnings`` and
+    Produced by ``pdmesh.shared.config.parse_additional_config``. ``warnings`` and
     ``inactive_keys`` are what parsing had to say; they are not configuration keys.
     """
 

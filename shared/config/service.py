@@ -13,11 +13,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config.engine_args import EngineArgs
-from shared.config.json_flags import json_flag
-from shared.config.parse import parse_additional_config
-from shared.config.schema import AdditionalConfig
-from shared.config.vllm_cli import FLAGS
+from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.json_flags import json_flag
+from pdmesh.shared.config.parse import parse_additional_config
+from pdmesh.shared.config.schema import AdditionalConfig
+from pdmesh.shared.config.vllm_cli import FLAGS
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.config.engine_args import EngineArgs
-from shared.config.json_flags import json_flag
-from shared.config.parse import parse_additional_config
-from shared.config.schema import AdditionalConfig
+from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.json_flags import json_flag
+from pdmesh.shared.config.parse import parse_additional_config
+from pdmesh.shared.config.schema import AdditionalConfig
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 

@@ -7,22 +7,22 @@ import importlib
 # Loaded on first use (PEP 562): a gRPC edge process imports the engine's light modules
 # (requests, sampling parameters, the loop's stream types) without torch.
 _EXPORTS = {
-    "EngineConfig": "shared.engine.config",
-    "EngineCore": "shared.engine.engine",
-    "LLM": "shared.engine.llm",
-    "CompletionOutput": "shared.engine.llm",
-    "RequestOutput": "shared.engine.llm",
-    "Logprob": "shared.engine.request",
-    "Request": "shared.engine.request",
-    "RequestStatus": "shared.engine.request",
-    "SamplingParams": "shared.engine.sampling_params",
+    "EngineConfig": "pdmesh.shared.engine.config",
+    "EngineCore": "pdmesh.shared.engine.engine",
+    "LLM": "pdmesh.shared.engine.llm",
+    "CompletionOutput": "pdmesh.shared.engine.llm",
+    "RequestOutput": "pdmesh.shared.engine.llm",
+    "Logprob": "pdmesh.shared.engine.request",
+    "Request": "pdmesh.shared.engine.request",
+    "RequestStatus": "pdmesh.shared.engine.request",
+    "SamplingParams": "pdmesh.shared.engine.sampling_params",
 }
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'shared.engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'pdmesh.shared.engine' has no attribute {name!r}")
 
 
 __all__ = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from shared.engine.config import EngineConfig
-from shared.kernels import DEVICES
+from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.kernels import DEVICES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

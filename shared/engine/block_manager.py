@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.engine.request import Request
+from pdmesh.shared.engine.request import Request
 
 
 class BlockHasher:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when nothing else is said on a CPU
-SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # shared.engine.policy
+SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # pdmesh.shared.engine.policy
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.block_manager import KVCacheManager
-from shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from shared.engine.kv_connector import PoolConnector
-from shared.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
-from shared.engine.policy import policy_from_config
-from shared.engine.request import Request, RequestStatus
-from shared.engine.sampler import Sampler
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
-from shared.kernels import get_backend, resolve_device
-from shared.kvpool.base import CacheRegions, KVPool
-from shared.models.config import ModelConfig, parse_dtype
-from shared.models.loader import load_model, model_fingerprint
+from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from pdmesh.shared.engine.policy import policy_from_config
+from pdmesh.shared.engine.request import Request, RequestStatus
+from pdmesh.shared.engine.sampler import Sampler
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.scheduler import Scheduler
+from pdmesh.shared.kernels import get_backend, resolve_device
+from pdmesh.shared.kvpool.base import CacheRegions, KVPool
+from pdmesh.shared.models.config import ModelConfig, parse_dtype
+from pdmesh.shared.models.loader import load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EngineCore:
                                                    model_cfg)
         self.ep = self._setup_expert_parallel()
         if config.expert_load_window and self.model.moe_layers:
-            from shared.parallel.expert_load import ExpertLoadRecorder
+            from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
 
             self.model.load_recorder = ExpertLoadRecorder(
                 len(self.model.moe_layers), self.model_config.moe.num_experts,
@@ -85,7 +85,7 @@ class EngineCore:
         self.scheduler.recompute_elsewhere = config.recompute_scheduler
         self.dyntralb = None
         if config.dyntra_lb is not None and self.ep is not None:
-            from shared.engine.dyntralb import DyntraLB
+            from pdmesh.shared.engine.dyntralb import DyntraLB
 
             self.dyntralb = DyntraLB(config.dyntra_lb, config.data_parallel_rank,
                                      config.data_parallel_size, config.block_size)
@@ -109,7 +109,11 @@ class EngineCore:
                 raise ValueError("num_redundant_experts / expert_map_path: only with expert "
                                  "parallelism over data-parallel ranks on a MoE model")
             return None
-        from shared.parallel.expert_parallel import ExpertParallel, init_group, load_expert_map
+        from pdmesh.shared.parallel.expert_parallel import (
+            ExpertParallel,
+            init_group,
+            load_expert_map,
+        )
 
         moe = self.model_config.moe
         num_slots = moe.num_experts + cfg.num_redundant_experts

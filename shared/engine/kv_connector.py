@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import time
 
-from shared.engine.block_manager import BlockHasher
-from shared.engine.request import Request
-from shared.kvpool.base import CacheRegions, KVPool
+from pdmesh.shared.engine.block_manager import BlockHasher
+from pdmesh.shared.engine.request import Request
+from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.config import EngineConfig
-from shared.engine.engine import EngineCore
-from shared.engine.request import Logprob, Request
-from shared.engine.sampling_params import SamplingParams
-from shared.models.tokenizer import Tokenizer
+from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.engine import EngineCore
+from pdmesh.shared.engine.request import Logprob, Request
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.models.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 

@@ -11,11 +11,11 @@ import logging
 import numpy as np
 import torch
 
-from shared.engine.block_manager import NULL_BLOCK_ID, KVCacheManager
-from shared.engine.scheduler import SchedulerOutput
-from shared.kernels import AttentionMetadata, KernelBackend
-from shared.models.config import ModelConfig
-from shared.models.transformer import CausalLM, KVCache
+from pdmesh.shared.engine.block_manager import NULL_BLOCK_ID, KVCacheManager
+from pdmesh.shared.engine.scheduler import SchedulerOutput
+from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
+from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.models.transformer import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
 

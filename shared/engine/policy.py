@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from shared.engine.config import EngineConfig
-from shared.engine.request import Request
+from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.request import Request
 
 
 class SchedulingPolicy(ABC):

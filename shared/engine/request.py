@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

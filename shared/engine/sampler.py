@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.request import Logprob, Request
-from shared.kernels import KernelBackend
+from pdmesh.shared.engine.request import Logprob, Request
+from pdmesh.shared.kernels import KernelBackend
 
 
 @dataclass

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import KVCacheManager
-from shared.engine.kv_connector import PoolConnector
-from shared.engine.policy import SchedulingPolicy
-from shared.engine.request import Request, RequestStatus
+from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.policy import SchedulingPolicy
+from pdmesh.shared.engine.request import Request, RequestStatus
 
 
 @dataclass

@@ -10,14 +10,14 @@ import importlib
 
 import torch
 
-from shared.kernels.base import AttentionMetadata, KernelBackend
+from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 
 DEVICES = ("auto", "npu", "cuda", "cpu")
 
 _BACKENDS = {
-    "cpu": ("shared.kernels.cpu", "CPUBackend"),
-    "cuda": ("shared.kernels.cuda", "CUDABackend"),
-    "npu": ("shared.kernels.npu", "NPUBackend"),
+    "cpu": ("pdmesh.shared.kernels.cpu", "CPUBackend"),
+    "cuda": ("pdmesh.shared.kernels.cuda", "CUDABackend"),
+    "npu": ("pdmesh.shared.kernels.npu", "NPUBackend"),
 }
 
 

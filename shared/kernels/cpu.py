@@ -5,7 +5,7 @@ torch's fused scaled-dot-product attention:
 
 - a lone sequence whose blocks are consecutive is a plain slice of the cache (no copy);
 - decode steps read a mirror of the batch's keys carried over from the previous step,
-  one row appended per sequence (:mod:`shared.kernels.decode_mirror`);
+  one row appended per sequence (:mod:`pdmesh.shared.kernels.decode_mirror`);
 - anything else gathers the blocks' rows (indices and masks built once per step with
   numpy and reused by every layer).
 
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.kernels.base import AttentionMetadata, KernelBackend
-from shared.kernels.decode_mirror import DecodeKVMirror
+from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
+from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
 
 
 class CPUBackend(KernelBackend):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.kernels.base import KernelBackend
-from shared.kernels.cpu import CPUBackend
+from pdmesh.shared.kernels.base import KernelBackend
+from pdmesh.shared.kernels.cpu import CPUBackend
 
 
 class CUDABackend(CPUBackend):

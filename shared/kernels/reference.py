@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.kernels.base import AttentionMetadata
+from pdmesh.shared.kernels.base import AttentionMetadata
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

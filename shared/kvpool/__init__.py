@@ -4,7 +4,7 @@ Backends behind :class:`KVPool`: :class:`MooncakePool` (a Mooncake Store cluster
 :class:`InProcessPool` (a dict, for unit tests and single-process use).
 """
 
-from shared.kvpool.base import CacheRegions, KVPool, PoolStats, Region
-from shared.kvpool.inprocess import InProcessPool
+from pdmesh.shared.kvpool.base import CacheRegions, KVPool, PoolStats, Region
+from pdmesh.shared.kvpool.inprocess import InProcessPool
 
 __all__ = ["CacheRegions", "InProcessPool", "KVPool", "PoolStats", "Region"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from shared.kvpool.base import KVPool, PoolStats, Region
+from pdmesh.shared.kvpool.base import KVPool, PoolStats, Region
 
 
 class InProcessPool(KVPool):

@@ -18,7 +18,7 @@ import urllib.parse
 
 import torch
 
-from shared.kvpool.base import KVPool, PoolStats, Region
+from pdmesh.shared.kvpool.base import KVPool, PoolStats, Region
 
 log = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        from shared.models.registry import architecture_traits
+        from pdmesh.shared.models.registry import architecture_traits
 
         archs = cfg.get("architectures") or []
         if not archs:

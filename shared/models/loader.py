@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.kernels import KernelBackend
-from shared.models.config import ModelConfig
-from shared.models.transformer import (
+from pdmesh.shared.kernels import KernelBackend
+from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.models.transformer import (
     AttentionWeights,
     CausalLM,
     DenseMLPWeights,

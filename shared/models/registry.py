@@ -1,6 +1,6 @@
 """Which Hugging Face architectures pdmesh runs, and what sets them apart.
 
-All of them are the same pre-norm decoder (:mod:`shared.models.transformer`); the
+All of them are the same pre-norm decoder (:mod:`pdmesh.shared.models.transformer`); the
 traits below switch its few differences on.
 """
 

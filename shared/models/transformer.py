@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.kernels import AttentionMetadata, KernelBackend
-from shared.models.config import ModelConfig
-from shared.models.rotary import rotary_tables
+from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
+from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.models.rotary import rotary_tables
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), one layer
 

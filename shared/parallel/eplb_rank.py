@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from shared.parallel.expert_load import ExpertLoadRecorder
-from shared.parallel.expert_parallel import ExpertParallel
+from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
+from pdmesh.shared.parallel.expert_parallel import ExpertParallel
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ControllerFinder:
         self._connect()
 
     def _connect(self) -> None:
-        from shared.eplb_client import EplbClient
+        from pdmesh.shared.parallel.eplb_client import EplbClient
 
         address = self.address
         if address is None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.models.transformer import MoEWeights
+from pdmesh.shared.models.transformer import MoEWeights
 
 log = logging.getLogger(__name__)
 

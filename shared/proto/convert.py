@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.engine.request import Logprob
-from shared.engine.sampling_params import SamplingParams
-from shared.proto import common_pb2
+from pdmesh.shared.engine.request import Logprob
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.proto import common_pb2
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:

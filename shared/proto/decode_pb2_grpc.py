@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from shared.proto import common_pb2 as shared_dot_proto_dot_common__pb2
-from shared.proto import decode_pb2 as shared_dot_proto_dot_decode__pb2
+from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
+from pdmesh.shared.proto import decode_pb2 as pdmesh_dot_shared_dot_proto_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in shared/proto/decode_pb2_grpc.py depends on'
+        + ' but the generated code in pdmesh/shared/proto/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class DecodeStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdmesh.v1.Decode/Generate',
-                request_serializer=shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/pdmesh.v1.Decode/Session',
-                request_serializer=shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Decode/Health',
-                request_serializer=shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -83,18 +83,18 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=shared_dot_proto_dot_decode__pb2.GenerateRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_decode__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateChunk.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=shared_dot_proto_dot_decode__pb2.SessionRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_decode__pb2.SessionOutputs.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionOutputs.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class Decode:
             request,
             target,
             '/pdmesh.v1.Decode/Generate',
-            shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
-            shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
+            pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class Decode:
             request_iterator,
             target,
             '/pdmesh.v1.Decode/Session',
-            shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
-            shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
+            pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Decode:
             request,
             target,
             '/pdmesh.v1.Decode/Health',
-            shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-            shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

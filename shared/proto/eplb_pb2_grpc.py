@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from shared.proto import common_pb2 as shared_dot_proto_dot_common__pb2
-from shared.proto import eplb_pb2 as shared_dot_proto_dot_eplb__pb2
+from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
+from pdmesh.shared.proto import eplb_pb2 as pdmesh_dot_shared_dot_proto_dot_eplb__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in shared/proto/eplb_pb2_grpc.py depends on'
+        + ' but the generated code in pdmesh/shared/proto/eplb_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,28 +37,28 @@ class EplbStub:
         """
         self.ReportLoad = channel.unary_unary(
                 '/pdmesh.v1.Eplb/ReportLoad',
-                request_serializer=shared_dot_proto_dot_eplb__pb2.LoadReport.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_eplb__pb2.ReportAck.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.LoadReport.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.ReportAck.FromString,
                 _registered_method=True)
         self.WatchPlacement = channel.unary_stream(
                 '/pdmesh.v1.Eplb/WatchPlacement',
-                request_serializer=shared_dot_proto_dot_eplb__pb2.WatchRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_eplb__pb2.Placement.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.WatchRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.Placement.FromString,
                 _registered_method=True)
         self.Rebalance = channel.unary_unary(
                 '/pdmesh.v1.Eplb/Rebalance',
-                request_serializer=shared_dot_proto_dot_eplb__pb2.RebalanceRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_eplb__pb2.Placement.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.Placement.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pdmesh.v1.Eplb/Status',
-                request_serializer=shared_dot_proto_dot_eplb__pb2.StatusRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_eplb__pb2.StatusResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.StatusRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Eplb/Health',
-                request_serializer=shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -108,28 +108,28 @@ def add_EplbServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ReportLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportLoad,
-                    request_deserializer=shared_dot_proto_dot_eplb__pb2.LoadReport.FromString,
-                    response_serializer=shared_dot_proto_dot_eplb__pb2.ReportAck.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.LoadReport.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.ReportAck.SerializeToString,
             ),
             'WatchPlacement': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchPlacement,
-                    request_deserializer=shared_dot_proto_dot_eplb__pb2.WatchRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_eplb__pb2.Placement.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.WatchRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.Placement.SerializeToString,
             ),
             'Rebalance': grpc.unary_unary_rpc_method_handler(
                     servicer.Rebalance,
-                    request_deserializer=shared_dot_proto_dot_eplb__pb2.RebalanceRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_eplb__pb2.Placement.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.RebalanceRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.Placement.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=shared_dot_proto_dot_eplb__pb2.StatusRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_eplb__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.StatusRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_eplb__pb2.StatusResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -157,8 +157,8 @@ class Eplb:
             request,
             target,
             '/pdmesh.v1.Eplb/ReportLoad',
-            shared_dot_proto_dot_eplb__pb2.LoadReport.SerializeToString,
-            shared_dot_proto_dot_eplb__pb2.ReportAck.FromString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.LoadReport.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.ReportAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -184,8 +184,8 @@ class Eplb:
             request,
             target,
             '/pdmesh.v1.Eplb/WatchPlacement',
-            shared_dot_proto_dot_eplb__pb2.WatchRequest.SerializeToString,
-            shared_dot_proto_dot_eplb__pb2.Placement.FromString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.WatchRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.Placement.FromString,
             options,
             channel_credentials,
             insecure,
@@ -211,8 +211,8 @@ class Eplb:
             request,
             target,
             '/pdmesh.v1.Eplb/Rebalance',
-            shared_dot_proto_dot_eplb__pb2.RebalanceRequest.SerializeToString,
-            shared_dot_proto_dot_eplb__pb2.Placement.FromString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.RebalanceRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.Placement.FromString,
             options,
             channel_credentials,
             insecure,
@@ -238,8 +238,8 @@ class Eplb:
             request,
             target,
             '/pdmesh.v1.Eplb/Status',
-            shared_dot_proto_dot_eplb__pb2.StatusRequest.SerializeToString,
-            shared_dot_proto_dot_eplb__pb2.StatusResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.StatusRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_eplb__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -265,8 +265,8 @@ class Eplb:
             request,
             target,
             '/pdmesh.v1.Eplb/Health',
-            shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-            shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

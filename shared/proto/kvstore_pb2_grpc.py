@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from shared.proto import common_pb2 as shared_dot_proto_dot_common__pb2
-from shared.proto import kvstore_pb2 as shared_dot_proto_dot_kvstore__pb2
+from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
+from pdmesh.shared.proto import kvstore_pb2 as pdmesh_dot_shared_dot_proto_dot_kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in shared/proto/kvstore_pb2_grpc.py depends on'
+        + ' but the generated code in pdmesh/shared/proto/kvstore_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,23 +37,23 @@ class KVStoreStub:
         """
         self.Lookup = channel.unary_unary(
                 '/pdmesh.v1.KVStore/Lookup',
-                request_serializer=shared_dot_proto_dot_kvstore__pb2.LookupRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_kvstore__pb2.LookupResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdmesh.v1.KVStore/Stats',
-                request_serializer=shared_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_kvstore__pb2.StatsResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Clear = channel.unary_unary(
                 '/pdmesh.v1.KVStore/Clear',
-                request_serializer=shared_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_kvstore__pb2.ClearResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.ClearResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.KVStore/Health',
-                request_serializer=shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -89,23 +89,23 @@ def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=shared_dot_proto_dot_kvstore__pb2.LookupRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_kvstore__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.LookupResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=shared_dot_proto_dot_kvstore__pb2.StatsRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_kvstore__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.StatsRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.StatsResponse.SerializeToString,
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
-                    request_deserializer=shared_dot_proto_dot_kvstore__pb2.ClearRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_kvstore__pb2.ClearResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.ClearRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.ClearResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,8 +133,8 @@ class KVStore:
             request,
             target,
             '/pdmesh.v1.KVStore/Lookup',
-            shared_dot_proto_dot_kvstore__pb2.LookupRequest.SerializeToString,
-            shared_dot_proto_dot_kvstore__pb2.LookupResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.LookupRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -160,8 +160,8 @@ class KVStore:
             request,
             target,
             '/pdmesh.v1.KVStore/Stats',
-            shared_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
-            shared_dot_proto_dot_kvstore__pb2.StatsResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.StatsRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -187,8 +187,8 @@ class KVStore:
             request,
             target,
             '/pdmesh.v1.KVStore/Clear',
-            shared_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
-            shared_dot_proto_dot_kvstore__pb2.ClearResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_kvstore__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -214,8 +214,8 @@ class KVStore:
             request,
             target,
             '/pdmesh.v1.KVStore/Health',
-            shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-            shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

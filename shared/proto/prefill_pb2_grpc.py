@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from shared.proto import common_pb2 as shared_dot_proto_dot_common__pb2
-from shared.proto import prefill_pb2 as shared_dot_proto_dot_prefill__pb2
+from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
+from pdmesh.shared.proto import prefill_pb2 as pdmesh_dot_shared_dot_proto_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in shared/proto/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in pdmesh/shared/proto/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdmesh.v1.Prefill/Prefill',
-                request_serializer=shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Prefill/Health',
-                request_serializer=shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -67,13 +67,13 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=shared_dot_proto_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -101,8 +101,8 @@ class Prefill:
             request,
             target,
             '/pdmesh.v1.Prefill/Prefill',
-            shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -128,8 +128,8 @@ class Prefill:
             request,
             target,
             '/pdmesh.v1.Prefill/Health',
-            shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
-            shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.cli import build_parser
+from pdmesh.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"

@@ -1,7 +1,8 @@
 """deploy/observability, validated offline: the compose profile `observability` wires
 Prometheus, Grafana and the OpenTelemetry collector to files that exist; every scrape
 target is a port a service really serves /metrics on; the dashboard queries exactly the
-metrics pdmesh exports (shared.metrics.METRIC_NAMES); the collector takes OTLP traces."""
+metrics pdmesh exports (shared.infra.metrics.METRIC_NAMES); the collector takes OTLP
+traces."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from shared.cli import build_parser
-from shared.metrics import METRIC_NAMES
+from pdmesh.cli import build_parser
+from pdmesh.shared.infra.metrics import METRIC_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 OBS = ROOT / "deploy/observability"
@@ -207,7 +208,7 @@ def exported_family(name: str, expr: str, title: str) -> str:
         return name
     base = next((name.removesuffix(s) for s in HISTOGRAM_SUFFIXES if name.endswith(s)), "")
     assert base in METRIC_NAMES and not base.endswith("_total"), \
-        f"{title}: {name} is not exported (shared.metrics.METRIC_NAMES)"
+        f"{title}: {name} is not exported (pdmesh.shared.infra.metrics.METRIC_NAMES)"
     if name.endswith("_bucket"):
         assert "histogram_quantile(" in expr and re.search(rf"\brate\({name}\b", expr), \
             f"{title}: {expr}"

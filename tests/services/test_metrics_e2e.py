@@ -1,6 +1,6 @@
 """Every service's /metrics after a few requests, as Prometheus would scrape them: the
 counters moved by exactly what was sent, and the exported names are the catalogue's
-(shared.metrics.METRIC_NAMES) that dashboards use."""
+(pdmesh.shared.infra.metrics.METRIC_NAMES) that dashboards use."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from shared.metrics import METRIC_NAMES
+from pdmesh.shared.infra.metrics import METRIC_NAMES
 from tests.mesh import MODEL, pd_mesh
 
 PROMPTS = [list(range(100 + 9 * i, 140 + 13 * i)) for i in range(5)]

@@ -6,8 +6,8 @@ Each module holds small rule functions for one area and lists them in ``RULES``;
 
 from __future__ import annotations
 
-from shared.config.rules import eplb, features, parallel, scheduler
-from shared.config.rules.base import Findings, Rule, RuleContext
+from pdmesh.shared.config.rules import eplb, features, parallel, scheduler
+from pdmesh.shared.config.rules.base import Findings, Rule, RuleContext
 
 ALL_RULES: tuple[Rule, ...] = (*scheduler.RULES, *eplb.RULES, *parallel.RULES, *features.RULES)
 

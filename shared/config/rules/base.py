@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from shared.config.engine_args import EngineArgs
-from shared.config.errors import ConfigProblem
-from shared.config.schema import AdditionalConfig
+from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.errors import ConfigProblem
+from pdmesh.shared.config.schema import AdditionalConfig
 
 
 @dataclass(frozen=True)

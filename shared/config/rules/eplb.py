@@ -8,7 +8,7 @@ upstream --enable-eplb; "混合两种模式会在启动时失败，而不是静�
 
 from __future__ import annotations
 
-from shared.config.rules.base import Findings, RuleContext
+from pdmesh.shared.config.rules.base import Findings, RuleContext
 
 _EPLB = "eplb_config"
 _PHASE = f"{_EPLB}.load_collection_phase"

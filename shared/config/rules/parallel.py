@@ -6,7 +6,7 @@ Seed references are to ``shared/seeds/additional-config.zh.txt``; "code" is
 
 from __future__ import annotations
 
-from shared.config.rules.base import Findings, RuleContext
+from pdmesh.shared.config.rules.base import Findings, RuleContext
 
 
 def kvpp(ctx: RuleContext, out: Findings) -> None:

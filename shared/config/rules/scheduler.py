@@ -7,7 +7,7 @@ additional-config page); "code" is ``vllm_ascend/platform.py::_check_ascend_conf
 
 from __future__ import annotations
 
-from shared.config.rules.base import Findings, RuleContext
+from pdmesh.shared.config.rules.base import Findings, RuleContext
 
 _SCHED = "scheduler_config"
 _DYNTRA = f"{_SCHED}.dyntra_lb_config"

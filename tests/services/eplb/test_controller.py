@@ -7,8 +7,7 @@ import threading
 import pytest
 import torch
 
-from services.eplb.algorithm import balancedness, rebalance_experts
-from services.eplb.controller import (
+from pdmesh.services.eplb.controller import (
     EplbController,
     LoadSample,
     NoLoadError,
@@ -16,6 +15,7 @@ from services.eplb.controller import (
     replica_counts,
     start_placement,
 )
+from pdmesh.shared.parallel.rebalance import balancedness, rebalance_experts
 
 LAYERS, EXPERTS, SLOTS, RANKS = 2, 8, 12, 2
 

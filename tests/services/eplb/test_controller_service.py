@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from shared.eplb_client import EplbClient, Placement
-from shared.launcher import Service
-from shared.proto import common_pb2, eplb_pb2, eplb_pb2_grpc
-from shared.registry import Registry
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.registry import Registry
+from pdmesh.shared.parallel.eplb_client import EplbClient, Placement
+from pdmesh.shared.proto import common_pb2, eplb_pb2, eplb_pb2_grpc
 
 LAYERS, EXPERTS, SLOTS, RANKS = 2, 8, 12, 2
 FAST = dict(num_slots=SLOTS, min_backoff_s=0.05, max_backoff_s=0.3)
@@ -119,7 +119,7 @@ def test_bad_reports_are_invalid_argument_naming_the_field(start_controller, cap
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     # a client's rejected report is logged, never raised at the rank
-    caplog.set_level(logging.ERROR, logger="shared.eplb_client")
+    caplog.set_level(logging.ERROR, logger="pdmesh.shared.parallel.eplb_client")
     with EplbClient(eplb.address, "g2", 1, RANKS, num_slots=16) as rank:
         rank.report(hot(1, 2), step=1, placement_version=0)
         wait_until(lambda: "num_slots: group 'g2' has num_slots=12" in caplog.text)

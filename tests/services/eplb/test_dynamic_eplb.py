@@ -17,11 +17,11 @@ import httpx
 import openai
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
-from shared.models.tiny import make_tiny_model
-from shared.proto import eplb_pb2, eplb_pb2_grpc
-from shared.registry import Registry
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.registry import Registry
+from pdmesh.shared.models.tiny import make_tiny_model
+from pdmesh.shared.proto import eplb_pb2, eplb_pb2_grpc
 from tests.prometheus_text import sample
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",

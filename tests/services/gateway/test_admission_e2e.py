@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
 
 MODEL = "tiny"
 MAX_TOKENS = 48

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from services.gateway.detokenize import IncrementalText
-from shared.models.tokenizer import Tokenizer
+from pdmesh.services.gateway.detokenize import IncrementalText
+from pdmesh.shared.models.tokenizer import Tokenizer
 
 TEXTS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
-from shared.registry import Registry
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.registry import Registry
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]

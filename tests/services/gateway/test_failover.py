@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -44,7 +44,7 @@ def busy_decode(decodes: list[Service]) -> Service:
     """The decode instance serving the one running request."""
     import grpc
 
-    from shared.proto import common_pb2, decode_pb2_grpc
+    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
 
     for svc in decodes:
         stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(svc.address))

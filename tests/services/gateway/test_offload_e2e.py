@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine import LLM, SamplingParams
 from tests.mesh import MODEL, pd_mesh
 from tests.prometheus_text import sample
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine import LLM, SamplingParams
 from tests.mesh import MODEL, pd_mesh
 
 KEY = "test-key"
@@ -150,8 +150,8 @@ def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
     """A client that drops a stream frees the request's KV blocks on decode at once."""
     import grpc
 
-    from shared.proto import common_pb2, decode_pb2_grpc
-    from shared.registry import Registry
+    from pdmesh.shared.infra.registry import Registry
+    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
 
     [dec] = Registry(prefix=registry_prefix + "-gw").instances(role="decode")
     health = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(dec.address)).Health

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from services.gateway.router import Router
-from shared.registry import Instance, Registry
+from pdmesh.services.gateway.router import Router
+from pdmesh.shared.infra.registry import Instance, Registry
 
 
 def registry(prefix: str, *instances: Instance) -> Registry:
@@ -114,7 +114,7 @@ def test_tokens_in_flight_count_before_the_next_heartbeat(registry_prefix):
 
 
 def test_prefix_estimate_keeps_at_most_the_instance_capacity():
-    from services.gateway.router import PrefixEstimate, block_hashes
+    from pdmesh.services.gateway.router import PrefixEstimate, block_hashes
 
     est = PrefixEstimate()
     old, new = block_hashes(list(range(0, 40)), 4), block_hashes(list(range(100, 140)), 4)

@@ -13,16 +13,16 @@ import grpc
 import pytest
 import torch
 
-from shared.kvpool import CacheRegions
-from shared.kvpool.mooncake import MooncakePool
-from shared.proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
+from pdmesh.shared.kvpool import CacheRegions
+from pdmesh.shared.kvpool.mooncake import MooncakePool
+from pdmesh.shared.proto import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 
 @pytest.fixture(scope="module")
 def kvstore(tmp_path_factory, registry_prefix):
     log = tmp_path_factory.mktemp("kvstore") / "master.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "kvstore", "--master-log", str(log),
+        [sys.executable, "-m", "pdmesh", "kvstore", "--master-log", str(log),
          "--registry-prefix", registry_prefix],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
-from shared.registry import Registry
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.registry import Registry
 from tests.processes import alive
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",

@@ -1,4 +1,4 @@
-"""The decode instance's gRPC edge runs in a process of its own (shared.edge): it and
+"""The decode instance's gRPC edge runs in a process of its own (pdmesh.shared.runtime.edge): it and
 the engine process live and die together, and requests pass between them intact."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
-from shared.engine import SamplingParams
-from shared.launcher import Service
-from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
-from shared.proto.convert import sampling_to_proto
+from pdmesh.shared.engine import SamplingParams
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
+from pdmesh.shared.proto.convert import sampling_to_proto
 from tests.processes import alive
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16"]
@@ -24,7 +24,7 @@ def edge_pid(engine_pid: int) -> int:
     with open(f"/proc/{engine_pid}/task/{engine_pid}/children") as f:
         children = [int(p) for p in f.read().split()]
     edges = [p for p in children
-             if b"services.decode.edge" in open(f"/proc/{p}/cmdline", "rb").read()]
+             if b"pdmesh.services.decode.edge" in open(f"/proc/{p}/cmdline", "rb").read()]
     assert len(edges) == 1, children
     return edges[0]
 
@@ -100,7 +100,7 @@ def test_a_port_in_use_is_a_clear_error_naming_the_flag(qwen3_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "shared.cli", "mixed", str(qwen3_path),
+        r = subprocess.run([sys.executable, "-m", "pdmesh", "mixed", str(qwen3_path),
                             *ENGINE, "--port", str(port)],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr

@@ -8,10 +8,16 @@ import time
 import grpc
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
-from shared.proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from shared.proto.convert import sampling_to_proto
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.proto import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from pdmesh.shared.proto.convert import sampling_to_proto
 
 PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
 NEW = 10
@@ -49,7 +55,7 @@ def stubs(mesh):
 
 
 def test_instances_register_in_redis(mesh, registry_prefix):
-    from shared.registry import Registry
+    from pdmesh.shared.infra.registry import Registry
 
     found = {i.role: i for i in Registry(prefix=registry_prefix).instances()}
     assert found["prefill"].address == mesh["prefill"].address

@@ -10,14 +10,14 @@ import asyncio
 import grpc
 import pytest
 
-from services.decode.server import DecodeServicer
-from services.gateway.pd import Channels, DecodeFailed, MeshError, generate
-from services.prefill.server import PrefillServicer
-from shared.engine.loop import AsyncRequestStream, QueueFull, StreamEvent
-from shared.engine.sampling_params import SamplingParams
-from shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from shared.proto.convert import sampling_to_proto
-from shared.registry import Instance
+from pdmesh.services.decode.server import DecodeServicer
+from pdmesh.services.gateway.pd import Channels, DecodeFailed, MeshError, generate
+from pdmesh.services.prefill.server import PrefillServicer
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.infra.registry import Instance
+from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdmesh.shared.proto.convert import sampling_to_proto
+from pdmesh.shared.runtime.loop import AsyncRequestStream, QueueFull, StreamEvent
 
 SAMPLING = sampling_to_proto(SamplingParams(max_tokens=4))
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from shared.engine import LLM, SamplingParams
-from shared.launcher import Service
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
 from tests.prometheus_text import sample
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.config import EngineArgs
+from pdmesh.shared.config import EngineArgs
 
 AC = "additional-config.zh.txt"
 FEATURES = "vllm-ascend-features.zh.txt"

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from shared.config import AdditionalConfig, ConfigError, EngineArgs, parse_additional_config
-from shared.config.options import schema_fields, spec_of
+from pdmesh.shared.config import AdditionalConfig, ConfigError, EngineArgs, parse_additional_config
+from pdmesh.shared.config.options import schema_fields, spec_of
 from tests.shared.config.seed_examples import OTHER_JSON, SEED_CASES, SeedCase
 
 PARSED_CASES = [c for c in SEED_CASES if not c.rejected_keys]

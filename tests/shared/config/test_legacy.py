@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import AdditionalConfig, ConfigError, EngineArgs, parse_additional_config
-from shared.config.legacy import ENV_VARS, MOVED_KEYS, REMOVED_KEYS
+from pdmesh.shared.config import AdditionalConfig, ConfigError, EngineArgs, parse_additional_config
+from pdmesh.shared.config.legacy import ENV_VARS, MOVED_KEYS, REMOVED_KEYS
 
 DECODE = EngineArgs(kv_role="kv_consumer", data_parallel_size=2)
 PIPELINE = EngineArgs(pipeline_parallel_size=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import AdditionalConfig, ConfigError, EngineArgs, parse_additional_config
+from pdmesh.shared.config import AdditionalConfig, ConfigError, EngineArgs, parse_additional_config
 
 DECODE = EngineArgs(kv_role="kv_consumer", data_parallel_size=4, enable_expert_parallel=True)
 PREFILL = EngineArgs(kv_role="kv_producer", data_parallel_size=2)

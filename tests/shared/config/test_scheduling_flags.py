@@ -1,6 +1,6 @@
 """Priority scheduling from either flag family, ShortRequestFirst from --additional-config,
 and --max-queued-requests: parsed as an engine instance parses them, checked together,
-and turned into EngineConfig fields (shared.worker.scheduling_settings)."""
+and turned into EngineConfig fields (pdmesh.shared.runtime.worker.scheduling_settings)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from shared.cli import build_parser
-from shared.config import ConfigError
-from shared.config.service import resolve_service_config
-from shared.worker import scheduling_settings
+from pdmesh.cli import build_parser
+from pdmesh.shared.config import ConfigError
+from pdmesh.shared.config.service import resolve_service_config
+from pdmesh.shared.runtime.worker import scheduling_settings
 
 SRF = {"scheduler_config": {"short_request_first_config": {
     "enabled": True, "threshold": 64, "long_max_wait_ms": 1500}}}

@@ -9,7 +9,7 @@ import pytest
 
 
 def start(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pdmesh", *args], capture_output=True,
                           text=True, timeout=60)
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from shared.config import ConfigError
-from shared.config.vllm_cli import FLAGS, VllmCommandError, parse_vllm_serve
+from pdmesh.shared.config import ConfigError
+from pdmesh.shared.config.vllm_cli import FLAGS, VllmCommandError, parse_vllm_serve
 from tests.shared.config.vllm_command_lines import SEED_COMMANDS, SeedCommand
 
 
@@ -114,7 +114,7 @@ def test_not_a_vllm_serve_command():
 
 
 def check(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shared.cli", "config", "check", *args],
+    return subprocess.run([sys.executable, "-m", "pdmesh", "config", "check", *args],
                           capture_output=True, text=True, timeout=60)
 
 

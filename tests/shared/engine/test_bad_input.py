@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.block_manager import NULL_BLOCK_ID, BlockHasher, BlockPool, KVCacheManager
-from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.block_manager import NULL_BLOCK_ID, BlockHasher, BlockPool, KVCacheManager
+from pdmesh.shared.engine.request import Request
+from pdmesh.shared.engine.sampling_params import SamplingParams
 
 
 def req(tokens: list[int], rid: str = "r") -> Request:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from shared.engine.dyntralb import (
+from pdmesh.shared.engine.dyntralb import (
     DyntraLB,
     RankState,
     apply,

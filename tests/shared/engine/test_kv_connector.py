@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
-from shared.kvpool import InProcessPool, KVPool
-from shared.kvpool.mooncake import MooncakePool
+from pdmesh.shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from pdmesh.shared.kvpool import InProcessPool, KVPool
+from pdmesh.shared.kvpool.mooncake import MooncakePool
 
 NEW = 12
 _g = torch.Generator().manual_seed(77)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine import LLM, SamplingParams
 from tests.shared.engine.hf_reference import hf_greedy
 
 NEW_TOKENS = 32

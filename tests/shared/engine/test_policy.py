@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.block_manager import KVCacheManager
-from shared.engine.config import EngineConfig
-from shared.engine.policy import (
+from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.policy import (
     PriorityPolicy,
     ShortRequestFirstPolicy,
     has_progress,
     policy_from_config,
 )
-from shared.engine.request import Request
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
+from pdmesh.shared.engine.request import Request
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.scheduler import Scheduler
 
 THRESHOLD = 8
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from shared.engine import LLM, SamplingParams
-from shared.engine.request import Request
-from shared.engine.sampler import Sampler
-from shared.kernels import get_backend
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine.request import Request
+from pdmesh.shared.engine.sampler import Sampler
+from pdmesh.shared.kernels import get_backend
 
 V = 12
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from shared.engine.block_manager import KVCacheManager
-from shared.engine.policy import FCFSPolicy, PriorityPolicy, make_policy
-from shared.engine.request import Request, RequestStatus
-from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
+from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.policy import FCFSPolicy, PriorityPolicy, make_policy
+from pdmesh.shared.engine.request import Request, RequestStatus
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, policy="fcfs", max_len=256):

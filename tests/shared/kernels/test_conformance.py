@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.kernels import AttentionMetadata, available_devices, get_backend
-from shared.kernels import reference as ref
+from pdmesh.shared.kernels import AttentionMetadata, available_devices, get_backend
+from pdmesh.shared.kernels import reference as ref
 
 DEVICES = available_devices()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

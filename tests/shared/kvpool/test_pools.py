@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from services.kvstore.master import MasterSupervisor, free_port
-from shared.kvpool import CacheRegions, InProcessPool, KVPool
-from shared.kvpool.mooncake import MooncakePool
+from pdmesh.shared.kvpool import CacheRegions, InProcessPool, KVPool
+from pdmesh.shared.kvpool.master import MasterSupervisor, free_port
+from pdmesh.shared.kvpool.mooncake import MooncakePool
 from tests.processes import alive
 
 
@@ -101,7 +101,7 @@ def test_master_restarts_after_being_killed(mooncake_master):
 
 
 def test_unreachable_master_is_a_clear_error():
-    from shared.kvpool.mooncake import PoolUnavailable
+    from pdmesh.shared.kvpool.mooncake import PoolUnavailable
 
     port = free_port()
     with pytest.raises(PoolUnavailable, match=f"127.0.0.1:{port}"):
@@ -113,7 +113,7 @@ def test_full_pool_evicts_old_blocks_instead_of_refusing_puts(tmp_path):
     """Every block is read right after it is written, as decode does. With pdmesh's short
     lease the master evicts the oldest blocks once its memory is full and keeps taking
     puts; with Mooncake's default 10 s lease the same traffic gets puts refused."""
-    from services.kvstore.master import EvictionPolicy, MasterPorts
+    from pdmesh.shared.kvpool.master import EvictionPolicy, MasterPorts
 
     def fill(policy: EvictionPolicy, n: int = 200) -> tuple[int, list[bool], list[bool]]:
         ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
@@ -146,7 +146,7 @@ def test_full_pool_evicts_old_blocks_instead_of_refusing_puts(tmp_path):
 
 
 def test_eviction_policy_is_validated():
-    from services.kvstore.master import EvictionPolicy
+    from pdmesh.shared.kvpool.master import EvictionPolicy
 
     with pytest.raises(ValueError, match="--kv-lease-ttl-ms"):
         EvictionPolicy(lease_ttl_ms=0)
@@ -162,7 +162,7 @@ def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
     import subprocess
     import sys
 
-    script = ("import sys; from services.kvstore.master import *\n"
+    script = ("import sys; from pdmesh.shared.kvpool.master import *\n"
               "s = MasterSupervisor(MasterPorts('127.0.0.1', free_port(), free_port(), "
               "free_port())); s.start(); print(s.pid, flush=True); sys.stdin.read()")
     sup = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,

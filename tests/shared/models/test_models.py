@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from shared.engine import LLM, SamplingParams
-from shared.models import ModelConfig, Tokenizer
-from shared.models.tiny import make_tiny_model
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.models import ModelConfig, Tokenizer
+from pdmesh.shared.models.tiny import make_tiny_model
 
 
 def digest(path) -> str:
@@ -85,25 +85,25 @@ def test_half_precision_tracks_float32(qwen3_path, dtype):
 
 def test_cli_make_tiny_model_and_generate(tmp_path):
     out = tmp_path / "cli-model"
-    run = subprocess.run([sys.executable, "-m", "shared.cli", "make-tiny-model", str(out),
+    run = subprocess.run([sys.executable, "-m", "pdmesh", "make-tiny-model", str(out),
                           "--arch", "llama", "--seed", "7"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert ModelConfig.from_folder(out).architecture == "LlamaForCausalLM"
     # the model positionally, as `vllm serve MODEL` takes it
-    gen = subprocess.run([sys.executable, "-m", "shared.cli", "generate", str(out),
+    gen = subprocess.run([sys.executable, "-m", "pdmesh", "generate", str(out),
                           "--device", "cpu", "--prompt", "import os", "--max-tokens", "5"],
                          capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
     assert "[5 tokens, finish_reason=length]" in gen.stdout
-    bad = subprocess.run([sys.executable, "-m", "shared.cli", "generate", "--model",
+    bad = subprocess.run([sys.executable, "-m", "pdmesh", "generate", "--model",
                           str(tmp_path / "nope"), "--device", "cpu"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "config.json" in bad.stderr
 
 
 def test_fingerprint_follows_content_not_path(tmp_path, qwen3_path, bpe_tokenizer):
-    from shared.models.loader import model_fingerprint
+    from pdmesh.shared.models.loader import model_fingerprint
 
     copy = tmp_path / "elsewhere"
     shutil.copytree(qwen3_path, copy)
@@ -113,9 +113,9 @@ def test_fingerprint_follows_content_not_path(tmp_path, qwen3_path, bpe_tokenize
 
 
 def test_expert_skew_makes_a_few_experts_hot(tmp_path, bpe_tokenizer):
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import EngineCore
-    from shared.models.tiny import hot_experts
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.engine.engine import EngineCore
+    from pdmesh.shared.models.tiny import hot_experts
 
     def hot_share(skew: float) -> list[float]:
         path = make_tiny_model(tmp_path / f"skew-{skew}", "qwen3_moe", seed=0,

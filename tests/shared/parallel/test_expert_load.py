@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.parallel.expert_load import ExpertLoadRecorder
+from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
 
 
 def test_counts_per_layer_and_expert_over_the_window():

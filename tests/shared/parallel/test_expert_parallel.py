@@ -9,8 +9,8 @@ import socket
 import pytest
 import torch
 
-from shared.engine import LLM, SamplingParams
-from shared.parallel.expert_parallel import LayerPlacement, identity_placement
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.parallel.expert_parallel import LayerPlacement, identity_placement
 
 PROMPTS = [list(range(40, 75)), [5, 9, 200, 14], list(range(300, 330)), [77] * 20,
            list(range(1000, 1012))]
@@ -32,8 +32,8 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from shared.engine.config import EngineConfig
-        from shared.engine.engine import EngineCore
+        from pdmesh.shared.engine.config import EngineConfig
+        from pdmesh.shared.engine.engine import EngineCore
 
         eng = EngineCore(EngineConfig(
             model=model, device="cpu", dtype="float32", block_size=16,
@@ -114,7 +114,7 @@ def test_two_ranks_equal_the_single_process_engine(moe_path, expected):
 
 def test_redundant_experts_and_live_moves_keep_the_output(moe_path, expected):
     """Two redundant slots, and every MoE layer's placement changed mid-generation."""
-    from shared.models.config import ModelConfig
+    from pdmesh.shared.models.config import ModelConfig
 
     cfg = ModelConfig.from_folder(moe_path)
     n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -142,8 +142,8 @@ def test_layer_placement_maps_agree():
 def test_static_expert_map_from_a_recorded_file(moe_path, expected, tmp_path):
     """expert_map_path: a placement recorded earlier (save_expert_map writes what
     expert_map_record_path records) is where the ranks start."""
-    from shared.models.config import ModelConfig
-    from shared.parallel.eplb_rank import save_expert_map
+    from pdmesh.shared.models.config import ModelConfig
+    from pdmesh.shared.parallel.eplb_rank import save_expert_map
 
     cfg = ModelConfig.from_folder(moe_path)
     n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -156,7 +156,7 @@ def test_static_expert_map_from_a_recorded_file(moe_path, expected, tmp_path):
 
 
 def test_bad_expert_maps_are_named(tmp_path):
-    from shared.parallel.expert_parallel import load_expert_map
+    from pdmesh.shared.parallel.expert_parallel import load_expert_map
 
     path = tmp_path / "m.json"
     path.write_text('{"phy2log": [[0, 1, 2]]}')
@@ -177,12 +177,12 @@ def test_bench_eplb_rebalances_a_skewed_model(tmp_path, bpe_tokenizer):
     import subprocess
     import sys
 
-    from shared.models.tiny import make_tiny_model
+    from pdmesh.shared.models.tiny import make_tiny_model
 
     skewed = make_tiny_model(tmp_path / "skewed", "qwen3_moe", tokenizer=bpe_tokenizer,
                              expert_skew=0.3)
     out = tmp_path / "eplb.json"
-    run = subprocess.run([sys.executable, "-m", "shared.cli", "bench", "eplb", "--model",
+    run = subprocess.run([sys.executable, "-m", "pdmesh", "bench", "eplb", "--model",
                           str(skewed), "--num-prompts", "4", "--output-len", "6",
                           "--input-len", "16", "--json", str(out)],
                          capture_output=True, text=True, timeout=300)
@@ -199,10 +199,10 @@ def loop_rank_main(rank: int, world: int, address: str, model: str,
         import threading
 
         torch.set_num_threads(1)
-        from shared.config.scheduler_schema import DyntraLBConfig
-        from shared.engine.config import EngineConfig
-        from shared.engine.engine import EngineCore
-        from shared.engine.loop import EngineLoop
+        from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
+        from pdmesh.shared.engine.config import EngineConfig
+        from pdmesh.shared.engine.engine import EngineCore
+        from pdmesh.shared.runtime.loop import EngineLoop
 
         lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
         eng = EngineCore(EngineConfig(

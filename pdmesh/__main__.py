@@ -1,0 +1,7 @@
+"""``python -m pdmesh``: the `pdmesh` command."""
+
+import sys
+
+from pdmesh.cli import main
+
+sys.exit(main())

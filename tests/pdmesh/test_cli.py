@@ -1,0 +1,41 @@
+"""The command line's shape: every command that takes --model takes it positionally too."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdmesh.cli import _resolve_model, build_parser
+
+
+def parsed(argv: list[str]):
+    parser = build_parser(argv[0])
+    args = parser.parse_args(argv)
+    _resolve_model(args, parser)
+    return args
+
+
+@pytest.mark.parametrize("command", [["prefill"], ["decode"], ["mixed"], ["gateway"],
+                                     ["generate"], ["serve"], ["up"]])
+def test_model_positional_or_flag(command):
+    assert parsed([*command, "/models/a"]).model == "/models/a"
+    assert parsed([*command, "--model", "/models/a"]).model == "/models/a"
+    assert parsed([*command, "/models/a", "--model", "/models/a"]).model == "/models/a"
+
+
+def test_model_given_twice_differently_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parsed(["decode", "/models/a", "--model", "/models/b"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "model: given twice" in err and "/models/a" in err and "/models/b" in err
+
+
+@pytest.mark.parametrize("command", [["prefill"], ["gateway"], ["bench", "serve"]])
+def test_model_missing_is_an_error(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        parsed(command)
+    assert e.value.code == 2 and "model: required" in capsys.readouterr().err
+
+
+def test_up_defaults_to_the_demo_model():
+    assert parsed(["up"]).model is None

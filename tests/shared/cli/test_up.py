@@ -1,0 +1,97 @@
+"""`pdmesh up` end to end: the mesh comes up, serves, and Ctrl-C leaves no process."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from tests.processes import alive
+
+
+def running_with(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("command,moe", [("up", False), ("serve", False), ("up", True)])
+def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, command, moe):
+    """`up`: the PD mesh; `serve`: one mixed instance behind the gateway; `up` on a MoE
+    model adds the EPLB controller, here with a decode instance of two EP ranks."""
+    model_path = tiny_models["qwen3_moe" if moe else "qwen3"]
+    prefix = f"{registry_prefix}-{command}-{int(moe)}"
+    extra = ["--decode-args", "--data-parallel-size 2 --enable-expert-parallel"] if moe else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdmesh", command, str(model_path), "--port", "0",
+         "--registry-prefix", prefix, "--log-dir", str(tmp_path),
+         "--engine-args", "--device cpu --block-size 16 --pool-segment-mb 64", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out: list[str] = []
+    try:
+        url = master = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if m := re.search(r"mooncake master ([\d.]+:\d+)", line):
+                master = m.group(1)
+            if m := re.search(r"mesh ready: (http://\S+)/v1", line):
+                url = m.group(1)
+        assert url and (master or command == "serve"), "".join(out)
+        assert moe == any("eplb controller ready" in line for line in out), "".join(out)
+        model = model_path.name
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8,
+                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        offline = LLM(str(model_path), device="cpu", block_size=16)
+        expected = offline.generate([[5, 6, 7, 8]], SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+        assert r.json()["choices"][0]["text"] == expected
+        # the gRPC edge processes of the engines (they carry no prefix on their command
+        # line; each is a child of its engine process)
+        ours = set(running_with(prefix))
+        edges = [pid for pid in running_with("pdmesh.services.decode.edge")
+                 if _parent(pid) in ours]
+        assert edges, "no gRPC edge process found"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, and a supervisor's SIGTERM right after:
+        proc.send_signal(signal.SIGTERM)  # the second arrives while the first is handled
+        proc.wait(60)
+        assert running_with(prefix) == []  # every service it started is gone
+        assert not [pid for pid in edges if alive(pid)]
+        if master:
+            host, port = master.split(":")
+            with socket.socket() as s:  # and so is the Mooncake master
+                assert s.connect_ex((host, int(port))) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in running_with(prefix):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ValueError):
+        return -1
