@@ -1,5 +1,5 @@
-"""The decode (and mixed) instance's gRPC edge process: `Decode` served from here, the
-engine stepping in the process that started it (pdmesh.shared.runtime.edge)."""
+"""The decode (and mixed) instance's gRPC edge: ``Decode`` over an EngineClient, run in
+a process of its own (shared.runtime.edge) or on a thread of the engine's."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pdmesh.shared.proto import decode_pb2_grpc
 from pdmesh.shared.runtime.edge import EdgeConfig, serve_edge
 
 
-def add_servicer(server, remote, config: EdgeConfig) -> None:
+def add_servicer(server, client, config: EdgeConfig) -> None:
     tracing = Tracing(f"pdmesh-{config.role}", config.otlp_endpoint)
-    servicer = DecodeServicer(remote, config.model_name, role=config.role, tracing=tracing)
+    servicer = DecodeServicer(client, config.model_name, role=config.role, tracing=tracing)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
 

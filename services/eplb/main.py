@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
-import signal
-
-import grpc
 
 from pdmesh.services.eplb.controller import EplbController
 from pdmesh.services.eplb.server import SERVER_OPTIONS, EplbServicer, decide_periodically
-from pdmesh.shared.infra.registry import (
-    Heartbeat,
-    Instance,
-    Registry,
-    add_registry_args,
-    advertised_host,
-)
+from pdmesh.shared.infra.registry import add_registry_args
 from pdmesh.shared.proto import eplb_pb2_grpc
+from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
 log = logging.getLogger(__name__)
 
@@ -54,43 +45,25 @@ def run(a: argparse.Namespace) -> int:
     if not (math.isfinite(a.interval_s) and a.interval_s > 0):
         raise ValueError(f"--interval-s: must be a positive number, got {a.interval_s}")
     controller = EplbController(a.num_groups, a.num_nodes, a.improvement_threshold)
-    asyncio.run(_serve(a, controller))
+    settings = HostSettings("eplb", a.host, a.port, a.advertise_host, a.redis_url,
+                            a.registry_prefix, a.metrics_port)
+    with ServiceHost(settings) as host:
+        host.aio_grpc_server(lambda server, aio: eplb_pb2_grpc.add_EplbServicer_to_server(
+            EplbServicer(controller, aio), server), options=SERVER_OPTIONS)
+        stop = asyncio.run_coroutine_threadsafe(_stop_event(), host.aio_loop).result(5)
+        timer = asyncio.run_coroutine_threadsafe(
+            decide_periodically(controller, a.interval_s, stop), host.aio_loop)
+        host.at_close(lambda: (host.aio_loop.call_soon_threadsafe(stop.set),
+                               timer.result(10)))
+        host.serve_metrics(controller_metrics(controller, host.id))
+        host.register()
+        host.ready()
+        host.wait()
     return 0
 
 
-async def _serve(a: argparse.Namespace, controller: EplbController) -> None:
-    loop = asyncio.get_running_loop()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    eplb_pb2_grpc.add_EplbServicer_to_server(EplbServicer(controller, loop), server)
-    try:
-        port = server.add_insecure_port(f"{a.host}:{a.port}")
-    except RuntimeError as e:  # grpc's "failed to bind"
-        raise ConnectionError(f"--port: cannot listen on {a.host}:{a.port}: {e}") from e
-    await server.start()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    host = advertised_host(a.host, a.advertise_host)
-    beat = Heartbeat(Registry(a.redis_url, a.registry_prefix),
-                     Instance(Heartbeat.new_id("eplb"), "eplb", f"{host}:{port}"))
-    timer = asyncio.create_task(decide_periodically(controller, a.interval_s, stop))
-    metrics = None
-    if a.metrics_port >= 0:
-        from pdmesh.shared.infra.metrics import serve_metrics
-
-        metrics = serve_metrics(controller_metrics(controller, beat.inst.id), a.host,
-                                a.metrics_port)
-    try:
-        await asyncio.to_thread(beat.start)
-        print("eplb ready: " + json.dumps({
-            "grpc": f"{host}:{port}", "id": beat.inst.id,
-            "metrics": f"http://{host}:{metrics}/metrics" if metrics else None}), flush=True)
-        await stop.wait()
-        await asyncio.to_thread(beat.stop)
-    finally:
-        stop.set()
-        await timer
-        await server.stop(grace=1)
+async def _stop_event() -> asyncio.Event:
+    return asyncio.Event()
 
 
 def controller_metrics(controller: EplbController, instance: str):

@@ -10,25 +10,20 @@ and are found in the redis registry. Prints "gateway ready: {json}" once listeni
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
-import json
 import logging
-import socket
+from collections.abc import Iterator
 
 import uvicorn
 
 from pdmesh.services.gateway.app import GatewayState, create_app
 from pdmesh.services.gateway.router import Router
-from pdmesh.shared.infra.registry import (
-    Heartbeat,
-    Instance,
-    Registry,
-    add_registry_args,
-    advertised_host,
-)
+from pdmesh.shared.infra.registry import Registry, add_registry_args
 from pdmesh.shared.infra.tracing import Tracing, add_tracing_args
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.tokenizer import Tokenizer
+from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
 log = logging.getLogger(__name__)
 
@@ -64,40 +59,43 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     if a.max_queued_requests is not None and a.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests: must be >= 1, got {a.max_queued_requests}")
-    cfg = ModelConfig.from_folder(a.model)
-    name = a.served_model_name or a.model
-    registry = Registry(a.redis_url, a.registry_prefix)
     if a.prefill_offload_threshold < 0:
         raise ValueError(f"--prefill-offload-threshold: must be >= 0, got "
                          f"{a.prefill_offload_threshold}")
-    router = Router(registry, name, offload_threshold=a.prefill_offload_threshold)
-    router.start()
-    state = GatewayState(tokenizer=Tokenizer(a.model), router=router,
-                         model_name=name,
-                         max_model_len=a.max_model_len or cfg.max_position_embeddings,
-                         api_key=a.api_key, max_queued_requests=a.max_queued_requests,
-                         tracing=Tracing.from_args("pdmesh-gateway", a),
-                         log_requests=a.log_requests_level if a.log_requests else None)
-    app = create_app(state)
-    # IPPROTO_TCP named explicitly: asyncio only sets TCP_NODELAY on sockets whose proto
-    # says TCP, and without it Nagle holds each SSE event behind the client's delayed ACK
-    # (~40 ms stalls). Accepted sockets inherit TCP_NODELAY from the listener on Linux.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((a.host, a.port))
-    sock.listen(2048)  # connections queue until uvicorn accepts them
-    port = sock.getsockname()[1]
-    host = advertised_host(a.host, a.advertise_host)
-    beat = Heartbeat(registry, Instance(Heartbeat.new_id("gateway"), "gateway",
-                                        f"{host}:{port}", name))
-    beat.start()
-    print("gateway ready: " + json.dumps({"http": f"http://{host}:{port}", "model": name}),
-          flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", http=HTTP_IMPL))
-    try:
+    cfg = ModelConfig.from_folder(a.model)
+    name = a.served_model_name or a.model
+    settings = HostSettings("gateway", a.host, a.port, a.advertise_host, a.redis_url,
+                            a.registry_prefix, model_name=name)
+    with ServiceHost(settings) as host:
+        router = Router(Registry(a.redis_url, a.registry_prefix), name,
+                        offload_threshold=a.prefill_offload_threshold)
+        router.start()
+        tracing = Tracing.from_args("pdmesh-gateway", a)
+        host.at_close(tracing.shutdown)  # exports the spans still buffered
+        state = GatewayState(tokenizer=Tokenizer(a.model), router=router, model_name=name,
+                             max_model_len=a.max_model_len or cfg.max_position_embeddings,
+                             api_key=a.api_key, max_queued_requests=a.max_queued_requests,
+                             tracing=tracing,
+                             log_requests=a.log_requests_level if a.log_requests else None)
+        sock = host.http_socket()
+        server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
+                                         lifespan="on", http=HTTP_IMPL))
+        host.on_signal = server.stop
+        host.register()
+        host.ready(model=name)
         server.run(sockets=[sock])
-    finally:
-        beat.stop()
-        state.tracing.shutdown()  # exports the spans still buffered
     return 0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the ServiceHost's stop it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def stop(self, count: int) -> None:
+        """From a signal handler: flags only. A second signal stops at once."""
+        self.should_exit = True
+        if count > 1:
+            self.force_exit = True

@@ -20,6 +20,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from typing import Protocol
 
 import redis
 
@@ -67,14 +68,65 @@ class PrefixEstimate:
 _EMPTY = PrefixEstimate()
 
 
+class RouteQuery:
+    """One pick's question: the prompt (if any) and its block hashes, computed once per
+    block size however many instances are weighed."""
+
+    def __init__(self, router: Router, prompt: list[int] | None):
+        self.router = router
+        self.prompt = prompt
+        self._hashes: dict[int, list[int]] = {}
+
+    def hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.prompt or [], block_size)
+        return self._hashes[block_size]
+
+
+class RouteCost(Protocol):
+    """A routing policy: the cost of sending the query to ``inst`` (lower wins; ties
+    are broken at random)."""
+
+    def cost(self, inst: Instance, query: RouteQuery) -> tuple[int, ...]: ...
+
+
+def _busy(inst: Instance) -> int:
+    return inst.load.get("running", 0) + inst.load.get("waiting", 0)
+
+
+class EstimatedTTFT:
+    """Prefill: prompt tokens queued there, plus this prompt's tokens it would compute
+    (those not in its estimated prefix cache); then requests busy there."""
+
+    def cost(self, inst: Instance, query: RouteQuery) -> tuple[int, ...]:
+        queued = query.router.queued_tokens(inst)
+        prompt = query.prompt
+        if prompt is None:
+            return queued, _busy(inst)
+        cached = query.router.estimated_cached_tokens(inst, query)
+        return queued + len(prompt) - min(cached, len(prompt) - 1), _busy(inst)
+
+
+class KVBlocksInUse:
+    """Decode: fewest KV blocks in use, then fewest requests busy."""
+
+    def cost(self, inst: Instance, query: RouteQuery) -> tuple[int, ...]:
+        ld = inst.load
+        return ld.get("total_kv_blocks", 0) - ld.get("free_kv_blocks", 0), _busy(inst)
+
+
 class Router:
     """Picks from a cached copy of the registry. After ``start`` a background thread
     keeps the copy fresh, so a pick on the gateway's event loop never waits on redis;
     without it (tests, tools) a pick re-reads the registry when the copy is stale."""
 
     def __init__(self, registry: Registry, model: str | None = None, refresh_s: float = 0.25,
-                 offload_threshold: int = 0):
+                 offload_threshold: int = 0, costs: dict[str, RouteCost] | None = None):
+        """``costs``: the cost policy per role (default: estimated TTFT for prefill and
+        mixed instances, KV blocks in use for decode)."""
         self.registry = registry
+        self.costs = costs or {"prefill": EstimatedTTFT(), "mixed": EstimatedTTFT(),
+                               "decode": KVBlocksInUse()}
         self.model = model  # only instances serving this model (None: any)
         self.refresh_s = refresh_s
         # prefill offload (0: off): see ``offload_target``
@@ -118,31 +170,26 @@ class Router:
 
     def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset(),
              prompt: list[int] | None = None) -> Instance | None:
-        """The cheapest live instance of ``role``; for prefill, ``prompt`` lets cached
-        prefixes count."""
+        """The cheapest live instance of ``role`` by its cost policy; for prefill,
+        ``prompt`` lets cached prefixes count."""
         live = [i for i in self.instances(role) if i.id not in exclude]
         if not live:
             return None
-        hashes: dict[int, list[int]] = {}
-
-        def cost(i: Instance) -> tuple[int, int]:
-            ld = i.load
-            busy = ld.get("running", 0) + ld.get("waiting", 0)
-            if role == "decode":
-                used = ld.get("total_kv_blocks", 0) - ld.get("free_kv_blocks", 0)
-                return used, busy
-            queued = max(ld.get("queued_prefill_tokens", 0), self._inflight.get(i.id, 0))
-            if prompt is None:
-                return queued, busy
-            bs = ld.get("block_size") or DEFAULT_BLOCK_SIZE
-            if bs not in hashes:
-                hashes[bs] = block_hashes(prompt, bs)
-            cached = self._estimates.get(i.id, _EMPTY).hits(hashes[bs]) * bs
-            return queued + len(prompt) - min(cached, len(prompt) - 1), busy
-
-        costs = {i.id: cost(i) for i in live}
+        query = RouteQuery(self, prompt)
+        policy = self.costs.get(role, self.costs["prefill"])
+        costs = {i.id: policy.cost(i, query) for i in live}
         best = min(costs.values())
         return self._rng.choice([i for i in live if costs[i.id] == best])
+
+    def queued_tokens(self, inst: Instance) -> int:
+        """Prompt tokens waiting on ``inst``: what it published, or what this gateway
+        has in flight there if that is more (heartbeats lag)."""
+        return max(inst.load.get("queued_prefill_tokens", 0), self._inflight.get(inst.id, 0))
+
+    def estimated_cached_tokens(self, inst: Instance, query: RouteQuery) -> int:
+        """Leading prompt tokens ``inst`` probably still holds in its prefix cache."""
+        bs = inst.load.get("block_size") or DEFAULT_BLOCK_SIZE
+        return self._estimates.get(inst.id, _EMPTY).hits(query.hashes(bs)) * bs
 
     def sent(self, inst: Instance, prompt: list[int]) -> None:
         """A prompt went to instance ``inst`` to be prefilled: it will cache the prompt's
@@ -179,8 +226,7 @@ class Router:
         if not prefill or not decode:
             return None
         with self._lock:
-            backlog = min(max(i.load.get("queued_prefill_tokens", 0),
-                              self._inflight.get(i.id, 0)) for i in prefill)
+            backlog = min(self.queued_tokens(i) for i in prefill)
             if backlog < self.offload_threshold:
                 return None
             best = min(decode, key=lambda i: self._inflight.get(i.id, 0))

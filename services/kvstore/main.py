@@ -9,25 +9,16 @@ launcher where everything listens.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from concurrent import futures
-
-import grpc
 
 from pdmesh.services.kvstore.index import PoolIndex
 from pdmesh.services.kvstore.server import KVStoreServicer
-from pdmesh.shared.infra.registry import (
-    Heartbeat,
-    Instance,
-    Registry,
-    add_registry_args,
-    advertised_host,
-)
-from pdmesh.shared.infra.signals import SignalStop
-from pdmesh.shared.kvpool.master import EvictionPolicy, MasterPorts, MasterSupervisor, free_port
+from pdmesh.shared.infra.net import free_port
+from pdmesh.shared.infra.registry import add_registry_args
+from pdmesh.shared.kvpool.master import EvictionPolicy, MasterPorts, MasterSupervisor
 from pdmesh.shared.kvpool.mooncake import MooncakePool
 from pdmesh.shared.proto import kvstore_pb2_grpc
+from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
 log = logging.getLogger(__name__)
 
@@ -52,34 +43,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     eviction = EvictionPolicy(a.kv_lease_ttl_ms, a.eviction_high_watermark_ratio,
                               a.eviction_ratio)
-    host = advertised_host(a.host, a.advertise_host)
-    ports = MasterPorts(a.host, a.master_port or free_port(a.host),
-                        a.metadata_port or free_port(a.host), a.metrics_port or free_port(a.host),
-                        advertise=host)
-    supervisor = MasterSupervisor(ports, log_path=a.master_log, eviction=eviction)
-    supervisor.start()
-    server = None
-    pool = None
-    try:
-        pool = MooncakePool(ports.master_address, ports.metadata_url, local_hostname=host,
-                            segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
+    settings = HostSettings("kvstore", a.host, a.port, a.advertise_host, a.redis_url,
+                            a.registry_prefix)
+    with ServiceHost(settings) as host:
+        ports = MasterPorts(a.host, a.master_port or free_port(a.host),
+                            a.metadata_port or free_port(a.host),
+                            a.metrics_port or free_port(a.host), advertise=settings.reach)
+        supervisor = MasterSupervisor(ports, log_path=a.master_log, eviction=eviction)
+        supervisor.start()
+        host.at_close(supervisor.stop)
+        pool = MooncakePool(ports.master_address, ports.metadata_url,
+                            local_hostname=settings.reach, segment_bytes=16 << 20,
+                            local_buffer_bytes=16 << 20)
+        host.at_close(pool.close)
         index = PoolIndex(pool, supervisor.metrics)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, supervisor), server)
-        port = server.add_insecure_port(f"{a.host}:{a.port}")
-        server.start()
-        inst = Instance(Heartbeat.new_id("kvstore"), "kvstore", f"{host}:{port}")
-        beat = Heartbeat(Registry(a.redis_url, a.registry_prefix), inst)
-        beat.start()
-        print("kvstore ready: " + json.dumps({
-            "grpc": f"{host}:{port}", "master": ports.master_address,
-            "metadata": ports.metadata_url, "master_pid": supervisor.pid}), flush=True)
-        SignalStop().install().wait()
-        beat.stop()
-    finally:
-        if server is not None:
-            server.stop(grace=2).wait()
-        if pool is not None:
-            pool.close()
-        supervisor.stop()
+        host.grpc_server(lambda server: kvstore_pb2_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(index, supervisor), server))
+        host.register()
+        host.ready(master=ports.master_address, metadata=ports.metadata_url,
+                   master_pid=supervisor.pid)
+        host.wait()
     return 0

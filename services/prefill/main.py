@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-import grpc
+from pdmesh.shared.config.engine_config import add_engine_service_args as add_args
+from pdmesh.shared.config.engine_config import resolve_engine
+from pdmesh.shared.runtime.engine_service import EngineRole, serve_engine
 
-from pdmesh.services.prefill.server import PrefillServicer
-from pdmesh.shared.proto import prefill_pb2_grpc
-from pdmesh.shared.runtime.loop import EngineLoop
-from pdmesh.shared.runtime.worker import add_worker_args as add_args
-from pdmesh.shared.runtime.worker import serve_worker
-
-
-def _add(server: grpc.aio.Server, loop: EngineLoop, model_name: str, tracing) -> None:
-    prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(loop, model_name, tracing=tracing), server)
+EDGE_MODULE = "pdmesh.services.prefill.edge"
 
 
 def run(a: argparse.Namespace) -> int:
-    return serve_worker(a, "prefill", _add)
+    from pdmesh.services.prefill.edge import add_servicer
+
+    config, service = resolve_engine(a, "prefill")
+    return serve_engine(a, EngineRole("prefill", add_servicer, EDGE_MODULE), config, service)
 
 
 __all__ = ["add_args", "run"]

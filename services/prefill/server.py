@@ -1,12 +1,14 @@
-"""Prefill's gRPC edge (grpc.aio: one event-loop thread serves every request while the
-engine steps in the main thread). Lifecycle of a request here:
+"""Prefill's gRPC edge (grpc.aio, in the edge process: shared.runtime.edge). A request's
+life here:
 
-    Prefill(prompt) -> engine loop: admitted (prompt blocks already in the pool are
-    loaded, not computed) -> chunked prefill -> first token sampled -> prompt blocks
-    (full ones and the partial tail) put in the pool -> answer {first token, keys,
-    cached tokens}. A client that goes away aborts the request and frees its blocks.
-    With --max-queued-requests, a request arriving while that many wait is refused
-    with RESOURCE_EXHAUSTED (the gateway tries another instance).
+    Prefill(prompt) -> the engine admits it (prompt blocks already in the pool are
+    loaded, not computed) or refuses it -> chunked prefill -> first token sampled ->
+    prompt blocks (full ones and the partial tail) put in the pool -> answer {first
+    token, keys, cached tokens}.
+
+A refusal answers with its status (INVALID_ARGUMENT; RESOURCE_EXHAUSTED at
+--max-queued-requests, and the gateway tries another instance; UNAVAILABLE while
+draining). A caller that goes away aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
@@ -14,29 +16,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
+from typing import Any
 
 import grpc
 
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdmesh.shared.proto.convert import logprobs_to_proto, sampling_from_proto
-from pdmesh.shared.runtime.loop import AsyncRequestStream, Draining, EngineLoop, QueueFull
+from pdmesh.shared.proto.convert import (
+    grpc_code,
+    load_to_proto,
+    logprobs_to_proto,
+    submit_from_proto,
+)
+from pdmesh.shared.runtime.client import EngineClient, RequestStream
+from pdmesh.shared.runtime.protocol import InvalidRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
 
-def load_proto(loop: EngineLoop) -> common_pb2.WorkerLoad:
-    ld = loop.load()
-    return common_pb2.WorkerLoad(running=ld.running, waiting=ld.waiting,
-                                 free_kv_blocks=ld.free_kv_blocks,
-                                 total_kv_blocks=ld.total_kv_blocks,
-                                 queued_prefill_tokens=ld.queued_prefill_tokens)
-
-
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, loop: EngineLoop, model_name: str, timeout_s: float = 600.0,
+    def __init__(self, engine: EngineClient, model_name: str, timeout_s: float = 600.0,
                  tracing: Tracing | None = None):
-        self.loop = loop
+        self.engine = engine
         self.tracing = tracing or Tracing("pdmesh-prefill", None)
         self.model_name = model_name
         self.timeout_s = timeout_s
@@ -49,65 +51,69 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 "pdmesh.request_id": request.request_id,
                 "pdmesh.prompt_tokens": len(request.prompt_token_ids)})
         try:
-            return await self._prefill(request, context, span)
+            delta = await self._first_token(request, context)
+            if span is not None:
+                self._record(span, delta)
+            return self._response(request, delta)
         finally:
             if span is not None:
                 span.end()
 
-    async def _prefill(self, request, context, span):
+    async def _first_token(self, request, context) -> TokenDelta:
+        """The request's one delta: this instance produces one token only (after any the
+        request carries, when a decode instance handed it back); decode does the rest."""
+        rid = request.request_id or f"prefill-{uuid.uuid4().hex}"
         try:
-            params = sampling_from_proto(request.sampling)
-            # this instance produces one token only (after any the request carries, when
-            # a decode instance handed it back); decode does the rest
-            carried = list(request.output_token_ids)
-            first = dataclasses.replace(params, max_tokens=len(carried) + 1)
-            stream = self.loop.submit(list(request.prompt_token_ids), first,
-                                      request_id=request.request_id or None,
-                                      priority=request.priority,
-                                      output_token_ids=carried or None,
-                                      aio_loop=asyncio.get_running_loop())
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Draining as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            submit = submit_from_proto(request, rid)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        assert isinstance(stream, AsyncRequestStream)
+            await context.abort(grpc_code(InvalidRequest.status), str(e))
+        submit.sampling = dataclasses.replace(
+            submit.sampling, max_tokens=len(submit.output_token_ids) + 1)
+        stream = RequestStream()
+        self.engine.submit(submit, stream)
         try:
-            event = await asyncio.wait_for(stream.next(), self.timeout_s)
+            delta = await asyncio.wait_for(stream.next(), self.timeout_s)
         except (asyncio.CancelledError, TimeoutError):
-            self.loop.abort(stream.request_id)  # the caller left or gave up
+            self.engine.abort(rid)  # the caller left or gave up
             raise
-        if event.error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
-        if event.finish_reason == "abort":
+        if delta.error is not None:
+            await context.abort(grpc_code(delta.error.status), delta.error.message)
+        if delta.finish_reason == "abort":
             await context.abort(grpc.StatusCode.CANCELLED,
-                                f"request {stream.request_id} aborted")
+                                f"request {rid} aborted")
+        return delta
+
+    def _response(self, request, delta: TokenDelta) -> prefill_pb2.PrefillResponse:
         # the token ends the request by itself when it is a stop token, the caller asked
         # for no more, or the context is full
-        total = len(request.prompt_token_ids) + len(carried) + 1
-        finish = "stop" if event.finish_reason == "stop" else (
-            "length" if params.max_tokens == len(carried) + 1
-            or total >= self.loop.max_model_len else "")
+        carried = len(request.output_token_ids)
+        total = len(request.prompt_token_ids) + carried + 1
+        finish = "stop" if delta.finish_reason == "stop" else (
+            "length" if request.sampling.max_tokens == carried + 1
+            or total >= self.engine.max_model_len else "")
         resp = prefill_pb2.PrefillResponse(
-            first_token=event.token_ids[0], block_keys=event.kv_keys,
-            num_cached_tokens=event.num_cached_tokens,
+            first_token=delta.token_ids[0], block_keys=delta.kv_keys,
+            num_cached_tokens=delta.num_cached_tokens,
             num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish)
-        if event.logprobs:
-            resp.first_logprobs.CopyFrom(logprobs_to_proto(event.logprobs[0]))
-        if span is not None and event.timing:
-            t = event.timing
-            span.set_attribute("pdmesh.cached_tokens", event.num_cached_tokens)
-            self.tracing.record("queue", span, t["arrival"], t["scheduled"])
-            self.tracing.record("compute", span, t["scheduled"], t["first_token"])
-            if t["kv_get"]:
-                self.tracing.record("kv.get", span, *t["kv_get"])
-            if t["kv_put"]:
-                self.tracing.record("kv.put", span, *t["kv_put"],
-                                    attributes={"pdmesh.blocks": len(event.kv_keys)})
+        if delta.logprobs:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(delta.logprobs[0]))
         return resp
 
+    def _record(self, span: Any, delta: TokenDelta) -> None:
+        if not delta.timing:
+            return
+        t = delta.timing
+        span.set_attribute("pdmesh.cached_tokens", delta.num_cached_tokens)
+        self.tracing.record("queue", span, t["arrival"], t["scheduled"])
+        self.tracing.record("compute", span, t["scheduled"], t["first_token"])
+        if t["kv_get"]:
+            self.tracing.record("kv.get", span, *t["kv_get"])
+        if t["kv_put"]:
+            self.tracing.record("kv.put", span, *t["kv_put"],
+                                attributes={"pdmesh.blocks": len(delta.kv_keys)})
+
     async def Health(self, request, context):  # noqa: N802
-        return common_pb2.HealthResponse(serving=not self.loop.draining, role="prefill",
+        await self.engine.refresh()
+        return common_pb2.HealthResponse(serving=not self.engine.draining, role="prefill",
                                          model=self.model_name,
-                                         load=load_proto(self.loop))
+                                         load=load_to_proto(self.engine.load()))

@@ -75,9 +75,11 @@ METRIC_NAMES: dict[str, str] = {
 
 
 def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int,
-                  registry: CollectorRegistry | None = None) -> int:
+                  registry: CollectorRegistry | None = None
+                  ) -> tuple[int, Callable[[], None]]:
     """Serve ``collect``'s metrics (and ``registry``'s, if given) at
-    http://host:port/metrics from a daemon thread; returns the port (0: a free one)."""
+    http://host:port/metrics from a daemon thread; returns the port (0: a free one) and
+    what stops the server."""
 
     class _Collector:
         def collect(self) -> Iterator[Metric]:
@@ -89,7 +91,12 @@ def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int,
     registry = registry or CollectorRegistry(auto_describe=False)
     registry.register(_Collector())  # type: ignore[arg-type]
     server, _ = start_http_server(port, addr=host, registry=registry)
-    return int(server.server_port)
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return int(server.server_port), close
 
 
 def gauge(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:

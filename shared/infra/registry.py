@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -103,14 +102,6 @@ def add_registry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default=None,
                    help="the host others reach this service at (default: --host, or this "
                         "machine's hostname when --host is 0.0.0.0)")
-
-
-def advertised_host(bind_host: str, advertise: str | None) -> str:
-    if advertise:
-        return advertise
-    if bind_host in ("0.0.0.0", "::", ""):
-        return socket.gethostname()
-    return bind_host
 
 
 class Heartbeat:

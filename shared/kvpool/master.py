@@ -46,12 +46,6 @@ def find_master_binary() -> str:
     return found
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class EvictionPolicy:
     lease_ttl_ms: int = 1000  # how long a read pins an object against eviction

@@ -1,10 +1,14 @@
-"""Proto messages <-> the engine's dataclasses, in one place (the services' edges)."""
+"""Proto messages <-> the engine's types, and gRPC codes <-> the engine protocol's
+``Status``, in one place (the services' gRPC edges and the gateway's clients)."""
 
 from __future__ import annotations
 
+import grpc
+
 from pdmesh.shared.engine.request import Logprob
 from pdmesh.shared.engine.sampling_params import SamplingParams
-from pdmesh.shared.proto import common_pb2
+from pdmesh.shared.proto import common_pb2, decode_pb2, prefill_pb2
+from pdmesh.shared.runtime.protocol import EngineLoad, Status, SubmitRequest, TokenDelta
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
@@ -39,3 +43,48 @@ def logprobs_to_proto(lp: dict[int, Logprob]) -> common_pb2.TokenLogprobs:
 
 def logprobs_from_proto(m: common_pb2.TokenLogprobs) -> dict[int, Logprob]:
     return {e.token_id: Logprob(e.logprob, e.rank) for e in m.entries}
+
+
+# -- the engine protocol at the services' gRPC edges ------------------------------------
+def grpc_code(status: Status) -> grpc.StatusCode:
+    """A refusal's gRPC status: Status names are gRPC's own."""
+    return grpc.StatusCode[status.value]
+
+
+def status_of(code: grpc.StatusCode) -> Status | None:
+    """The engine-protocol status a gRPC code stands for (None: no such refusal)."""
+    return Status.__members__.get(code.name)
+
+
+def load_to_proto(load: EngineLoad) -> common_pb2.WorkerLoad:
+    return common_pb2.WorkerLoad(running=load.running, waiting=load.waiting,
+                                 free_kv_blocks=load.free_kv_blocks,
+                                 total_kv_blocks=load.total_kv_blocks,
+                                 queued_prefill_tokens=load.queued_prefill_tokens)
+
+
+def submit_from_proto(m: decode_pb2.GenerateRequest | prefill_pb2.PrefillRequest,
+                      request_id: str) -> SubmitRequest:
+    """ValueError, naming the field, if the sampling values are out of range."""
+    return SubmitRequest(request_id, list(m.prompt_token_ids), sampling_from_proto(m.sampling),
+                         m.priority, list(m.output_token_ids))
+
+
+def fill_chunk(chunk: decode_pb2.GenerateChunk, delta: TokenDelta) -> None:
+    chunk.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        chunk.logprobs.extend(logprobs_to_proto(lp) for lp in delta.logprobs)
+    if delta.finish_reason:
+        chunk.finish_reason = delta.finish_reason
+    if delta.num_cached_tokens:
+        chunk.num_cached_tokens = delta.num_cached_tokens
+    if delta.stop_reason is not None:
+        chunk.stop_reason = delta.stop_reason
+
+
+def delta_from_chunk(request_id: str, chunk: decode_pb2.GenerateChunk) -> TokenDelta:
+    return TokenDelta(request_id, list(chunk.token_ids),
+                      [logprobs_from_proto(m) for m in chunk.logprobs],
+                      chunk.finish_reason or None,
+                      chunk.stop_reason if chunk.HasField("stop_reason") else None,
+                      chunk.num_cached_tokens)

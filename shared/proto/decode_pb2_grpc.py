@@ -35,11 +35,6 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/pdmesh.v1.Decode/Generate',
-                request_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
-                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/pdmesh.v1.Decode/Session',
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
@@ -54,13 +49,6 @@ class DecodeStub:
 
 class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def Generate(self, request, context):
-        """One request, one stream: the simple form (tools, tests, other clients).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
         """Many requests over one stream, as the gateway uses it: requests and aborts go in,
@@ -81,11 +69,6 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateRequest.FromString,
-                    response_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateChunk.SerializeToString,
-            ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.FromString,
@@ -106,33 +89,6 @@ def add_DecodeServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Decode:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdmesh.v1.Decode/Generate',
-            pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateRequest.SerializeToString,
-            pdmesh_dot_shared_dot_proto_dot_decode__pb2.GenerateChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Session(request_iterator,

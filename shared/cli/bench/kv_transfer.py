@@ -25,8 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    from pdmesh.shared.infra.net import free_port
     from pdmesh.shared.kvpool import CacheRegions
-    from pdmesh.shared.kvpool.master import MasterPorts, MasterSupervisor, free_port
+    from pdmesh.shared.kvpool.master import MasterPorts, MasterSupervisor
     from pdmesh.shared.kvpool.mooncake import MooncakePool
 
     cfg = ModelConfig.from_folder(a.model)

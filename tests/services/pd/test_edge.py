@@ -1,5 +1,5 @@
-"""The decode instance's gRPC edge runs in a process of its own (pdmesh.shared.runtime.edge): it and
-the engine process live and die together, and requests pass between them intact."""
+"""The decode instance's gRPC edge runs in a process of its own (shared.runtime.edge): it
+and the engine process live and die together, and requests pass between them intact."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from pdmesh.shared.proto.convert import sampling_to_proto
 from tests.processes import alive
+from tests.services.pd.session import OneRequest
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16"]
 
@@ -52,8 +53,9 @@ def generate(address: str, prompt: list[int], n: int) -> list[int]:
     stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(address))
     sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     out: list[int] = []
-    for chunk in stub.Generate(decode_pb2.GenerateRequest(prompt_token_ids=prompt,
-                                                          sampling=sp), timeout=60):
+    for chunk in OneRequest(stub, decode_pb2.GenerateRequest(request_id="r",
+                                                             prompt_token_ids=prompt,
+                                                             sampling=sp), timeout=60):
         out += chunk.token_ids
     return out
 
@@ -106,3 +108,44 @@ def test_a_port_in_use_is_a_clear_error_naming_the_flag(qwen3_path):
     assert r.returncode == 2, r.stderr
     assert f"pdmesh: error: --port: cannot listen on 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill"])
+def test_the_edge_on_a_thread_serves_the_same(qwen3_path, tmp_path, registry_prefix, role):
+    """PDMESH_ENGINE_EDGE=thread: the same servicer over an InProcessEngineClient, no edge
+    process; requests, refusals and Health behave as with the edge process."""
+    from pdmesh.shared.proto import prefill_pb2, prefill_pb2_grpc
+
+    extra = []
+    if role == "prefill":  # a prefill instance needs a pool
+        kv = Service("kvstore", ["kvstore", "--registry-prefix", registry_prefix], tmp_path)
+        extra = ["--kvstore", kv.address, "--pool-segment-mb", "64"]
+    svc = Service(role, [role, str(qwen3_path), *ENGINE, *extra, "--registry-prefix",
+                         registry_prefix], tmp_path, env={"PDMESH_ENGINE_EDGE": "thread"})
+    try:
+        with open(f"/proc/{svc.proc.pid}/task/{svc.proc.pid}/children") as f:
+            assert f.read().split() == []  # no edge process
+        channel = grpc.insecure_channel(svc.address)
+        if role == "mixed":
+            assert len(generate(svc.address, [5, 6, 7, 8], 12)) == 12
+            with pytest.raises(grpc.RpcError) as e:
+                generate(svc.address, [5, 6, 99999999], 4)
+            health = decode_pb2_grpc.DecodeStub(channel).Health(common_pb2.HealthRequest(),
+                                                                 timeout=10)
+        else:
+            stub = prefill_pb2_grpc.PrefillStub(channel)
+            sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=4))
+            r = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", prompt_token_ids=list(
+                range(40)), sampling=sp), timeout=60)
+            assert r.num_prompt_tokens == 40 and len(r.block_keys) == 3
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", prompt_token_ids=[
+                    5, 99999999], sampling=sp), timeout=60)
+            health = stub.Health(common_pb2.HealthRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_token_ids" in e.value.details()
+        assert health.serving and health.role == role and health.load.total_kv_blocks > 0
+    finally:
+        svc.stop()
+        if extra:
+            kv.stop()

@@ -18,6 +18,7 @@ from pdmesh.shared.proto import (
     prefill_pb2_grpc,
 )
 from pdmesh.shared.proto.convert import sampling_to_proto
+from tests.services.pd.session import OneRequest
 
 PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
 NEW = 10
@@ -73,7 +74,7 @@ def test_prefill_then_decode_equals_offline(mesh, expected):
         assert r.num_prompt_tokens == len(prompt) and len(r.block_keys) == -(-len(prompt) // 16)
         tokens = [r.first_token]
         last = None
-        for chunk in dec.Generate(decode_pb2.GenerateRequest(
+        for chunk in OneRequest(dec, decode_pb2.GenerateRequest(
                 request_id=f"d{i}", prompt_token_ids=prompt, output_token_ids=tokens,
                 block_keys=r.block_keys, sampling=sp), timeout=60):
             tokens += list(chunk.token_ids)
@@ -93,9 +94,10 @@ def test_bad_input_is_invalid_argument(mesh):
     bad = sampling_to_proto(SamplingParams(max_tokens=4))
     bad.top_p = 3.0
     with pytest.raises(grpc.RpcError) as e:
-        next(dec.Generate(decode_pb2.GenerateRequest(prompt_token_ids=[1, 2],
-                                                     output_token_ids=[3], sampling=bad),
-                          timeout=30))
+        next(OneRequest(dec, decode_pb2.GenerateRequest(request_id="bad",
+                                                        prompt_token_ids=[1, 2],
+                                                        output_token_ids=[3], sampling=bad),
+                        timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in e.value.details()
 
 
@@ -104,7 +106,7 @@ def test_cancelled_stream_frees_its_blocks(mesh):
     sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
     r = pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=PROMPTS[0], sampling=sp),
                     timeout=60)
-    call = dec.Generate(decode_pb2.GenerateRequest(
+    call = OneRequest(dec, decode_pb2.GenerateRequest(
         request_id="long", prompt_token_ids=PROMPTS[0], output_token_ids=[r.first_token],
         block_keys=r.block_keys, sampling=sp), timeout=120)
     next(call)
@@ -136,8 +138,9 @@ def _wait_idle(dec) -> common_pb2.WorkerLoad:
 
 
 def test_session_serves_many_requests_one_message_per_step(mesh, expected):
-    """Every prompt through one Session stream gives the same tokens as Generate; an
-    invalid request on it fails alone with INVALID_ARGUMENT; steps arrive batched."""
+    """Every prompt through one Session stream gives the same tokens as one request per
+    stream; an invalid request on it fails alone with INVALID_ARGUMENT; steps arrive
+    batched."""
     pre, dec = stubs(mesh)
     sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     firsts = _prefilled(pre, sp, PROMPTS)

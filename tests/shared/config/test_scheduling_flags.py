@@ -10,8 +10,8 @@ import pytest
 
 from pdmesh.cli import build_parser
 from pdmesh.shared.config import ConfigError
+from pdmesh.shared.config.engine_config import scheduling_settings
 from pdmesh.shared.config.service import resolve_service_config
-from pdmesh.shared.runtime.worker import scheduling_settings
 
 SRF = {"scheduler_config": {"short_request_first_config": {
     "enabled": True, "threshold": 64, "long_max_wait_ms": 1500}}}

@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
+from pdmesh.shared.infra.net import free_port
 from pdmesh.shared.kvpool import CacheRegions, InProcessPool, KVPool
-from pdmesh.shared.kvpool.master import MasterSupervisor, free_port
+from pdmesh.shared.kvpool.master import MasterSupervisor
 from pdmesh.shared.kvpool.mooncake import MooncakePool
 from tests.processes import alive
 
@@ -163,6 +164,7 @@ def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
     import sys
 
     script = ("import sys; from pdmesh.shared.kvpool.master import *\n"
+              "from pdmesh.shared.infra.net import free_port\n"
               "s = MasterSupervisor(MasterPorts('127.0.0.1', free_port(), free_port(), "
               "free_port())); s.start(); print(s.pid, flush=True); sys.stdin.read()")
     sup = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,

@@ -202,16 +202,17 @@ def loop_rank_main(rank: int, world: int, address: str, model: str,
         from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
         from pdmesh.shared.engine.config import EngineConfig
         from pdmesh.shared.engine.engine import EngineCore
-        from pdmesh.shared.runtime.loop import EngineLoop
+        from tests.shared.runtime.driver import LoopDriver
 
         lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
         eng = EngineCore(EngineConfig(
             model=model, device="cpu", dtype="float32", block_size=16,
             data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
             enable_expert_parallel=True, dyntra_lb=lb))
-        loop = EngineLoop(eng)
-        streams = [loop.submit(p, SamplingParams(temperature=0, max_tokens=NEW,
-                                                 ignore_eos=True)) for p in prompts]
+        driver = LoopDriver(eng, start=False)  # the loop runs in this (main) thread
+        loop = driver.loop
+        streams = [driver.submit(p, SamplingParams(temperature=0, max_tokens=NEW,
+                                                   ignore_eos=True)) for p in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
 
         def collect():

@@ -1,4 +1,5 @@
-"""The engine loop: many callers, one stepping thread, one stream per request."""
+"""The engine loop: many requests through one port, one stepping thread, every request
+ending with exactly one finished delta."""
 
 from __future__ import annotations
 
@@ -7,26 +8,16 @@ import threading
 import pytest
 
 from pdmesh.shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
-from pdmesh.shared.runtime.loop import EngineLoop
+from pdmesh.shared.runtime.protocol import Status
+from tests.shared.runtime.driver import LoopDriver
 
 
 @pytest.fixture
 def loop(qwen3_path):
-    lp = EngineLoop(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
-                                            dtype="float32", block_size=16)))
-    t = threading.Thread(target=lp.run, daemon=True)
-    t.start()
-    yield lp
-    lp.stop()
-    t.join(10)
-
-
-def drain(stream):
-    tokens, last = [], None
-    while last is None or not last.finished:
-        last = stream.get(timeout=30)
-        tokens += last.token_ids
-    return tokens, last
+    driver = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
+                                                dtype="float32", block_size=16)))
+    yield driver
+    driver.stop()
 
 
 def test_streams_match_offline_and_abort_frees(qwen3_path, loop):
@@ -36,12 +27,12 @@ def test_streams_match_offline_and_abort_frees(qwen3_path, loop):
     a = loop.submit([5, 6, 7], params)
     b = loop.submit(list(range(40, 80)), params)
     long = loop.submit([9, 9, 9], SamplingParams(max_tokens=5000, ignore_eos=True))
-    assert drain(a)[0] == expected[0].outputs[0].token_ids
-    tokens, last = drain(b)
+    assert a.drain()[0] == expected[0].outputs[0].token_ids
+    tokens, last = b.drain()
     assert tokens == expected[1].outputs[0].token_ids and last.finish_reason == "length"
     long.get(timeout=30)
     loop.abort(long.request_id)
-    _, last = drain(long)
+    _, last = long.drain()
     assert last.finish_reason == "abort"
     kv = loop.engine.kv
     for _ in range(100):
@@ -51,14 +42,30 @@ def test_streams_match_offline_and_abort_frees(qwen3_path, loop):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_bad_request_raises_in_the_caller(loop):
+def test_a_bad_request_ends_with_an_error_naming_the_field(loop):
     bad = SamplingParams()
-    bad.top_p = 5.0  # changed after construction: submit validates again
-    with pytest.raises(ValueError, match="top_p"):
-        loop.submit([1, 2], bad)
-    with pytest.raises(ValueError, match="prompt"):
-        loop.submit([], SamplingParams())
-    s = loop.submit([1, 2], SamplingParams(max_tokens=2), request_id="dup")
-    with pytest.raises(ValueError, match="request_id"):
-        loop.submit([1, 2], SamplingParams(), request_id="dup")
-    assert drain(s)[1].finished
+    bad.top_p = 5.0  # changed after construction: the engine validates again
+    for prompt, params, field in (([1, 2], bad, "top_p"), ([], SamplingParams(), "prompt")):
+        tokens, last = loop.submit(prompt, params).drain()
+        assert tokens == [] and last.error.status is Status.INVALID_ARGUMENT
+        assert field in last.error.message
+    s = loop.submit([1, 2], SamplingParams(max_tokens=200, ignore_eos=True), request_id="dup")
+    s.get(timeout=30)  # running
+    dup = loop.submit([1, 2], SamplingParams(), request_id="dup")
+    refusal = dup.get(timeout=30)
+    while refusal.error is None:  # the running one's deltas share the stream
+        refusal = dup.get(timeout=30)
+    assert refusal.error.status is Status.INVALID_ARGUMENT
+    assert "request_id" in refusal.error.message
+    _, last = s.drain()
+    assert last.finish_reason == "length"
+
+
+def test_stopping_fails_every_open_request(qwen3_path):
+    driver = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
+                                                dtype="float32", block_size=16)))
+    s = driver.submit([1, 2, 3], SamplingParams(max_tokens=5000, ignore_eos=True))
+    s.get(timeout=30)
+    driver.stop()
+    _, last = s.drain()
+    assert last.error is not None and last.error.status is Status.UNAVAILABLE

@@ -1,0 +1,214 @@
+"""One request's answer in OpenAI's shapes, whole or as SSE events, written straight
+from the journey's TokenDeltas: text released as it becomes final (stop strings and
+incomplete characters held back), logprobs, usage; and on the way the gateway's
+per-request metrics, the --log-requests line and the request's span.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdmesh.services.gateway.detokenize import IncrementalText
+from pdmesh.services.gateway.errors import MeshError, error_type
+from pdmesh.services.gateway.metrics import GatewayMetrics
+from pdmesh.shared.engine.request import Logprob
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.infra.logs import REQUEST_LOG, request_record
+from pdmesh.shared.models.tokenizer import Tokenizer
+from pdmesh.shared.runtime.protocol import TokenDelta
+
+_REQUESTS = logging.getLogger(REQUEST_LOG)
+_REQUESTS.setLevel(logging.INFO)  # --log-requests shows them whatever --log-level says
+
+
+class Answer:
+    def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
+                 params: SamplingParams, stops: list[str], tok: Tokenizer,
+                 metrics: GatewayMetrics, span: Any = None, log_level: int | None = None):
+        self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        self.params, self.tok, self.metrics = params, tok, metrics
+        self.span = span  # the request's trace span, ended with the answer
+        self.log_level = log_level  # log the request when it ends (--log-requests)
+        self.text = IncrementalText(tok, stops, params.skip_special_tokens)
+        self.created = int(time.time())
+        self.t0 = time.perf_counter()
+        self.ttft: float | None = None
+        self._last: float | None = None  # when the last token reached us
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.done = False
+        self._journey: AsyncIterator[TokenDelta] | None = None
+        self._head: TokenDelta | None = None
+
+    async def start(self, journey: AsyncIterator[TokenDelta]) -> None:
+        """Wait for the first token before answering anything: a MeshError raised here
+        still gets its own HTTP status."""
+        self._journey = journey
+        try:
+            self._head = await anext(journey)
+        except BaseException:
+            await self.close()
+            raise
+        self.cached_tokens = self._head.num_cached_tokens
+
+    # -- the two shapes ------------------------------------------------------------------
+    async def whole(self) -> dict[str, Any]:
+        parts: list[str] = []
+        lps: list[tuple[int, dict[int, Logprob]]] = []
+        async for delta in self._deltas():
+            parts.append(self._take(delta))
+            lps += zip(delta.token_ids, delta.logprobs, strict=False)
+        self._finished()
+        content = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+                                  "logprobs": self._logprobs(lps)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage()}
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        first = True
+        try:
+            async for delta in self._deltas():
+                text = self._take(delta)
+                lps = list(zip(delta.token_ids, delta.logprobs, strict=False))
+                choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(lps),
+                                          "finish_reason": None}
+                if self.chat:
+                    choice["delta"] = {"content": text, **({"role": "assistant"} if first
+                                                           else {})}
+                else:
+                    choice["text"] = text
+                first = False
+                yield self._event([choice])
+            self._finished()
+            end: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+                                   "logprobs": None, ("delta" if self.chat else "text"):
+                                   {} if self.chat else ""}
+            yield self._event([end])
+            if include_usage:
+                yield self._event([], usage=self.usage())
+        except MeshError as e:
+            self.metrics.failures.inc()
+            yield _sse({"error": {"message": str(e), "type": error_type(e.status),
+                                  "param": None, "code": e.status}})
+        yield "data: [DONE]\n\n"
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": self.rid, "object": "chat.completion.chunk" if self.chat
+                     else "text_completion", "created": self.created, "model": self.model,
+                     "choices": choices, **extra})
+
+    # -- deltas in -----------------------------------------------------------------------
+    async def _deltas(self) -> AsyncIterator[TokenDelta]:
+        """The journey's deltas until the answer is done (a stop string may end it
+        before the journey does); then the journey is closed and the request accounted."""
+        try:
+            delta = self._head
+            while delta is not None:
+                yield delta
+                if self.done:
+                    return
+                delta = await anext(self._journey, None)
+        finally:
+            await self.close()
+
+    def _take(self, delta: TokenDelta) -> str:
+        """The text ``delta`` makes final; sets ``done`` at a stop string or the end."""
+        self.completion_tokens += len(delta.token_ids)
+        self._timing(len(delta.token_ids))
+        text = self.text.add(delta.token_ids)
+        if self.text.stopped:
+            self.finish_reason, self.done = "stop", True
+        elif delta.finish_reason:
+            self.finish_reason, self.done = delta.finish_reason, True
+            text += self.text.flush()
+        return text
+
+    def _timing(self, n: int) -> None:
+        """TTFT for the first token; for later ones, the wait shared over the tokens
+        that arrived together."""
+        if not n:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self.ttft = now - self.t0
+            self.metrics.ttft.observe(self.ttft)
+            n -= 1
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self._last = now
+
+    async def close(self) -> None:
+        """Once: the journey closed (its gRPC calls cancelled), the request accounted."""
+        journey, self._journey = self._journey, None
+        if journey is None:
+            return
+        await journey.aclose()  # type: ignore[attr-defined]
+        self.metrics.generation_tokens.inc(self.completion_tokens)
+        if self.log_level is not None:
+            self._log()
+        if self.span is not None:
+            self.span.set_attribute("pdmesh.completion_tokens", self.completion_tokens)
+            self.span.set_attribute("pdmesh.finish_reason", self.finish_reason or "")
+            self.span.end()
+
+    # -- what the answer reports ---------------------------------------------------------
+    def _finished(self) -> None:
+        self.metrics.prompt_tokens.inc(len(self.prompt))
+        self.metrics.success(self.finish_reason or "stop")
+        self.metrics.e2e.observe(time.perf_counter() - self.t0)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
+                "total_tokens": len(self.prompt) + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def _log(self) -> None:
+        level = self.log_level or 0
+        rec = request_record(
+            level, request_id=self.rid, model=self.model, prompt_tokens=len(self.prompt),
+            completion_tokens=self.completion_tokens, finish_reason=self.finish_reason,
+            seconds=time.perf_counter() - self.t0, ttft_s=self.ttft, params=self.params,
+            prompt_text=self.tok.decode(self.prompt) if level >= 2 else "",
+            output_text=self.text.text if level >= 2 else "")
+        trace_id = (format(self.span.get_span_context().trace_id, "032x")
+                    if self.span is not None else None)
+        _REQUESTS.info("request %s finished (%s): %d prompt + %d generated tokens in "
+                       "%.3f s", self.rid, self.finish_reason, len(self.prompt),
+                       self.completion_tokens, rec["e2e_s"],
+                       extra={"request_id": self.rid, "trace_id": trace_id, "request": rec})
+
+    def _logprobs(self, lps: list[tuple[int, dict[int, Logprob]]]) -> dict[str, Any] | None:
+        n = self.params.logprobs
+        if n is None or not lps:
+            return None
+        word = self.tok.decode
+        if self.chat:
+            return {"content": [{
+                "token": word([t]), "logprob": d[t].logprob,
+                "bytes": list(word([t]).encode()),
+                "top_logprobs": [{"token": word([k]), "logprob": v.logprob,
+                                  "bytes": list(word([k]).encode())}
+                                 for k, v in sorted(d.items(), key=lambda kv: kv[1].rank)
+                                 if v.rank <= n]} for t, d in lps]}
+        return {"tokens": [word([t]) for t, _ in lps],
+                "token_logprobs": [d[t].logprob for t, d in lps],
+                "top_logprobs": [{word([k]): v.logprob for k, v in d.items()
+                                  if v.rank <= n} for _, d in lps],
+                "text_offset": []}
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

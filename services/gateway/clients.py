@@ -1,0 +1,179 @@
+"""The gateway's calls to engine instances, behind two small interfaces.
+
+    PrefillClient.prefill(instance, call)   -> PrefillResult (the next token, pool keys)
+    DecodeClient.generate(instance, call)   -> TokenDelta stream (closing it early aborts)
+
+Both raise ``CallFailed`` with the gRPC code when an instance cannot answer. The journey
+(``journey``) only knows these interfaces: the gRPC implementations here serve the
+gateway, in-memory fakes serve the journey's unit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from pdmesh.services.gateway.errors import CallFailed
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.infra.registry import Instance
+from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdmesh.shared.proto.convert import delta_from_chunk, logprobs_from_proto, sampling_to_proto
+from pdmesh.shared.runtime.protocol import TokenDelta
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+@dataclass
+class Call:
+    """One call to one instance on behalf of a request."""
+
+    request_id: str  # unique per attempt: the instance keys its request by it
+    prompt: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    carried: list[int] = field(default_factory=list)  # tokens generated before this call
+    block_keys: list[str] = field(default_factory=list)  # where the prompt's KV waits
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C, when tracing
+
+
+@dataclass
+class PrefillResult:
+    first: TokenDelta  # the next token; ``finish_reason`` if it already ends the request
+    block_keys: list[str]
+
+
+class PrefillClient(Protocol):
+    async def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillResult:
+        """The prompt (and ``call.carried``) computed, one more token sampled."""
+
+
+class DecodeClient(Protocol):
+    def generate(self, inst: Instance, call: Call, idle_timeout_s: float
+                 ) -> AsyncIterator[TokenDelta]:
+        """The request's deltas until the one that finishes it."""
+
+
+class GrpcClients:
+    """Both clients over gRPC: one channel per address and, for decode, one Session
+    stream per instance that every request shares."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sessions: dict[str, DecodeSession] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    async def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillResult:
+        stub = prefill_pb2_grpc.PrefillStub(self.channel(inst.address))
+        try:
+            resp = await stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=call.request_id, prompt_token_ids=call.prompt,
+                sampling=sampling_to_proto(call.sampling), priority=call.priority,
+                output_token_ids=call.carried),
+                timeout=timeout_s, metadata=tuple(call.trace_context.items()) or None)
+        except grpc.aio.AioRpcError as e:
+            raise CallFailed(e.code(), e.details() or e.code().name) from e
+        lps = ([logprobs_from_proto(resp.first_logprobs)]
+               if resp.HasField("first_logprobs") else [])
+        first = TokenDelta(call.request_id, [resp.first_token], lps,
+                           resp.finish_reason or None,
+                           num_cached_tokens=resp.num_cached_tokens)
+        return PrefillResult(first, list(resp.block_keys))
+
+    def generate(self, inst: Instance, call: Call, idle_timeout_s: float
+                 ) -> AsyncIterator[TokenDelta]:
+        return self.session(inst.address).generate(decode_pb2.GenerateRequest(
+            request_id=call.request_id, prompt_token_ids=call.prompt,
+            output_token_ids=call.carried, block_keys=call.block_keys,
+            sampling=sampling_to_proto(call.sampling), priority=call.priority,
+            trace_context=call.trace_context), idle_timeout_s)
+
+    def session(self, address: str) -> DecodeSession:
+        """The live session to ``address``; a broken one is replaced."""
+        s = self._sessions.get(address)
+        if s is None or s.broken is not None:
+            s = self._sessions[address] = DecodeSession(self.channel(address))
+        return s
+
+    async def close(self) -> None:
+        for s in self._sessions.values():
+            await s.close()
+        for ch in self._channels.values():
+            await ch.close()
+
+
+class DecodeSession:
+    """The gateway's one ``Decode.Session`` stream to a decode (or mixed) instance: many
+    requests share it and each engine step arrives as one message. The session breaks
+    as a whole when the instance goes away; every request on it then fails with
+    UNAVAILABLE (or what gRPC reported) and the caller continues elsewhere."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._outbox: asyncio.Queue[decode_pb2.SessionRequest | None] = asyncio.Queue()
+        self._waiters: dict[str, asyncio.Queue] = {}
+        self.broken: CallFailed | None = None
+        self._call = decode_pb2_grpc.DecodeStub(channel).Session(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[decode_pb2.SessionRequest]:
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._call:
+                for out in msg.outputs:
+                    q = self._waiters.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+            failure = CallFailed(grpc.StatusCode.UNAVAILABLE, "decode session closed")
+        except grpc.aio.AioRpcError as e:
+            failure = CallFailed(e.code(), e.details() or e.code().name)
+        except asyncio.CancelledError:
+            failure = CallFailed(grpc.StatusCode.CANCELLED, "gateway shutting down")
+        self.broken = failure
+        for q in self._waiters.values():
+            q.put_nowait(failure)
+
+    async def generate(self, req: decode_pb2.GenerateRequest, idle_timeout_s: float
+                       ) -> AsyncIterator[TokenDelta]:
+        """The request's deltas; CallFailed if it cannot finish here."""
+        if self.broken is not None:
+            raise self.broken
+        rid = req.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiters[rid] = q
+        self._outbox.put_nowait(decode_pb2.SessionRequest(generate=req))
+        finished = False
+        try:
+            while not finished:
+                try:
+                    item = await asyncio.wait_for(q.get(), idle_timeout_s)
+                except TimeoutError:
+                    raise CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no token for {idle_timeout_s:.0f} s") from None
+                if isinstance(item, CallFailed):
+                    raise item
+                if item.error_code:
+                    finished = True  # the instance already forgot it
+                    raise CallFailed(_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN),
+                                     item.error_message)
+                finished = bool(item.chunk.finish_reason)
+                yield delta_from_chunk(rid, item.chunk)
+        finally:
+            del self._waiters[rid]
+            if not finished and self.broken is None:  # the client left: free its blocks
+                self._outbox.put_nowait(decode_pb2.SessionRequest(abort_request_id=rid))
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()

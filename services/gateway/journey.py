@@ -1,0 +1,357 @@
+"""One request's way through the mesh, as explicit steps.
+
+    route ──▶ prefill (a prefill instance; others on failure, with backoff)
+          └─▶ offload (prefill backed up: a decode instance computes the prompt itself)
+    ──▶ decode session (a decode instance streams the rest)
+          ├─ the instance fails mid-stream ──▶ migrate: another decode instance continues
+          │    with the tokens so far (prompt from the pool, the rest recomputed)
+          ├─ it runs out of KV ("recomputed") ──▶ hand back: re-prefill prompt + tokens
+          │    so far, then decode again
+          └─ finish
+    (no prefill instance, only mixed ones: one mixed instance does it all)
+
+The client's stream goes on unbroken through migrations and hand-backs. Errors the
+client caused (INVALID_ARGUMENT) go straight back; anything that cannot be recovered
+ends as ``MeshError``; when every instance tried refused the request at its
+--max-queued-requests limit, that MeshError is a 429. The journey reaches instances
+only through ``PrefillClient`` / ``DecodeClient`` and picks them through the router, so
+every path here has unit tests with fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdmesh.services.gateway.clients import Call, DecodeClient, PrefillClient
+from pdmesh.services.gateway.errors import (
+    RETRYABLE,
+    CallFailed,
+    MeshError,
+    gave_up,
+    http_status,
+)
+from pdmesh.services.gateway.router import Router
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.infra.registry import Instance
+from pdmesh.shared.runtime.protocol import TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard the gateway tries before it gives up on a request."""
+
+    prefill_attempts: int = 3  # prefill (and mixed) instances tried per prefill
+    decode_attempts: int = 3  # decode instances that may fail one request
+    max_hand_backs: int = 16  # times the recompute scheduler may hand one request back
+    backoff_s: float = 0.1  # before the next decode instance; doubling for prefill
+    timeout_s: float = 600.0  # a prefill call, or a decode stream's silence
+
+    def retryable(self, code: grpc.StatusCode) -> bool:
+        return code in RETRYABLE
+
+    def prefill_backoff(self, attempt: int) -> float:
+        return self.backoff_s * (2 ** attempt)
+
+
+class _Counter:
+    def inc(self, n: float = 1) -> None:
+        pass
+
+
+class MeshEvents:
+    """What a journey reports (the gateway's metrics implement the same): a call retried
+    on another instance, a request migrated to another decode instance, one handed back
+    by a decode instance's recompute scheduler, one offloaded. These do nothing."""
+
+    migrated = _Counter()
+    handed_back = _Counter()
+    offloaded = _Counter()
+
+    def retried(self, role: str) -> None:
+        pass
+
+
+@dataclass
+class Mesh:
+    """What every journey uses: where instances are, how to call them, how hard to try."""
+
+    router: Router
+    prefill: PrefillClient
+    decode: DecodeClient
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    events: MeshEvents = field(default_factory=MeshEvents)
+
+
+@dataclass(frozen=True)
+class MeshRequest:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+
+
+class Outcome(enum.Enum):
+    """How one decode session for the request ended."""
+
+    FINISHED = "finished"
+    HANDED_BACK = "handed back"  # out of KV there: re-prefill, then decode again
+    FAILED = "failed"  # the instance failed or refused: migrate to another
+
+
+class Journey:
+    """One request through the mesh: ``async for delta in Journey(...).run()``. The first
+    delta carries the prompt's cached-token count; the last one ``finish_reason``."""
+
+    def __init__(self, mesh: Mesh, request: MeshRequest, trace: Any = None):
+        self.mesh = mesh
+        self.req = request
+        self.trace = trace or NoTrace()  # a JourneyTrace when tracing
+        self.tokens: list[int] = []  # generated so far: carried on migration / hand-back
+        self.block_keys: list[str] = []  # where the prompt's KV waits in the pool
+        self.failed: set[str] = set()  # decode instances that failed this request
+        self.codes: list[grpc.StatusCode] = []  # why each of them failed
+        self.hand_backs = 0
+        self.outcome = Outcome.FAILED  # how the last decode session ended
+
+    async def run(self) -> AsyncIterator[TokenDelta]:
+        router = self.mesh.router
+        if not router.instances("prefill") and router.instances("mixed"):
+            async with aclosing(self._mixed()) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
+        offload = router.offload_target(self.req.prompt)  # route
+        if offload is None:
+            first = await self._prefill()
+            yield first
+            if first.finished:
+                return
+        else:  # prefill is backed up: this decode instance computes the prompt itself
+            self.mesh.events.offloaded.inc()
+            router.sent(offload, self.req.prompt)
+        while True:
+            inst = offload or self._next_decode_instance()
+            async with aclosing(self._decode(inst, offloaded=offload is not None)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            offload = None
+            if self.outcome is Outcome.FINISHED:
+                return
+            if self.outcome is Outcome.HANDED_BACK:
+                first = await self._hand_back(inst)
+                yield first
+                if first.finished:
+                    return
+
+    # -- steps ---------------------------------------------------------------------------
+    async def _prefill(self, carried: list[int] | None = None, span: Any = None
+                       ) -> TokenDelta:
+        """The next token from a prefill instance, retrying elsewhere with backoff;
+        ``carried``: tokens generated before a decode instance handed the request back."""
+        carried = carried or []
+        prompt = self.req.prompt + carried
+        tried: set[str] = set()
+        codes: list[grpc.StatusCode] = []
+        last = "no prefill instance is available"
+        retry = self.mesh.retry
+        rid = f"{self.req.request_id}-r{self.hand_backs}" if carried else self.req.request_id
+        for attempt in range(retry.prefill_attempts):
+            inst = self.mesh.router.pick("prefill", exclude=tried, prompt=prompt)
+            if inst is None:
+                break
+            try:
+                return await self._prefill_on(inst, f"{rid}-p{attempt}", carried, attempt, span)
+            except CallFailed as e:
+                last = f"prefill {inst.address} failed: {e.code.name}: {e.details}"
+                log.warning("request %s: %s", self.req.request_id, last)
+                codes.append(e.code)
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise MeshError(e.details or "invalid request", 400) from e
+                if not retry.retryable(e.code):
+                    break
+                tried.add(inst.id)
+                self.mesh.router.forget()
+                self.mesh.events.retried("prefill")
+            await asyncio.sleep(retry.prefill_backoff(attempt))
+        raise gave_up("prefill", codes, last)
+
+    async def _prefill_on(self, inst: Instance, call_id: str, carried: list[int],
+                          attempt: int, parent: Any) -> TokenDelta:
+        prompt = self.req.prompt + carried
+        router = self.mesh.router
+        router.sent(inst, prompt)
+        span = self.trace.child("prefill", inst, {"pdmesh.attempt": attempt}, parent)
+        try:
+            result = await self.mesh.prefill.prefill(inst, self._call(
+                call_id, carried, [], self.trace.carrier(span)), self.mesh.retry.timeout_s)
+        finally:
+            router.answered(inst, prompt)
+            self.trace.end(span)
+        self.block_keys = result.block_keys
+        self.tokens = carried + result.first.token_ids
+        return result.first
+
+    def _next_decode_instance(self) -> Instance:
+        """A decode instance that has not failed this request (migration picks again)."""
+        if len(self.failed) >= self.mesh.retry.decode_attempts:
+            raise gave_up("decode", self.codes, f"decode failed on {len(self.failed)} "
+                                                "instances")
+        inst = self.mesh.router.pick("decode", exclude=self.failed)
+        if inst is None:
+            raise gave_up("decode", self.codes, "no decode instance is available")
+        return inst
+
+    async def _decode(self, inst: Instance, offloaded: bool) -> AsyncIterator[TokenDelta]:
+        """One decode session: stream what it generates; ``self.outcome`` says how it
+        ended (FAILED: the caller migrates)."""
+        self.outcome = Outcome.FAILED
+        span = self.trace.child("decode", inst, {"pdmesh.attempt": len(self.failed),
+                                                 "pdmesh.carried_tokens": len(self.tokens)})
+        call = self._call(f"{self.req.request_id}-d{len(self.failed)}r{self.hand_backs}",
+                          self.tokens, self.block_keys, self.trace.carrier(span))
+        deltas = self.mesh.decode.generate(inst, call, self.mesh.retry.timeout_s)
+        first = offloaded
+        try:
+            async for delta in deltas:
+                if delta.finish_reason == "recomputed":  # out of KV there (decode's
+                    self.outcome = Outcome.HANDED_BACK    # recompute scheduler)
+                    return
+                if first:  # its first token: the offloaded prompt is done there
+                    self.mesh.router.answered(inst, self.req.prompt)
+                    first = False
+                else:
+                    delta.num_cached_tokens = 0  # the prompt's count came with prefill
+                self.tokens += delta.token_ids
+                yield delta
+                if delta.finish_reason:
+                    self.outcome = Outcome.FINISHED
+                    return
+        except CallFailed as e:
+            await self._decode_failed(inst, e)
+        finally:
+            if first:  # an offloaded prompt that ended before its first token
+                self.mesh.router.answered(inst, self.req.prompt)
+            await deltas.aclose()  # aborts the request on decode when the client left
+            self.trace.end(span, {"pdmesh.outcome": self.outcome.value})
+
+    async def _decode_failed(self, inst: Instance, e: CallFailed) -> None:
+        """Migrate (the caller picks another instance after the backoff), or give up."""
+        if not self.mesh.retry.retryable(e.code):
+            status = http_status(e.code)
+            raise MeshError((e.details or "invalid request") if status == 400
+                            else f"decode failed: {e}", status) from e
+        log.warning("request %s: decode %s failed (%s); continuing elsewhere after %d "
+                    "tokens", self.req.request_id, inst.address, e.code.name,
+                    len(self.tokens))
+        self.failed.add(inst.id)
+        self.codes.append(e.code)
+        self.mesh.events.retried("decode")
+        if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # it had started there
+            self.mesh.events.migrated.inc()
+        self.mesh.router.forget()
+        await asyncio.sleep(self.mesh.retry.backoff_s)
+
+    async def _hand_back(self, inst: Instance) -> TokenDelta:
+        """Re-prefill prompt + tokens so far; the client's stream goes on as if nothing
+        happened."""
+        self.hand_backs += 1
+        self.mesh.events.handed_back.inc()
+        if self.hand_backs > self.mesh.retry.max_hand_backs:
+            raise MeshError(f"decode handed the request back {self.mesh.retry.max_hand_backs}"
+                            " times (out of KV cache); retry later")
+        log.info("request %s: handed back by decode %s after %d tokens; re-prefilling",
+                 self.req.request_id, inst.address, len(self.tokens))
+        hop = self.trace.child("recompute", None, {"pdmesh.carried_tokens": len(self.tokens)})
+        try:
+            first = await self._prefill(list(self.tokens), span=hop)
+        finally:
+            self.trace.end(hop)
+        first.num_cached_tokens = 0  # the prompt's count came with the first prefill
+        return first
+
+    async def _mixed(self) -> AsyncIterator[TokenDelta]:
+        """A mixed instance prefills and decodes in one engine: one stream, no pool. An
+        instance that refuses the request at its queue limit is replaced by another."""
+        refused: list[grpc.StatusCode] = []
+        tried: set[str] = set()
+        for _ in range(self.mesh.retry.prefill_attempts):
+            inst = self.mesh.router.pick("mixed", exclude=tried)
+            if inst is None:
+                break
+            deltas = self.mesh.decode.generate(inst, self._call(self.req.request_id),
+                                               self.mesh.retry.timeout_s)
+            first = True
+            try:
+                async for delta in deltas:
+                    if not first:
+                        delta.num_cached_tokens = 0
+                    first = False
+                    yield delta
+                return
+            except CallFailed as e:
+                if first and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    refused.append(e.code)  # nothing ran there: another may take it
+                    tried.add(inst.id)
+                    continue
+                raise MeshError(e.details or e.code.name, http_status(e.code)) from e
+            finally:
+                await deltas.aclose()
+        raise gave_up("mixed", refused, "no instance is available")
+
+    def _call(self, call_id: str, carried: list[int] | None = None,
+              block_keys: list[str] | None = None,
+              trace_context: dict[str, str] | None = None) -> Call:
+        return Call(call_id, self.req.prompt, self.req.sampling, self.req.priority,
+                    list(carried or []), list(block_keys or []), trace_context or {})
+
+
+class NoTrace:
+    """Tracing off: every span is None and costs nothing."""
+
+    def child(self, name: str, inst: Instance | None, attributes: dict[str, Any],
+              parent: Any = None) -> Any:
+        return None
+
+    def carrier(self, span: Any) -> dict[str, str]:
+        return {}
+
+    def end(self, span: Any, attributes: dict[str, Any] | None = None) -> None:
+        pass
+
+
+class JourneyTrace(NoTrace):
+    """Child spans of the request's span for each call, and their W3C context to send."""
+
+    ROUTES = {"prefill": "least estimated TTFT", "decode": "fewest KV blocks in use"}
+
+    def __init__(self, tracing: Any, span: Any):
+        self.tracing = tracing
+        self.span = span
+
+    def child(self, name: str, inst: Instance | None, attributes: dict[str, Any],
+              parent: Any = None) -> Any:
+        if inst is not None:
+            attributes = {**attributes, "pdmesh.instance": inst.id,
+                          "pdmesh.address": inst.address,
+                          "pdmesh.route": self.ROUTES.get(name, "")}
+        return self.tracing.start(name, self.tracing.context_of(parent or self.span),
+                                  kind="client", attributes=attributes)
+
+    def carrier(self, span: Any) -> dict[str, str]:
+        return self.tracing.inject(self.tracing.context_of(span)) if span is not None else {}
+
+    def end(self, span: Any, attributes: dict[str, Any] | None = None) -> None:
+        if span is not None:
+            for k, v in (attributes or {}).items():
+                span.set_attribute(k, v)
+            span.end()

@@ -1,0 +1,277 @@
+"""Every flag pdmesh's services and engine commands take, declared once.
+
+Spelled as ``vllm serve`` spells them, with SGLang's spelling as an alias where the
+seeds list one (``--tp-size``, ``--context-length``, ``--model-path``, ...). Each flag
+names the commands that take it; ``effect`` names those where it does something (the
+rest accept it, so a vLLM command line starts unchanged, and list it at start-up). One
+parser (``shared.config.parse_flags``) reads every command from this table, and one
+function (``shared.config.serve.serve_config``) turns what it read into the config a
+service runs - for the services, `pdmesh up`, `pdmesh serve` and `pdmesh config check`
+alike.
+
+    kind   "bool" (no value; --no-X sets False), "int", "float", "str", "json" (an object),
+           "names" (one or more words), "list" (repeatable, one value each time)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+ENGINES = frozenset({"prefill", "decode", "mixed"})
+SERVICES = ENGINES | {"gateway", "kvstore", "eplb"}
+LAUNCHERS = frozenset({"up", "serve"})  # start the mesh; `serve` takes vllm serve's flags
+ENGINE_TOOLS = frozenset({"generate", "bench offline"})  # run the engine offline
+CHECK = frozenset({"config check"})
+ALL = SERVICES | LAUNCHERS | ENGINE_TOOLS | CHECK
+# every command an engine's flags reach: the engines, `serve` (its mixed instance) and
+# `config check` (it checks what an engine would run)
+ENGINE_LINE = ENGINES | {"serve"} | CHECK
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+DEVICES = ("auto", "npu", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # the canonical spelling, "--max-model-len"
+    kind: str
+    commands: frozenset[str]
+    default: Any = None  # or {command: default} where commands differ
+    help: str = ""
+    aliases: tuple[str, ...] = ()  # other spellings: "-tp", SGLang's "--tp-size"
+    choices: tuple[Any, ...] = ()
+    effect: frozenset[str] | None = None  # commands where it acts (None: all of them)
+    dest: str = ""  # the attribute it fills (default: from the name)
+
+    @property
+    def attr(self) -> str:
+        return self.dest or self.name.lstrip("-").replace("-", "_")
+
+    def default_for(self, command: str) -> Any:
+        if isinstance(self.default, dict):
+            return self.default.get(command, self.default.get("*"))
+        if self.kind in ("list",) and self.default is None:
+            return []
+        return self.default
+
+    def acts_in(self, command: str) -> bool:
+        return self.effect is None or command in self.effect
+
+
+def _flags(commands: Iterable[str], *specs: tuple) -> list[Flag]:
+    """Flags sharing one set of commands: (name, kind, default, help, **extra) each."""
+    out = []
+    for spec in specs:
+        name, kind, default, help_, *extra = spec
+        out.append(Flag(name, kind, frozenset(commands), default, help_,
+                        **(extra[0] if extra else {})))
+    return out
+
+
+def _compat(*specs: tuple) -> list[Flag]:
+    """``vllm serve`` flags accepted without effect on the engine lines: (name, kind) or
+    (name, kind, aliases) each."""
+    return [Flag(spec[0], spec[1], ENGINE_LINE, None,
+                 "accepted for vLLM compatibility, without effect",
+                 aliases=spec[2] if len(spec) > 2 else (), effect=frozenset())
+            for spec in specs]
+
+
+MODEL_COMMANDS = ENGINES | {"gateway"} | LAUNCHERS | ENGINE_TOOLS | CHECK
+REGISTRY = SERVICES | {"up"}
+TRACED = ENGINES | {"gateway", "up"}
+
+FLAGS: list[Flag] = [
+    # -- everywhere ---------------------------------------------------------------------
+    *_flags(ALL,
+            ("--log-level", "str", "WARNING", "debug, info, warning or error"),
+            ("--log-format", "str", "text", "text, or json lines with request and trace ids",
+             {"choices": ("text", "json")})),
+    # -- the model ----------------------------------------------------------------------
+    Flag("--model", "str", MODEL_COMMANDS, None, "the model folder (or first positional "
+         "argument, as `vllm serve MODEL`)", aliases=("--model-path",),
+         effect=MODEL_COMMANDS - CHECK),
+    Flag("--served-model-name", "names", ENGINES | {"gateway"} | LAUNCHERS | CHECK, (),
+         "the name(s) clients ask for (default: the model path; up/serve: its folder name)",
+         effect=ENGINES | {"gateway"} | LAUNCHERS),
+    # -- where a service listens and registers ------------------------------------------
+    Flag("--host", "str", SERVICES | LAUNCHERS | CHECK, "127.0.0.1",
+         "the address to bind (every listener binds exactly this)",
+         effect=SERVICES | LAUNCHERS),
+    Flag("--port", "int", SERVICES | LAUNCHERS | CHECK,
+         {"gateway": 8000, "up": 8000, "serve": 8000, "*": 0},
+         "the port to listen on (0: any free one); up/serve: the gateway's HTTP port",
+         effect=SERVICES | LAUNCHERS),
+    *_flags(SERVICES,
+            ("--advertise-host", "str", None, "the host others reach this service at "
+             "(default: --host, or this machine's hostname when --host is 0.0.0.0)")),
+    Flag("--redis-url", "str", REGISTRY, {"up": None, "*": "redis://127.0.0.1:6379/0"},
+         "the registry (up: default a redis on 127.0.0.1:6379, started if none listens)"),
+    Flag("--registry-prefix", "str", REGISTRY, "pdmesh",
+         "redis key prefix, so several meshes can share one redis"),
+    Flag("--metrics-port", "int", ENGINES | {"kvstore", "eplb"}, 0,
+         "HTTP port of /metrics (0: any free one; -1: none); kvstore: the Mooncake "
+         "master's"),
+    Flag("--enable-trace", "bool", TRACED, False,
+         "trace requests (OTLP to --otlp-traces-endpoint, default http://127.0.0.1:4317)"),
+    Flag("--otlp-traces-endpoint", "str", TRACED, None,
+         "OTLP/gRPC collector for traces (turns tracing on)",
+         aliases=("--oltp-traces-endpoint",)),  # SGLang's seed spells it so
+    # -- the engine ---------------------------------------------------------------------
+    *_flags(ENGINES | ENGINE_TOOLS | {"serve"} | CHECK,
+            ("--device", "str", "auto", "auto (npu, else cuda, else cpu), npu, cuda or cpu",
+             {"choices": DEVICES}),
+            ("--dtype", "str", "auto", "auto (the checkpoint's), float32, bfloat16 or "
+             "float16", {"choices": DTYPES}),
+            ("--seed", "int", 0, "the engine's sampling seed", {"aliases": ("--random-seed",)}),
+            ("--block-size", "int", 128, "tokens per KV block", {"aliases": ("--page-size",)}),
+            ("--max-model-len", "int", None, "context length (default: the model's)",
+             {"aliases": ("--context-length",)}),
+            ("--max-num-seqs", "int", 256, "requests in a batch at most",
+             {"aliases": ("--max-running-requests",)}),
+            ("--max-num-batched-tokens", "int", None, "tokens one step computes at most "
+             "(serving on CPU: 2,048 by default, as vllm serve)"),
+            ("--enable-prefix-caching", "bool", True, "reuse the KV of shared prefixes"),
+            ("--scheduling-policy", "str", "fcfs", "fcfs, or priority (lower values first)",
+             {"choices": ("fcfs", "priority")}),
+            ("--num-kv-blocks", "int", None, "KV cache size in blocks (overrides the sizing)"),
+            ("--kv-cache-memory-bytes", "int", None, "KV cache size in bytes (CPU default: "
+             "up to 1 GiB)"),
+            ("--gpu-memory-utilization", "float", 0.9, "share of device memory to use",
+             {"aliases": ("--mem-fraction-static",)})),
+    Flag("--disable-radix-cache", "bool", ENGINES | {"serve"} | CHECK, False,
+         "SGLang's spelling of --no-enable-prefix-caching"),
+    # -- serving an engine --------------------------------------------------------------
+    *_flags(ENGINE_LINE,
+            ("--kvstore", "str", None, "the kvstore service's gRPC address (prefill and "
+             "decode need one; a mixed instance runs without a pool)"),
+            ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool"),
+            ("--shutdown-timeout", "float", 30.0, "on SIGTERM, seconds requests in flight "
+             "get to finish"),
+            ("--tensor-parallel-size", "int", 1, "tensor parallel ranks (1 only, for now)",
+             {"aliases": ("-tp", "--tp-size")}),
+            ("--data-parallel-size", "int", 1, "data parallel ranks of this instance",
+             {"aliases": ("-dp", "--dp-size")}),
+            ("--data-parallel-rank", "int", None, "run as this one rank (the launcher sets "
+             "it; without it, --data-parallel-size N starts N ranks)"),
+            ("--data-parallel-address", "str", None, "host of rank 0's process-group store "
+             "(default: --host)"),
+            ("--data-parallel-rpc-port", "int", None, "port of rank 0's process-group store "
+             "(default: a free one)"),
+            ("--enable-expert-parallel", "bool", False, "MoE experts spread over the DP "
+             "ranks"),
+            ("--enable-eplb", "bool", False, "dynamic EPLB (upstream vLLM's switch)"),
+            ("--eplb-config", "json", None, "upstream vLLM's EPLB config"),
+            ("--eplb-address", "str", None, "the EPLB controller's gRPC address (default: "
+             "the one in the registry)"),
+            ("--enforce-eager", "bool", False, "run eagerly (pdmesh always does)"),
+            ("--kv-transfer-config", "json", None, 'JSON: {"kv_connector": ..., "kv_role": '
+             '"kv_producer" | "kv_consumer" | "kv_both", ...}'),
+            ("--additional-config", "str", "{}", "vLLM-Ascend's additional config (JSON), "
+             "validated strictly"),
+            ("--enable-priority-scheduling", "bool", False, "schedule by priority, larger "
+             "values first (SGLang's order)"),
+            ("--schedule-low-priority-values-first", "bool", False, "with "
+             "--enable-priority-scheduling: lower values first")),
+    Flag("--max-queued-requests", "int", ENGINE_LINE | {"gateway"}, None,
+         "refuse requests while this many wait (engine: gRPC RESOURCE_EXHAUSTED; gateway: "
+         "429 with Retry-After while this many are in flight); default: no limit"),
+    Flag("--api-key", "str", ENGINE_LINE | {"gateway", "up"}, None,
+         "require 'Authorization: Bearer KEY' (the gateway checks it)",
+         effect=frozenset({"gateway", "up", "serve"})),
+    # -- the gateway --------------------------------------------------------------------
+    Flag("--prefill-offload-threshold", "int", {"gateway", "up", "serve"},
+         {"gateway": 0, "*": 2048},
+         "while every prefill instance has this many prompt tokens queued, a decode instance "
+         "prefills new prompts itself; 0: never (up and serve: 2048, one box)"),
+    *_flags({"gateway"},
+            ("--log-requests", "bool", False, "log every finished request"),
+            ("--log-requests-level", "int", 2, "0 metadata, 1 + sampling parameters, 2 + the "
+             "start of the input and output, 3 + all of them", {"choices": (0, 1, 2, 3)})),
+    # -- the kvstore --------------------------------------------------------------------
+    *_flags({"kvstore"},
+            ("--master-port", "int", 0, "the Mooncake master's RPC port (0: a free one)"),
+            ("--metadata-port", "int", 0, "its HTTP metadata server's port (0: a free one)"),
+            ("--master-log", "str", None, "where the master writes its log"),
+            ("--kv-lease-ttl-ms", "int", 1000, "how long a read pins a block against "
+             "eviction (Mooncake's default, 10 s, lets a burst fill the pool)"),
+            ("--eviction-high-watermark-ratio", "float", 0.9, "pool use that starts an "
+             "eviction"),
+            ("--eviction-ratio", "float", 0.05, "share of the pool one eviction frees")),
+    # -- the EPLB controller ------------------------------------------------------------
+    *_flags({"eplb"},
+            ("--interval-s", "float", 10.0, "decide every group this often"),
+            ("--improvement-threshold", "float", 0.05, "publish a placement only when it "
+             "raises mean balancedness by more than this"),
+            ("--num-groups", "int", 1, "expert groups of the model (group-limited routing)"),
+            ("--num-nodes", "int", 1, "nodes each group's ranks span")),
+    # -- pdmesh up ----------------------------------------------------------------------
+    *_flags({"up"},
+            ("--prefill", "int", 1, "prefill instances"),
+            ("--decode", "int", 1, "decode instances"),
+            ("--engine-args", "str", "", "extra engine flags for prefill and decode, as one "
+             "string"),
+            ("--prefill-args", "str", "", "extra flags for prefill only"),
+            ("--decode-args", "str", "", "extra flags for decode only, e.g. "
+             "\"--data-parallel-size 2 --enable-expert-parallel\"")),
+    Flag("--log-dir", "str", LAUNCHERS, None, "the services' logs (default: a fresh "
+         "temporary folder)"),
+    # -- config check -------------------------------------------------------------------
+    *_flags(CHECK,
+            ("--role", "str", None, "the instance to check for (default: from "
+             "--kv-transfer-config's kv_role: prefill, decode, else mixed)",
+             {"choices": ("prefill", "decode", "mixed")}),
+            ("--vllm-command", "str", None, "a whole `vllm serve MODEL ...` line; checks it "
+             "instead of the flags")),
+    # -- generate, bench offline --------------------------------------------------------
+    *_flags({"generate"},
+            ("--prompt", "list", None, "a prompt (repeat for a batch)"),
+            ("--chat", "bool", False, "wrap prompts in the chat template"),
+            ("--max-tokens", "int", 32, "tokens to generate"),
+            ("--temperature", "float", 0.0, "sampling temperature"),
+            ("--top-p", "float", 1.0, "nucleus sampling"),
+            ("--top-k", "int", 0, "top-k sampling (0: off)"),
+            ("--sampling-seed", "int", None, "the request's own seed")),
+    *_flags({"bench offline"},
+            ("--num-prompts", "int", 32, "prompts in the batch"),
+            ("--input-len", "int", 128, "tokens per prompt"),
+            ("--output-len", "int", 128, "tokens generated per prompt"),
+            ("--runs", "int", 3, "timed runs (the median is reported)"),
+            ("--no-hf", "bool", False, "skip the transformers baseline"),
+            ("--json", "str", None, "also write the figures here")),
+    # -- `vllm serve` flags accepted without effect -------------------------------------
+    *_compat(("--speculative-config", "json"), ("--data-parallel-size-local", "int"),
+             ("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
+             ("--quantization", "str", ("-q",)),
+             ("--compilation-config", "json"), ("--async-scheduling", "bool"),
+             ("--trust-remote-code", "bool"), ("--data-parallel-start-rank", "int"),
+             ("--headless", "bool"), ("--api-server-count", "int"),
+             ("--tokenizer-mode", "str"), ("--tool-call-parser", "str"),
+             ("--enable-auto-tool-choice", "bool"), ("--reasoning-parser", "str"),
+             ("--safetensors-load-strategy", "str"), ("--model-loader-extra-config", "json"),
+             ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),
+             ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),
+             ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
+             ("--kv-cache-dtype", "str"), ("--tokenizer", "str"),
+             ("--trust-request-chat-template", "bool"), ("--chat-template", "str"),
+             ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
+             ("--disable-log-stats", "bool"), ("--enable-log-requests", "bool"),
+             ("--uvicorn-log-level", "str"), ("--generation-config", "str"),
+             ("--hf-overrides", "json"), ("--load-format", "str"), ("--download-dir", "str"),
+             ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),
+             ("--limit-mm-per-prompt", "json")),
+]
+
+def flags_for(command: str) -> dict[str, Flag]:
+    """Every spelling the command takes -> its flag."""
+    out: dict[str, Flag] = {}
+    for flag in FLAGS:
+        if command in flag.commands:
+            for spelling in (flag.name, *flag.aliases):
+                out[spelling] = flag
+    return out
+
+
+BY_NAME = {f.name: f for f in FLAGS}

@@ -1,0 +1,178 @@
+"""An engine instance (prefill, decode or mixed) as a service: the engine steps in this
+process's main thread, its gRPC edge runs beside it, the ServiceHost does the rest.
+
+    pdmesh decode MODEL --kvstore 127.0.0.1:50100 [--port 0] [engine flags]
+      -> the edge process starts (imports, binds) while this one joins the KV pool and
+         loads the model -> registered, "decode ready: {json}" -> steps until SIGTERM
+         (drain: new requests refused, those in flight finish) -> edge closed, gone
+
+Both roles reach their engine the same way, through an ``EngineClient``: the edge is a
+process of its own (``RemoteEngineClient``), so gRPC's Python work never runs between
+the engine's steps. With ``PDMESH_ENGINE_EDGE=thread`` (as vLLM's
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it runs on a thread of this process instead
+(``InProcessEngineClient``): one process and one hop fewer, for debugging and for
+comparison in benchmarks. ``--data-parallel-size N`` without
+``--data-parallel-rank`` starts N rank processes instead (``dp_launcher``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdmesh.shared.infra.tracing import endpoint_from_args
+from pdmesh.shared.kvpool.base import KVPool
+from pdmesh.shared.runtime.edge import EdgeConfig, edge_port, start_edge, stop_edge
+from pdmesh.shared.runtime.host import HostSettings, ServiceHost
+from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
+
+log = logging.getLogger(__name__)
+
+# The engine loop thread runs Python between kernels almost without pause; at the
+# default 5 ms GIL switch interval another thread holding a finished token waits up to
+# that long to send it. 0.2 ms keeps token latency near the step time.
+SWITCH_INTERVAL_S = 0.0002
+
+AddServicer = Callable[[Any, Any, EdgeConfig], None]  # (grpc server, EngineClient, config)
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """What differs between the engine services."""
+
+    name: str  # prefill | decode | mixed
+    add_servicer: AddServicer  # the role's gRPC servicer over an EngineClient
+    edge_module: str  # `python -m` this to run the edge process (calls serve_edge)
+
+
+def serve_engine(a: argparse.Namespace, role: EngineRole, config, service) -> int:
+    """``config``: the EngineConfig; ``service``: the resolved ServiceConfig."""
+    if a.data_parallel_size > 1 and a.data_parallel_rank is None:
+        from pdmesh.shared.runtime.dp_launcher import launch_ranks
+
+        return launch_ranks(a, role.name)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    name = a.served_model_name or a.model
+    settings = HostSettings(role.name, a.host, a.port, a.advertise_host, a.redis_url,
+                            a.registry_prefix, a.metrics_port, name)
+    edge_config = EdgeConfig(role.name, a.host, a.port, name, endpoint_from_args(a),
+                             a.log_level, a.log_format)
+    with ServiceHost(settings) as host:
+        # started first: the edge imports and binds while this process loads the model
+        edge = None if edge_on_thread() else start_edge(role.edge_module, edge_config)
+        try:
+            return _run(a, role, config, service, host, edge, edge_config)
+        finally:
+            if edge is not None:
+                stop_edge(*edge)
+
+
+def _run(a, role: EngineRole, config, service, host: ServiceHost, edge,
+         edge_config: EdgeConfig) -> int:
+    from pdmesh.shared.engine.engine import EngineCore
+
+    pool = connect_pool(a.kvstore, host.settings.reach, a.pool_segment_mb) \
+        if role.name != "mixed" else None
+    if pool is not None:
+        host.at_close(pool.close)
+    engine = EngineCore(config, kv_pool=pool, save_prompts=role.name == "prefill")
+    eplb = _rank_eplb(a, role.name, engine, config)
+    if edge is not None:
+        loop = EngineLoop(engine, edge[1], eplb)
+        host.adopt_port(edge_port(*edge))
+    else:
+        port = LocalPort()
+        loop = EngineLoop(engine, port, eplb)
+        host.aio_grpc_server(lambda server, aio: _add_inprocess(role, server, port, aio,
+                                                                edge_config))
+    # SIGTERM / SIGINT: new requests refused, those in flight finish up to
+    # --shutdown-timeout; a second signal stops at once (the handler sets flags only)
+    host.on_signal = lambda _: loop.drain(a.shutdown_timeout)
+    loop.on_drain = lambda: _draining(host, role.name, a.shutdown_timeout)
+    _serve_metrics(host, loop, eplb, a)
+    group = f"{role.name}@{config.data_parallel_address}" if a.data_parallel_size > 1 else ""
+    host.register(load=lambda: loop.load().registry_fields(), dp_size=a.data_parallel_size,
+                  dp_rank=a.data_parallel_rank or 0, group=group)
+    host.ready(model=host.settings.model_name, device=engine.device,
+               dp_rank=a.data_parallel_rank or 0, kv_blocks=engine.kv.num_blocks,
+               kv_role=service.kv_role, inactive_keys=list(service.additional.inactive_keys),
+               config=_jsonable(config))
+    loop.run()  # the engine steps in the main thread until drained or stopped
+    return 0
+
+
+def edge_on_thread() -> bool:
+    """PDMESH_ENGINE_EDGE: "process" (the default) or "thread"."""
+    placement = os.environ.get("PDMESH_ENGINE_EDGE", "process")
+    if placement not in ("process", "thread"):
+        raise ValueError(f"PDMESH_ENGINE_EDGE: must be process or thread, got {placement!r}")
+    return placement == "thread"
+
+
+def _add_inprocess(role: EngineRole, server, port: LocalPort, aio, edge_config) -> None:
+    from pdmesh.shared.runtime.client import InProcessEngineClient
+
+    role.add_servicer(server, InProcessEngineClient(port, aio), edge_config)
+
+
+def _draining(host: ServiceHost, role: str, timeout_s: float) -> None:
+    """Marked draining in the registry at once, so routers send nothing new."""
+    host.mark_draining()
+    log.warning("%s: draining (up to %.0f s for requests in flight)", role, timeout_s)
+
+
+def _serve_metrics(host: ServiceHost, loop: EngineLoop, eplb, a) -> None:
+    from pdmesh.shared.infra.metrics import WorkerRequestMetrics, worker_metrics
+
+    if a.metrics_port < 0:
+        return
+    labels = {"model_name": host.settings.model_name, "instance": host.id, "role":
+              host.settings.role, "dp_rank": str(a.data_parallel_rank or 0)}
+    per_request = WorkerRequestMetrics(labels)
+    loop.on_finished = per_request.finished
+    host.serve_metrics(worker_metrics(loop, labels, eplb), per_request.registry)
+
+
+def _rank_eplb(a, role: str, engine, config):
+    """The rank's side of dynamic EPLB (expert-parallel ranks with load recording)."""
+    if engine.ep is None or engine.model.load_recorder is None:
+        return None
+    from pdmesh.shared.infra.registry import Registry
+    from pdmesh.shared.parallel.eplb_rank import ControllerFinder, RankEplb
+
+    finder = ControllerFinder(Registry(a.redis_url, a.registry_prefix),
+                              f"{role}@{config.data_parallel_address}",
+                              config.data_parallel_rank, config.data_parallel_size,
+                              engine.ep.num_slots, a.eplb_address)
+    return RankEplb(engine.ep, engine.model.load_recorder, finder,
+                    record_path=config.expert_map_record_path)
+
+
+def connect_pool(kvstore: str | None, host: str, segment_mb: int) -> KVPool:
+    """Ask the kvstore where its Mooncake master is, then join the pool."""
+    import grpc
+
+    from pdmesh.shared.kvpool.mooncake import MooncakePool
+    from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
+
+    if not kvstore:
+        raise ValueError("--kvstore: prefill and decode instances need the kvstore's "
+                         "address")
+    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(kvstore))
+    try:
+        stats = stub.Stats(kvstore_pb2.StatsRequest(), timeout=10)
+    except grpc.RpcError as e:
+        raise ConnectionError(f"kvstore: no answer from {kvstore} ({e.code().name})") from e
+    return MooncakePool(stats.master_address, stats.metadata_url, local_hostname=host,
+                        segment_bytes=segment_mb << 20)
+
+
+def _jsonable(config) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(config)

@@ -1,0 +1,134 @@
+"""The packages' layering, read from the source with ``ast``:
+
+    pdmesh (the command) ──▶ services ──▶ shared        shared never imports services;
+    a service never imports another service's modules; no import cycles anywhere;
+    the gateway's functions each fit on a screen.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"pdmesh": "pdmesh", "shared": "pdmesh.shared", "services": "pdmesh.services"}
+MAX_GATEWAY_FUNCTION_LINES = 60
+
+
+def modules() -> dict[str, Path]:
+    """Every project module by its import name."""
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(path: Path, name: str) -> Iterator[str]:
+    """The project modules (or packages) ``path`` imports, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        edges[name] = {m for m in imports(path, name) if m in mods and m != name}
+    return edges
+
+
+def test_every_module_is_found_and_the_old_top_level_names_are_gone():
+    mods = modules()
+    assert "pdmesh.shared.runtime.protocol" in mods and "pdmesh.services.gateway.app" in mods
+    for name, path in mods.items():
+        for imported in imports(path, name):
+            top = imported.split(".")[0]
+            assert top not in ("shared", "services"), f"{name} imports {imported}"
+
+
+def test_shared_never_imports_services():
+    offenders = [(m, i) for m, deps in graph().items() if m.startswith("pdmesh.shared")
+                 for i in deps if i.startswith("pdmesh.services")]
+    assert offenders == []
+    # nor names a service module to import later by its string
+    for name, path in modules().items():
+        if name.startswith("pdmesh.shared"):
+            assert "pdmesh.services" not in path.read_text(), name
+
+
+def test_no_service_imports_another_services_modules():
+    offenders = []
+    for m, deps in graph().items():
+        if not m.startswith("pdmesh.services."):
+            continue
+        own = m.split(".")[2]
+        offenders += [(m, i) for i in deps if i.startswith("pdmesh.services.")
+                      and i.split(".")[2] != own]
+    assert offenders == []
+
+
+def test_no_import_cycles():
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    # a package importing its own sub-module (an __init__ re-export) is not a cycle
+    real = [c for c in cycles if not all(_within_one_package(c))]
+    assert real == []
+
+
+def _within_one_package(component: list[str]) -> Iterator[bool]:
+    shortest = min(component, key=len)
+    for m in component:
+        yield m == shortest or m.startswith(shortest + ".")
+
+
+def test_the_gateways_functions_fit_on_a_screen():
+    longest = []
+    for path in sorted((ROOT / "services" / "gateway").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                longest.append((length, f"{path.name}:{node.name}"))
+    assert max(longest)[0] < MAX_GATEWAY_FUNCTION_LINES, max(longest)
