@@ -6,7 +6,7 @@ design's top-level folders, and the distribution installs them under one name,
     services/  -> pdmesh.services    (gateway, prefill, decode, kvstore, eplb)
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 FOLDERS = {"pdmesh": "pdmesh", "pdmesh.shared": "shared", "pdmesh.services": "services"}
 
@@ -18,4 +18,10 @@ def packages() -> list[str]:
     return found
 
 
-setup(packages=packages(), package_dir=FOLDERS)
+# Not a Python module: a preload library that binds native listeners to --host
+# (shared/infra/bindhost.py). Optional: without a C compiler pdmesh installs without it
+# and says so when a service starts.
+BIND_SHIM = Extension("pdmesh.shared.infra._bindhost", ["shared/infra/bindhost.c"],
+                      libraries=["dl"], optional=True)
+
+setup(packages=packages(), package_dir=FOLDERS, ext_modules=[BIND_SHIM])

@@ -1,80 +1,156 @@
-"""`pdmesh` command line. Each command lives in its own module, exposing
-``add_args(parser)`` and ``run(args)``; only the chosen command's module is imported, so
-a probe like `pdmesh health` starts in milliseconds, not after importing torch."""
+"""The `pdmesh` command. Each command lives in a module of its own; only the chosen one
+is imported, so a probe like `pdmesh health` starts in milliseconds, not after torch.
+
+The services and every command that runs or checks an engine read their flags from the
+one flag table (``pdmesh.shared.config.flags``) into a ServeConfig (``serve_config``);
+their module's ``run(config)`` gets it. The tools (status, health, the HTTP and KV
+benchmarks, make-tiny-model) keep argparse: ``add_args(parser)`` and ``run(args)``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-# (command words, module, help, keyword arguments for run)
-COMMANDS: list[tuple[tuple[str, ...], str, str, dict[str, Any]]] = [
-    (("make-tiny-model",), "pdmesh.shared.models.tiny",
-     "write a random model + locally trained tokenizer", {}),
-    (("generate",), "pdmesh.shared.cli.generate", "offline generation with the engine", {}),
-    (("bench", "offline"), "pdmesh.shared.cli.bench.offline",
-     "batch and single-request throughput vs transformers", {}),
-    (("bench", "serve"), "pdmesh.shared.cli.bench.serve",
-     "load an OpenAI endpoint like `vllm bench serve`", {}),
-    (("bench", "eplb"), "pdmesh.shared.cli.bench.eplb",
-     "expert-parallel decode with EPLB off vs on, skewed vs balanced", {}),
-    (("bench", "kv-transfer"), "pdmesh.shared.cli.bench.kv_transfer",
-     "KV put/get throughput through the pool", {}),
-    (("kvstore",), "pdmesh.services.kvstore.main",
-     "the KV pool service: Mooncake master + pool index", {}),
-    (("prefill",), "pdmesh.services.prefill.main", "a prefill instance (gRPC)", {}),
-    (("decode",), "pdmesh.services.decode.main", "a decode instance (gRPC, streaming)", {}),
-    (("mixed",), "pdmesh.services.decode.main",
-     "a mixed prefill+decode instance (gRPC, no KV pool)", {"role": "mixed"}),
-    (("gateway",), "pdmesh.services.gateway.main", "the OpenAI-compatible HTTP gateway", {}),
-    (("eplb",), "pdmesh.services.eplb.main", "the EPLB controller (gRPC)", {}),
-    (("up",), "pdmesh.shared.cli.up", "the whole mesh as local processes", {}),
-    (("serve",), "pdmesh.shared.cli.up", "one mixed instance behind the gateway (single box)",
-     {"mixed": True}),
-    (("health",), "pdmesh.shared.cli.health", "probe a service (for healthchecks)", {}),
-    (("status",), "pdmesh.shared.cli.status", "live instances, pool and EPLB at a glance", {}),
-    (("config", "check"), "pdmesh.shared.cli.config_check",
-     "print the effective --additional-config or its errors", {}),
+from pdmesh.shared.config.command_line import FlagError, HelpRequested, help_text
+from pdmesh.shared.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Command:
+    words: tuple[str, ...]
+    module: str
+    help: str
+    table: bool  # flags from the table (a ServeConfig), else argparse
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.words)
+
+
+COMMANDS = [
+    Command(("make-tiny-model",), "pdmesh.shared.models.tiny",
+            "write a random model + locally trained tokenizer", False),
+    Command(("generate",), "pdmesh.shared.cli.generate", "offline generation with the engine",
+            True),
+    Command(("bench", "offline"), "pdmesh.shared.cli.bench.offline",
+            "batch and single-request throughput vs transformers", True),
+    Command(("bench", "serve"), "pdmesh.shared.cli.bench.serve",
+            "load an OpenAI endpoint like `vllm bench serve`", False),
+    Command(("bench", "eplb"), "pdmesh.shared.cli.bench.eplb",
+            "expert-parallel decode with EPLB off vs on, skewed vs balanced", False),
+    Command(("bench", "kv-transfer"), "pdmesh.shared.cli.bench.kv_transfer",
+            "KV put/get throughput through the pool", False),
+    Command(("kvstore",), "pdmesh.services.kvstore.main",
+            "the KV pool service: Mooncake master + pool index", True),
+    Command(("prefill",), "pdmesh.services.prefill.main", "a prefill instance (gRPC)", True),
+    Command(("decode",), "pdmesh.services.decode.main", "a decode instance (gRPC, streaming)",
+            True),
+    Command(("mixed",), "pdmesh.services.decode.main",
+            "a mixed prefill+decode instance (gRPC, no KV pool)", True),
+    Command(("gateway",), "pdmesh.services.gateway.main", "the OpenAI-compatible HTTP gateway",
+            True),
+    Command(("eplb",), "pdmesh.services.eplb.main", "the EPLB controller (gRPC)", True),
+    Command(("up",), "pdmesh.shared.cli.up", "the whole mesh as local processes", True),
+    Command(("serve",), "pdmesh.shared.cli.up",
+            "vllm serve's command line: one mixed instance behind the gateway", True),
+    Command(("health",), "pdmesh.shared.cli.health", "probe a service (for healthchecks)",
+            False),
+    Command(("status",), "pdmesh.shared.cli.status", "live instances, pool and EPLB at a glance",
+            False),
+    Command(("config", "check"), "pdmesh.shared.cli.config_check",
+            "what a service would run with these flags, or every error in them", True),
 ]
 
 
-def _runner(module: str, kwargs: dict[str, Any]) -> Callable[[argparse.Namespace], int]:
-    return lambda a: importlib.import_module(module).run(a, **kwargs)
+class UsageError(Exception):
+    """The command line is wrong: each line a problem, exit status 2."""
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser, or with ``only`` a command's arguments alone filled in."""
-    p = argparse.ArgumentParser(prog="pdmesh", description=__doc__)
+def _global_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdmesh", description=__doc__, add_help=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--log-format", default="text", choices=("text", "json"))
-    # the same two after the command (pdmesh gateway --log-level info), where users of
-    # vllm serve / sglang put them; SUPPRESS keeps the ones given before it otherwise
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default=argparse.SUPPRESS)
-    common.add_argument("--log-format", default=argparse.SUPPRESS, choices=("text", "json"))
-    sub = p.add_subparsers(dest="command", required=True)
-    groups: dict[str, argparse._SubParsersAction] = {}
-    for words, module, help_, kwargs in COMMANDS:
-        parent = sub
-        if len(words) == 2:
-            if words[0] not in groups:
-                g = sub.add_parser(words[0], help=f"{words[0]} commands")
-                groups[words[0]] = g.add_subparsers(dest=words[0], required=True)
-            parent = groups[words[0]]
-        cmd = parent.add_parser(words[-1], help=help_, parents=[common])
-        if only is None or only == words[0]:
-            importlib.import_module(module).add_args(cmd)
-            _model_positional(cmd)
-        cmd.set_defaults(func=_runner(module, kwargs))
     return p
 
 
+def usage() -> str:
+    lines = ["usage: pdmesh [--log-level LEVEL] [--log-format text|json] COMMAND ...", "",
+             "commands:"]
+    lines += [f"  {c.name:<18} {c.help}" for c in COMMANDS]
+    return "\n".join(lines) + "\n"
+
+
+def _split(argv: list[str]) -> tuple[argparse.Namespace, Command | None, list[str]]:
+    """Global options, the command, and the words after it."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] in ("--log-level", "--log-format") else 1
+    options = _global_parser().parse_args(argv[:i])
+    for words in ((tuple(argv[i:i + 2])), (tuple(argv[i:i + 1]))):
+        command = next((c for c in COMMANDS if c.words == words), None)
+        if command is not None:
+            return options, command, argv[i + len(words):]
+    if i < len(argv) and not options.help:
+        known = sorted({c.words[0] for c in COMMANDS})
+        raise UsageError(f"{' '.join(argv[i:i + 2])!r}: not a command (one of "
+                         f"{', '.join(known)})")
+    return options, None, []
+
+
+def parse_args(argv: list[str], resolve: bool = True) -> tuple[argparse.Namespace,
+                                                               Command, Any]:
+    """The global options, the command, and its configuration: a ServeConfig (with
+    ``resolve`` False only its Flags, as read), or argparse's Namespace for the tools.
+    SystemExit(2) with the problems on stderr, as argparse does, when the command line is
+    wrong; SystemExit(0) after printing the help."""
+    try:
+        options, command, rest = _split(argv)
+        if command is None:
+            print(usage(), end="")
+            raise SystemExit(0)
+        config = _parse(command, rest, resolve)
+    except HelpRequested as h:
+        print(help_text(str(h)), end="")
+        raise SystemExit(0) from None
+    except (UsageError, FlagError, ConfigError, ValueError) as e:
+        for problem in _problems(e):
+            print(f"pdmesh: error: {problem}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return options, command, config
+
+
+def _parse(command: Command, rest: list[str], resolve: bool) -> Any:
+    if command.table:
+        from pdmesh.shared.config.command_line import parse_command_line
+        from pdmesh.shared.config.serve import serve_config
+
+        return serve_config(command.name, rest) if resolve else \
+            parse_command_line(command.name, rest)
+    parser = argparse.ArgumentParser(prog=f"pdmesh {command.name}", description=command.help)
+    module = importlib.import_module(command.module)
+    module.add_args(parser)
+    parser.add_argument("--log-level", default=argparse.SUPPRESS)
+    parser.add_argument("--log-format", default=argparse.SUPPRESS, choices=("text", "json"))
+    _model_positional(parser)
+    args = parser.parse_args(rest)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            parser.error(f"model: given twice, as {tag!r} and --model {args.model!r}")
+        args.model = tag
+    if getattr(args, "model_required", False) and not args.model:
+        parser.error("model: required (pdmesh COMMAND MODEL ... or --model MODEL)")
+    return args
+
+
 def _model_positional(cmd: argparse.ArgumentParser) -> None:
-    """A command with ``--model`` also takes the model positionally, as ``vllm serve
-    MODEL`` does; a required ``--model`` becomes "one of the two", checked after parsing."""
+    """A tool with ``--model`` takes the model positionally too, as ``vllm serve MODEL``."""
     flag = next((a for a in cmd._actions if "--model" in a.option_strings), None)
     if flag is None:
         return
@@ -85,30 +161,58 @@ def _model_positional(cmd: argparse.ArgumentParser) -> None:
                      help="the model, as `vllm serve MODEL` takes it (or --model)")
 
 
-def _resolve_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    tag = getattr(args, "model_tag", None)
-    if tag is not None:
-        if args.model is not None and args.model != tag:
-            parser.error(f"model: given twice, as {tag!r} and --model {args.model!r}")
-        args.model = tag
-    if getattr(args, "model_required", False) and not args.model:
-        parser.error("model: required (pdmesh COMMAND MODEL ... or --model MODEL)")
+def _bind_natively(argv: list[str]) -> None:
+    """For a command in BOUND: native libraries bind --host too (shared.infra.bindhost);
+    may re-execute this process. A bad command line is left to parse_args to report."""
+    try:
+        _, command, rest = _split(argv)
+        if command is None or command.name not in BOUND:
+            return
+        from pdmesh.shared.config.command_line import parse_command_line
+
+        host = parse_command_line(command.name, rest).host
+    except (UsageError, FlagError, HelpRequested, ValueError, SystemExit):
+        return
+    from pdmesh.shared.infra.bindhost import ensure_bound
+
+    ensure_bound(host)
+
+
+def _log_settings(options: argparse.Namespace, command: Command, config: Any
+                  ) -> tuple[str, str]:
+    """--log-level / --log-format, given before the command or after it (where users of
+    vllm serve and sglang put them; after wins)."""
+    if command.table:
+        written = config.flags.given
+        return (config.log_level if "--log-level" in written else options.log_level,
+                config.log_format if "--log-format" in written else options.log_format)
+    return (getattr(config, "log_level", options.log_level),
+            getattr(config, "log_format", options.log_format))
+
+
+def _problems(e: Exception) -> list[str]:
+    problems = getattr(e, "problems", None)
+    return [str(p) for p in problems] if problems else [str(e)]
+
+
+# commands whose processes run native listeners (Mooncake, torch.distributed)
+BOUND = frozenset({"kvstore", "prefill", "decode", "mixed"})
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    names = {words[0] for words, *_ in COMMANDS}
-    only = next((x for x in argv if x in names), None)
-    parser = build_parser(only)
-    args = parser.parse_args(argv)
-    _resolve_model(args, parser)
+    _bind_natively(argv)
+    options, command, config = parse_args(argv)
     from pdmesh.shared.infra.logs import setup_logging
 
-    setup_logging(args.log_level, args.log_format)
+    setup_logging(*_log_settings(options, command, config))
+    if command.table and command.name != "config check":
+        config.log_warnings()
     try:
-        return args.func(args)
+        return importlib.import_module(command.module).run(config)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
-        print(f"pdmesh: error: {e}", file=sys.stderr)
+        for problem in _problems(e):
+            print(f"pdmesh: error: {problem}", file=sys.stderr)
         return 2
 
 

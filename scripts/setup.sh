@@ -19,6 +19,8 @@ command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
 python3 -c 'import ensurepip' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
 # tests validate docker-compose.yml offline with `docker-compose config`
 command -v docker-compose >/dev/null 2>&1 || apt_pkgs+=(docker-compose)
+# the bind shim (shared/infra/bindhost.c) is compiled at install
+command -v cc >/dev/null 2>&1 || apt_pkgs+=(gcc libc6-dev)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: apt-get install ${apt_pkgs[*]}"

@@ -8,42 +8,19 @@ where it listens. SIGTERM or SIGINT stops it: watch streams end, the registry en
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import math
 
 from pdmesh.services.eplb.controller import EplbController
 from pdmesh.services.eplb.server import SERVER_OPTIONS, EplbServicer, decide_periodically
-from pdmesh.shared.infra.registry import add_registry_args
+from pdmesh.shared.config.serve import ServeConfig
 from pdmesh.shared.proto import eplb_pb2_grpc
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
 log = logging.getLogger(__name__)
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="HTTP port of /metrics (0: any free one; -1: none)")
-    p.add_argument("--interval-s", type=float, default=10.0,
-                   help="decide every group this often (vLLM-Ascend's "
-                        "algorithm_execution_interval)")
-    p.add_argument("--improvement-threshold", type=float, default=0.05,
-                   help="publish a new placement only when it raises the mean "
-                        "balancedness (mean/max tokens per rank) by more than this")
-    p.add_argument("--num-groups", type=int, default=1,
-                   help="expert groups of the model (group-limited routing)")
-    p.add_argument("--num-nodes", type=int, default=1,
-                   help="nodes each group's ranks span (hierarchical placement when "
-                        "--num-groups divides by it)")
-    add_registry_args(p)
-
-
-def run(a: argparse.Namespace) -> int:
-    if not (math.isfinite(a.interval_s) and a.interval_s > 0):
-        raise ValueError(f"--interval-s: must be a positive number, got {a.interval_s}")
+def run(a: ServeConfig) -> int:
     controller = EplbController(a.num_groups, a.num_nodes, a.improvement_threshold)
     settings = HostSettings("eplb", a.host, a.port, a.advertise_host, a.redis_url,
                             a.registry_prefix, a.metrics_port)

@@ -42,8 +42,9 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 class GatewayState:
     tokenizer: Tokenizer
     router: Router
-    model_name: str
+    model_name: str  # the name instances register under
     max_model_len: int
+    model_names: tuple[str, ...] = ()  # every name clients may ask for (--served-model-name)
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests in flight here; None: no limit
     tracing: Tracing | None = None  # None or disabled: no traces, no cost
@@ -80,8 +81,12 @@ class Gateway:
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": self.state.model_name, "object": "model", "created": 0,
-            "owned_by": "pdmesh", "max_model_len": self.state.max_model_len}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "pdmesh",
+            "max_model_len": self.state.max_model_len} for name in self.names]}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.state.model_names or (self.state.model_name,)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         prompt = _completion_prompt(body, self.state.tokenizer)
@@ -103,9 +108,9 @@ class Gateway:
     async def serve(self, body: _Base, prompt: list[int], chat: bool, headers: Any
                     ) -> Response:
         state = self.state
-        if body.model != state.model_name:
-            return error(404, f"model: {body.model!r} is not served here "
-                              f"(serving {state.model_name!r})", "model")
+        if body.model not in self.names:
+            return error(404, f"model: {body.model!r} is not served here (serving "
+                              f"{', '.join(repr(n) for n in self.names)})", "model")
         if not prompt:
             return error(400, "prompt: must not be empty", "prompt")
         if len(prompt) >= state.max_model_len:
@@ -119,7 +124,7 @@ class Gateway:
         span = self._span(rid, chat, prompt, body, headers)
         journey = Journey(self.mesh, MeshRequest(rid, prompt, params, body.priority),
                           JourneyTrace(self.tracing, span) if span is not None else None)
-        answer = Answer(rid, state.model_name, chat, prompt, params, body.stop_strings(),
+        answer = Answer(rid, body.model, chat, prompt, params, body.stop_strings(),
                         state.tokenizer, self.metrics, span, state.log_requests)
         try:  # the first token before any answer: a failure here gets its status code
             await answer.start(journey.run())

@@ -9,7 +9,6 @@ and are found in the redis registry. Prints "gateway ready: {json}" once listeni
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import logging
@@ -19,8 +18,9 @@ import uvicorn
 
 from pdmesh.services.gateway.app import GatewayState, create_app
 from pdmesh.services.gateway.router import Router
-from pdmesh.shared.infra.registry import Registry, add_registry_args
-from pdmesh.shared.infra.tracing import Tracing, add_tracing_args
+from pdmesh.shared.config.serve import ServeConfig
+from pdmesh.shared.infra.registry import Registry
+from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.tokenizer import Tokenizer
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
@@ -32,38 +32,9 @@ log = logging.getLogger(__name__)
 HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model folder (tokenizer, chat template)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--prefill-offload-threshold", type=int, default=0, metavar="TOKENS",
-                   help="while every prefill instance has at least this many prompt tokens "
-                        "queued, let a decode instance prefill new prompts itself (up to "
-                        "half that backlog); 0: never (default; `pdmesh up` sets 2048, "
-                        "its prefill and decode share one box)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 429 (Retry-After) while this many requests are in flight "
-                        "here (default: no limit)")
-    p.add_argument("--log-requests", action="store_true",
-                   help="log every finished request (detail: --log-requests-level)")
-    p.add_argument("--log-requests-level", type=int, default=2, choices=(0, 1, 2, 3),
-                   help="0 metadata, 1 + sampling parameters, 2 + the start of the input "
-                        "and output, 3 + all of them")
-    add_registry_args(p)
-    add_tracing_args(p)
-
-
-def run(a: argparse.Namespace) -> int:
-    if a.max_queued_requests is not None and a.max_queued_requests < 1:
-        raise ValueError(f"--max-queued-requests: must be >= 1, got {a.max_queued_requests}")
-    if a.prefill_offload_threshold < 0:
-        raise ValueError(f"--prefill-offload-threshold: must be >= 0, got "
-                         f"{a.prefill_offload_threshold}")
+def run(a: ServeConfig) -> int:
     cfg = ModelConfig.from_folder(a.model)
-    name = a.served_model_name or a.model
+    name = a.model_name
     settings = HostSettings("gateway", a.host, a.port, a.advertise_host, a.redis_url,
                             a.registry_prefix, model_name=name)
     with ServiceHost(settings) as host:
@@ -73,6 +44,7 @@ def run(a: argparse.Namespace) -> int:
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered
         state = GatewayState(tokenizer=Tokenizer(a.model), router=router, model_name=name,
+                             model_names=a.served_model_name or (name,),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
                              api_key=a.api_key, max_queued_requests=a.max_queued_requests,
                              tracing=tracing,

@@ -8,13 +8,12 @@ launcher where everything listens.
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 from pdmesh.services.kvstore.index import PoolIndex
 from pdmesh.services.kvstore.server import KVStoreServicer
+from pdmesh.shared.config.serve import ServeConfig
 from pdmesh.shared.infra.net import free_port
-from pdmesh.shared.infra.registry import add_registry_args
 from pdmesh.shared.kvpool.master import EvictionPolicy, MasterPorts, MasterSupervisor
 from pdmesh.shared.kvpool.mooncake import MooncakePool
 from pdmesh.shared.proto import kvstore_pb2_grpc
@@ -23,28 +22,11 @@ from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 log = logging.getLogger(__name__)
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
-    p.add_argument("--master-port", type=int, default=0)
-    p.add_argument("--metadata-port", type=int, default=0)
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--master-log", default=None)
-    ev = EvictionPolicy()
-    p.add_argument("--kv-lease-ttl-ms", type=int, default=ev.lease_ttl_ms,
-                   help="how long a read pins a block against eviction (Mooncake's own "
-                        "default, 10 s, lets a burst of prompts fill the pool)")
-    p.add_argument("--eviction-high-watermark-ratio", type=float,
-                   default=ev.high_watermark_ratio)
-    p.add_argument("--eviction-ratio", type=float, default=ev.eviction_ratio)
-    add_registry_args(p)
-
-
-def run(a: argparse.Namespace) -> int:
+def run(a: ServeConfig) -> int:
     eviction = EvictionPolicy(a.kv_lease_ttl_ms, a.eviction_high_watermark_ratio,
                               a.eviction_ratio)
     settings = HostSettings("kvstore", a.host, a.port, a.advertise_host, a.redis_url,
-                            a.registry_prefix)
+                            a.registry_prefix)  # (--metrics-port is the master's)
     with ServiceHost(settings) as host:
         ports = MasterPorts(a.host, a.master_port or free_port(a.host),
                             a.metadata_port or free_port(a.host),

@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import asdict
+from typing import Any
 
 
-def add_args(g: argparse.ArgumentParser) -> None:
-    from pdmesh.shared.engine.args import add_engine_args
-
-    add_engine_args(g)
-    g.add_argument("--prompt", action="append", help="repeat for a batch")
-    g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-
-
-def run(a: argparse.Namespace) -> int:
+def run(a: Any) -> int:
+    """``a``: the ServeConfig (its flags read as attributes)."""
+    from pdmesh.shared.config.engine_config import engine_config
     from pdmesh.shared.engine import LLM, SamplingParams
-    from pdmesh.shared.engine.args import engine_config_from_args
 
     t0 = time.perf_counter()
-    llm = LLM(**asdict(engine_config_from_args(a)))
+    llm = LLM(**asdict(engine_config(a.flags)))
     ready = time.perf_counter() - t0
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             max_tokens=a.max_tokens, seed=a.sampling_seed)

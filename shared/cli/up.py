@@ -1,15 +1,18 @@
-"""`pdmesh up`: the whole mesh on one box, as separate local processes.
+"""`pdmesh up` / `pdmesh serve`: the whole mesh on one box, as separate local processes.
 
     redis (the one listening, else a redis-server of ours) -> kvstore (+ mooncake_master)
     -> N prefill, M decode instances -> gateway; prints the URL once it answers.
     Ctrl-C (or SIGTERM) stops every process it started, by process group.
 
-Without ``--model`` it makes the tiny demo model first (``pdmesh make-tiny-model``).
+`pdmesh serve MODEL [vllm serve flags]` starts one mixed instance (no pool) behind the
+gateway instead: a `vllm serve` command line, with `vllm` replaced by `pdmesh`, runs
+as it is (--host, --port, --api-key go to the gateway; the engine flags to the
+instance). Each engine's command line is checked the way the engine checks it before
+anything starts. Without a model it makes the tiny demo model first.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import socket
@@ -18,47 +21,18 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from pdmesh.shared.config.command_line import to_words
+from pdmesh.shared.config.flags import FLAGS
+from pdmesh.shared.config.serve import ServeConfig, serve_config
+from pdmesh.shared.infra.bindhost import bound_env
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
 
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder (default: the tiny demo model)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--redis-url", default=None,
-                   help="default: redis on 127.0.0.1:6379, started if none listens")
-    p.add_argument("--registry-prefix", default="pdmesh")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--log-dir", default=None, help="default: a fresh temporary folder")
-    p.add_argument("--engine-args", default="",
-                   help="extra engine flags for prefill and decode, as one string")
-    p.add_argument("--prefill-args", default="", help="extra flags for prefill only")
-    p.add_argument("--prefill-offload-threshold", type=int, default=2048, metavar="TOKENS",
-                   help="the gateway's: while prefill has this many prompt tokens queued, "
-                        "decode instances prefill new prompts themselves (on one box they "
-                        "share the cores anyway); 0: never")
-    p.add_argument("--otlp-traces-endpoint", default=None,
-                   help="trace every service to this OTLP/gRPC collector")
-    p.add_argument("--decode-args", default="",
-                   help="extra flags for decode only, e.g. \"--data-parallel-size 2 "
-                        "--enable-expert-parallel\"")
-
-
-def _ranks(args: list[str]) -> int:
-    """Engine processes one instance with these flags runs (its data-parallel size)."""
-    for flag in ("--data-parallel-size", "-dp"):
-        if flag in args[:-1]:
-            return max(1, int(args[args.index(flag) + 1]))
-    return 1
 
 
 def _listening(host: str, port: int) -> bool:
@@ -91,77 +65,82 @@ def _start_redis(log_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def run(a: argparse.Namespace, mixed: bool = False) -> int:
-    """``mixed``: `pdmesh serve` — one mixed instance (no pool) instead of the PD pair."""
-    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="pdmesh-up-"))
+# flags of `pdmesh serve`'s command line that are not handed on to its engine instance
+# as they are: they are the launcher's, the gateway's, or passed on by the launcher itself
+NOT_FOR_THE_ENGINE = {"--model", "--port", "--api-key", "--served-model-name", "--host",
+                      "--redis-url", "--registry-prefix", "--log-dir", "--engine-args",
+                      "--prefill-args", "--decode-args", "--prefill-offload-threshold",
+                      "--enable-trace", "--otlp-traces-endpoint", "--log-level",
+                      "--log-format"}
+
+
+@dataclass
+class Plan:
+    """What `up` / `serve` starts, its engines' flags already checked."""
+
+    model: Path
+    names: tuple[str, ...]  # the served model names (the first is the one reported)
+    roles: list[tuple[str, int]]  # engine role, instances
+    engine_words: dict[str, list[str]]  # role -> its flags (beyond the common ones)
+    ranks: dict[str, int]  # role -> processes per instance (its data-parallel size)
+    log_dir: Path
+
+
+def plan(cfg: ServeConfig) -> Plan:
+    """ValueError naming the flag when an engine would refuse its flags: each engine's
+    exact command line goes through serve_config first, as the engine itself will."""
+    log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    model = Path(a.model) if a.model else DEMO_MODEL
-    if a.model is None and not (model / "config.json").is_file():
+    model = Path(cfg.model) if cfg.model else DEMO_MODEL
+    if cfg.model is None and not (model / "config.json").is_file():
         from pdmesh.shared.models.tiny import make_tiny_model
 
         print(f"[up] making the tiny demo model in {model}", flush=True)
         make_tiny_model(model, "qwen3", seed=0)
-    name = a.served_model_name or model.name
+    direct = to_words(cfg.flags, [f.name for f in FLAGS if "mixed" in f.commands
+                                  and f.name not in NOT_FOR_THE_ENGINE])
+    common = [*direct, *cfg.engine_flags.split()]
+    mixed = cfg.command == "serve"
+    roles = [("mixed", 1)] if mixed else [("prefill", cfg.prefill), ("decode", cfg.decode)]
+    words = {"prefill": [*common, *cfg.prefill_flags.split()],
+             "decode": [*common, *cfg.decode_flags.split()],
+             "mixed": [*common, *cfg.decode_flags.split()]}
+    ranks = {}
+    for role, _ in roles:  # (the kvstore's address is not known yet)
+        pool = [] if role == "mixed" else ["--kvstore", "127.0.0.1:1"]
+        ranks[role] = serve_config(role, [str(model), *pool, *words[role]]).data_parallel_size
+    return Plan(model, cfg.served_model_name or (model.name,), roles, words, ranks, log_dir)
+
+
+def run(cfg: ServeConfig) -> int:
+    """`pdmesh up`: the PD mesh; `pdmesh serve`: one mixed instance (no pool)."""
+    p = plan(cfg)
     stop = SignalStop().install()
     started: list[Service] = []
     redis_proc = None
     try:
-        if a.redis_url:
-            redis_url = a.redis_url
+        if cfg.redis_url:
+            redis_url = cfg.redis_url
         else:
-            redis_proc, redis_url = _start_redis(log_dir)
-        reg = ["--redis-url", redis_url, "--registry-prefix", a.registry_prefix]
-        print(f"[up] redis at {redis_url}; logs in {log_dir}", flush=True)
-        trace = (["--otlp-traces-endpoint", a.otlp_traces_endpoint]
-                 if a.otlp_traces_endpoint else [])
-        workers = ["--model", str(model), "--served-model-name", name, "--host", a.host,
-                   *a.engine_args.split(), *reg, *trace]
-        roles = [("mixed", 1)]
-        if not mixed:
-            kv = Service("kvstore", ["kvstore", "--host", a.host, *reg], log_dir)
-            started.append(kv)
-            print(f"[up] kvstore ready at {kv.address} (mooncake master {kv.info['master']})",
-                  flush=True)
-            workers += ["--kvstore", kv.address]
-            roles = [("prefill", a.prefill), ("decode", a.decode)]
-            if ModelConfig.from_folder(model).moe is not None:  # experts to balance
-                ctl = Service("eplb", ["eplb", "--host", a.host, *reg], log_dir)
-                started.append(ctl)
-                print(f"[up] eplb controller ready at {ctl.address}", flush=True)
-        # Share the cores among the engines: torch threads that outnumber the cores spin
-        # against each other (on 2 cores, 1 thread each nearly doubled rate-inf throughput).
-        extra = {"prefill": a.prefill_args.split(), "decode": a.decode_args.split(),
-                 "mixed": a.decode_args.split()}
-        engines = sum(count * _ranks(extra[role]) for role, count in roles)
-        threads = os.environ.get("OMP_NUM_THREADS") or str(
-            max(1, (os.cpu_count() or 1) // engines))
-        print(f"[up] {engines} engine(s), {threads} torch thread(s) each", flush=True)
-        for role, count in roles:
-            for i in range(count):
-                svc = Service(role, [role, *workers, *extra[role]], log_dir,
-                              env={"OMP_NUM_THREADS": threads})
-                started.append(svc)
-                print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
-        gw_args = ["gateway", "--model", str(model), "--served-model-name", name,
-                   "--host", a.host, "--port", str(a.port), *reg, *trace,
-                   "--prefill-offload-threshold", str(a.prefill_offload_threshold)]
-        if a.api_key:
-            gw_args += ["--api-key", a.api_key]
-        gw = Service("gateway", gw_args, log_dir)
+            redis_proc, redis_url = _start_redis(p.log_dir)
+        print(f"[up] redis at {redis_url}; logs in {p.log_dir}", flush=True)
+        reg = ["--redis-url", redis_url, "--registry-prefix", cfg.registry_prefix]
+        trace = to_words(cfg.flags, ["--enable-trace", "--otlp-traces-endpoint"])
+        workers = [str(p.model), "--served-model-name", *p.names, "--host", cfg.host, *reg,
+                   *trace]
+        if p.roles[0][0] != "mixed":
+            workers += ["--kvstore", _start_pool(cfg, reg, p, started)]
+        _start_engines(p, workers, cfg.host, started)
+        gw = Service("gateway", ["gateway", str(p.model), "--served-model-name", *p.names,
+                                 "--host", cfg.host, *reg, *trace,
+                                 *to_words(cfg.flags, ["--port", "--api-key",
+                                                       "--max-model-len"]),
+                                 "--prefill-offload-threshold",
+                                 str(cfg.prefill_offload_threshold)], p.log_dir)
         started.append(gw)
-        url = gw.info["http"]
-        _wait_healthy(url)
-        print(f"[up] mesh ready: {url}/v1  (model {name!r})\n"
-              f"     try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fib(n):\", "
-              f"\"max_tokens\": 32}}'\n     Ctrl-C stops everything.", flush=True)
-        exited = False
-        while not exited and not stop.wait(0.5):
-            for svc in started:
-                if svc.proc.poll() is not None:
-                    print(f"[up] {svc.role} exited with {svc.proc.returncode}; see "
-                          f"{svc.log_path}", file=sys.stderr, flush=True)
-                    exited = True
+        _wait_healthy(gw.info["http"])
+        _say_ready(gw.info["http"], p.names[0])
+        _watch(started, stop)
     finally:
         print("[up] stopping", flush=True)
         for svc in reversed(started):
@@ -170,6 +149,52 @@ def run(a: argparse.Namespace, mixed: bool = False) -> int:
             redis_proc.terminate()
             redis_proc.wait(10)
     return 0
+
+
+def _start_pool(cfg: ServeConfig, reg: list[str], p: Plan, started: list[Service]) -> str:
+    """The kvstore (and, for a MoE model, the EPLB controller); the kvstore's address."""
+    kv = Service("kvstore", ["kvstore", "--host", cfg.host, *reg], p.log_dir,
+                 env=bound_env(cfg.host))
+    started.append(kv)
+    print(f"[up] kvstore ready at {kv.address} (mooncake master {kv.info['master']})",
+          flush=True)
+    if ModelConfig.from_folder(p.model).moe is not None:  # experts to balance
+        ctl = Service("eplb", ["eplb", "--host", cfg.host, *reg], p.log_dir)
+        started.append(ctl)
+        print(f"[up] eplb controller ready at {ctl.address}", flush=True)
+    return kv.address
+
+
+def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service]) -> None:
+    """(Started with the bind shim's environment already: no re-exec at their start.)"""
+    # Share the cores among the engines: torch threads that outnumber the cores spin
+    # against each other (on 2 cores, 1 thread each nearly doubled rate-inf throughput).
+    engines = sum(count * p.ranks[role] for role, count in p.roles)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // engines))
+    print(f"[up] {engines} engine(s), {threads} torch thread(s) each", flush=True)
+    for role, count in p.roles:
+        for i in range(count):
+            svc = Service(role, [role, *workers, *p.engine_words[role]], p.log_dir,
+                          env={**bound_env(host), "OMP_NUM_THREADS": threads})
+            started.append(svc)
+            print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
+
+
+def _say_ready(url: str, name: str) -> None:
+    print(f"[up] mesh ready: {url}/v1  (model {name!r})\n"
+          f"     try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fib(n):\", "
+          f"\"max_tokens\": 32}}'\n     Ctrl-C stops everything.", flush=True)
+
+
+def _watch(started: list[Service], stop: SignalStop) -> None:
+    """Until a signal, or until one of the services exits."""
+    while not stop.wait(0.5):
+        for svc in started:
+            if svc.proc.poll() is not None:
+                print(f"[up] {svc.role} exited with {svc.proc.returncode}; see "
+                      f"{svc.log_path}", file=sys.stderr, flush=True)
+                return
 
 
 def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:

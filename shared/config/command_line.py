@@ -261,9 +261,10 @@ def help_text(command: str, about: str = "") -> str:
         lines += ["", f"{title}:"]
         for f in group:
             default = f.default_for(command)
-            names = ", ".join((f.name, *f.aliases))
+            negation = (f"--no-{f.name[2:]}",) if f.kind == "bool" else ()
+            names = ", ".join((f.name, *negation, *f.aliases))
             value = "" if f.kind == "bool" else f" {f.kind.upper()}"
-            extra = f" (default: {default})" if default not in (None, "", (), [], False) \
-                else ""
+            extra = "" if default in (None, "", (), [], False) else \
+                " (default: on)" if default is True else f" (default: {default})"
             lines.append(f"  {names}{value}\n      {f.help}{extra}")
     return "\n".join(lines) + "\n"

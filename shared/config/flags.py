@@ -33,7 +33,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (hashed by identity: one object per flag)
 class Flag:
     name: str  # the canonical spelling, "--max-model-len"
     kind: str
@@ -79,9 +79,10 @@ def _compat(*specs: tuple) -> list[Flag]:
             for spec in specs]
 
 
+POOLED = {"effect": frozenset({"prefill", "decode", "config check"})}  # mixed has no pool
 MODEL_COMMANDS = ENGINES | {"gateway"} | LAUNCHERS | ENGINE_TOOLS | CHECK
-REGISTRY = SERVICES | {"up"}
-TRACED = ENGINES | {"gateway", "up"}
+REGISTRY = SERVICES | LAUNCHERS
+TRACED = ENGINES | {"gateway"} | LAUNCHERS
 
 FLAGS: list[Flag] = [
     # -- everywhere ---------------------------------------------------------------------
@@ -91,23 +92,21 @@ FLAGS: list[Flag] = [
              {"choices": ("text", "json")})),
     # -- the model ----------------------------------------------------------------------
     Flag("--model", "str", MODEL_COMMANDS, None, "the model folder (or first positional "
-         "argument, as `vllm serve MODEL`)", aliases=("--model-path",),
-         effect=MODEL_COMMANDS - CHECK),
+         "argument, as `vllm serve MODEL`)", aliases=("--model-path",)),
     Flag("--served-model-name", "names", ENGINES | {"gateway"} | LAUNCHERS | CHECK, (),
-         "the name(s) clients ask for (default: the model path; up/serve: its folder name)",
-         effect=ENGINES | {"gateway"} | LAUNCHERS),
+         "the name(s) clients ask for (default: the model path; up/serve: its folder "
+         "name)"),
     # -- where a service listens and registers ------------------------------------------
     Flag("--host", "str", SERVICES | LAUNCHERS | CHECK, "127.0.0.1",
-         "the address to bind (every listener binds exactly this)",
-         effect=SERVICES | LAUNCHERS),
+         "the address to bind (every listener binds exactly this)"),
     Flag("--port", "int", SERVICES | LAUNCHERS | CHECK,
-         {"gateway": 8000, "up": 8000, "serve": 8000, "*": 0},
-         "the port to listen on (0: any free one); up/serve: the gateway's HTTP port",
-         effect=SERVICES | LAUNCHERS),
+         {"gateway": 8000, "up": 8000, "serve": 8000, "config check": 8000, "*": 0},
+         "the port to listen on (0: any free one); up/serve: the gateway's HTTP port"),
     *_flags(SERVICES,
             ("--advertise-host", "str", None, "the host others reach this service at "
              "(default: --host, or this machine's hostname when --host is 0.0.0.0)")),
-    Flag("--redis-url", "str", REGISTRY, {"up": None, "*": "redis://127.0.0.1:6379/0"},
+    Flag("--redis-url", "str", REGISTRY,
+         {"up": None, "serve": None, "*": "redis://127.0.0.1:6379/0"},
          "the registry (up: default a redis on 127.0.0.1:6379, started if none listens)"),
     Flag("--registry-prefix", "str", REGISTRY, "pdmesh",
          "redis key prefix, so several meshes can share one redis"),
@@ -127,8 +126,7 @@ FLAGS: list[Flag] = [
              "float16", {"choices": DTYPES}),
             ("--seed", "int", 0, "the engine's sampling seed", {"aliases": ("--random-seed",)}),
             ("--block-size", "int", 128, "tokens per KV block", {"aliases": ("--page-size",)}),
-            ("--max-model-len", "int", None, "context length (default: the model's)",
-             {"aliases": ("--context-length",)}),
+
             ("--max-num-seqs", "int", 256, "requests in a batch at most",
              {"aliases": ("--max-running-requests",)}),
             ("--max-num-batched-tokens", "int", None, "tokens one step computes at most "
@@ -141,13 +139,16 @@ FLAGS: list[Flag] = [
              "up to 1 GiB)"),
             ("--gpu-memory-utilization", "float", 0.9, "share of device memory to use",
              {"aliases": ("--mem-fraction-static",)})),
+    Flag("--max-model-len", "int", ENGINES | ENGINE_TOOLS | {"serve", "gateway"} | CHECK,
+         None, "context length (default: the model's)", aliases=("--context-length",)),
     Flag("--disable-radix-cache", "bool", ENGINES | {"serve"} | CHECK, False,
          "SGLang's spelling of --no-enable-prefix-caching"),
     # -- serving an engine --------------------------------------------------------------
     *_flags(ENGINE_LINE,
             ("--kvstore", "str", None, "the kvstore service's gRPC address (prefill and "
-             "decode need one; a mixed instance runs without a pool)"),
-            ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool"),
+             "decode need one; a mixed instance runs without a pool)", POOLED),
+            ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool",
+             POOLED),
             ("--shutdown-timeout", "float", 30.0, "on SIGTERM, seconds requests in flight "
              "get to finish"),
             ("--tensor-parallel-size", "int", 1, "tensor parallel ranks (1 only, for now)",
@@ -180,7 +181,7 @@ FLAGS: list[Flag] = [
          "429 with Retry-After while this many are in flight); default: no limit"),
     Flag("--api-key", "str", ENGINE_LINE | {"gateway", "up"}, None,
          "require 'Authorization: Bearer KEY' (the gateway checks it)",
-         effect=frozenset({"gateway", "up", "serve"})),
+         effect=frozenset({"gateway", "up", "serve", "config check"})),
     # -- the gateway --------------------------------------------------------------------
     Flag("--prefill-offload-threshold", "int", {"gateway", "up", "serve"},
          {"gateway": 0, "*": 2048},
@@ -210,12 +211,15 @@ FLAGS: list[Flag] = [
     # -- pdmesh up ----------------------------------------------------------------------
     *_flags({"up"},
             ("--prefill", "int", 1, "prefill instances"),
-            ("--decode", "int", 1, "decode instances"),
-            ("--engine-args", "str", "", "extra engine flags for prefill and decode, as one "
-             "string"),
-            ("--prefill-args", "str", "", "extra flags for prefill only"),
-            ("--decode-args", "str", "", "extra flags for decode only, e.g. "
-             "\"--data-parallel-size 2 --enable-expert-parallel\"")),
+            ("--decode", "int", 1, "decode instances")),
+    *_flags(LAUNCHERS,
+            ("--engine-args", "str", "", "extra engine flags for every engine instance, as "
+             "one string", {"dest": "engine_flags"}),
+            ("--prefill-args", "str", "", "extra flags for prefill only",
+             {"dest": "prefill_flags"}),
+            ("--decode-args", "str", "", "extra flags for decode (serve: the mixed instance) "
+             "only, e.g. \"--data-parallel-size 2 --enable-expert-parallel\"",
+             {"dest": "decode_flags"})),
     Flag("--log-dir", "str", LAUNCHERS, None, "the services' logs (default: a fresh "
          "temporary folder)"),
     # -- config check -------------------------------------------------------------------

@@ -10,7 +10,6 @@ again. The prefix lets several meshes share one redis.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -93,15 +92,6 @@ class Registry:
             if (role is None or inst.role == role) and (model is None or inst.model == model):
                 out.append(inst)
         return sorted(out, key=lambda i: i.id)
-
-
-def add_registry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--registry-prefix", default="pdmesh",
-                   help="redis key prefix, so several meshes can share one redis")
-    p.add_argument("--advertise-host", default=None,
-                   help="the host others reach this service at (default: --host, or this "
-                        "machine's hostname when --host is 0.0.0.0)")
 
 
 class Heartbeat:

@@ -18,7 +18,6 @@ one set of gRPC metadata); every unary call carries it in metadata.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Mapping
@@ -27,16 +26,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def add_tracing_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("tracing")
-    g.add_argument("--enable-trace", action="store_true",
-                   help="trace requests (OTLP to --otlp-traces-endpoint, default "
-                        "http://127.0.0.1:4317)")
-    g.add_argument("--otlp-traces-endpoint", default=None,
-                   help="OTLP/gRPC collector for traces (turns tracing on)")
-
-
-def endpoint_from_args(a: argparse.Namespace) -> str | None:
+def endpoint_from_args(a: Any) -> str | None:
+    """The collector a service's flags (--otlp-traces-endpoint, --enable-trace) name."""
     return a.otlp_traces_endpoint or ("http://127.0.0.1:4317" if a.enable_trace else None)
 
 
@@ -62,7 +53,7 @@ class Tracing:
         log.info("tracing to %s as %s", endpoint, service)
 
     @classmethod
-    def from_args(cls, service: str, a: argparse.Namespace) -> Tracing:
+    def from_args(cls, service: str, a: Any) -> Tracing:
         return cls(service, endpoint_from_args(a))
 
     def shutdown(self) -> None:

@@ -116,7 +116,8 @@ class MasterSupervisor:
         p = self.ports
         cmd = [self._binary, f"-rpc_address={p.host}", f"-rpc_port={p.rpc}",
                "-enable_http_metadata_server=true", f"-http_metadata_server_host={p.host}",
-               f"-http_metadata_server_port={p.metadata}", f"-metrics_port={p.metrics}",
+               f"-http_metadata_server_port={p.metadata}", f"-metrics_host={p.host}",
+               f"-metrics_port={p.metrics}",
                *self.eviction.flags()]
         out = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,

@@ -11,6 +11,7 @@ into them, so no block is ever copied through Python.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ import urllib.parse
 
 import torch
 
+from pdmesh.shared.infra.bindhost import is_address
 from pdmesh.shared.kvpool.base import KVPool, PoolStats, Region
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,9 @@ class MooncakePool(KVPool):
         self.master_address = master_address
         self.metadata_url = metadata_url
         _preflight(master_address, metadata_url)
+        if is_address(local_hostname):  # Mooncake advertises this address to its peers,
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)  # not eth0's
+
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(local_hostname, metadata_url, segment_bytes, local_buffer_bytes,
                                protocol, device_name, master_address)

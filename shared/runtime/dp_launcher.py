@@ -8,7 +8,6 @@ them all on SIGTERM / SIGINT or as soon as one dies.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.net import free_port, reachable_host
@@ -24,7 +24,8 @@ from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 log = logging.getLogger(__name__)
 
 
-def launch_ranks(a: argparse.Namespace, role: str) -> int:
+def launch_ranks(a: Any, role: str) -> int:
+    """``a``: the instance's ServeConfig (its flags read as attributes)."""
     host = a.data_parallel_address or reachable_host(a.host)
     rpc_port = a.data_parallel_rpc_port or free_port(host)
     logs = Path(tempfile.mkdtemp(prefix=f"pdmesh-{role}-dp-"))
@@ -50,7 +51,7 @@ def launch_ranks(a: argparse.Namespace, role: str) -> int:
             _stop_ranks(ranks, a.shutdown_timeout)
 
 
-def _rank_args(a: argparse.Namespace, rank: int, host: str, rpc_port: int) -> list[str]:
+def _rank_args(a: Any, rank: int, host: str, rpc_port: int) -> list[str]:
     args = [*sys.argv[1:], "--data-parallel-rank", str(rank), "--data-parallel-address",
             host, "--data-parallel-rpc-port", str(rpc_port)]
     if a.port:

@@ -17,7 +17,6 @@ comparison in benchmarks. ``--data-parallel-size N`` without
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.shared.config.serve import ServeConfig
 from pdmesh.shared.infra.tracing import endpoint_from_args
 from pdmesh.shared.kvpool.base import KVPool
 from pdmesh.shared.runtime.edge import EdgeConfig, edge_port, start_edge, stop_edge
@@ -50,32 +50,38 @@ class EngineRole:
     edge_module: str  # `python -m` this to run the edge process (calls serve_edge)
 
 
-def serve_engine(a: argparse.Namespace, role: EngineRole, config, service) -> int:
-    """``config``: the EngineConfig; ``service``: the resolved ServiceConfig."""
-    if a.data_parallel_size > 1 and a.data_parallel_rank is None:
+def serve_engine(cfg: ServeConfig, role: EngineRole) -> int:
+    """``cfg``: the instance's resolved ServeConfig (its EngineConfig in ``cfg.engine``)."""
+    if cfg.data_parallel_size > 1 and cfg.data_parallel_rank is None:
         from pdmesh.shared.runtime.dp_launcher import launch_ranks
 
-        return launch_ranks(a, role.name)
+        return launch_ranks(cfg, role.name)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    name = a.served_model_name or a.model
-    settings = HostSettings(role.name, a.host, a.port, a.advertise_host, a.redis_url,
-                            a.registry_prefix, a.metrics_port, name)
-    edge_config = EdgeConfig(role.name, a.host, a.port, name, endpoint_from_args(a),
-                             a.log_level, a.log_format)
+    settings = host_settings(cfg, role.name)
+    edge_config = EdgeConfig(role.name, cfg.host, cfg.port, cfg.model_name,
+                             endpoint_from_args(cfg), cfg.log_level, cfg.log_format)
     with ServiceHost(settings) as host:
         # started first: the edge imports and binds while this process loads the model
         edge = None if edge_on_thread() else start_edge(role.edge_module, edge_config)
         try:
-            return _run(a, role, config, service, host, edge, edge_config)
+            return _run(cfg, role, host, edge, edge_config)
         finally:
             if edge is not None:
                 stop_edge(*edge)
 
 
-def _run(a, role: EngineRole, config, service, host: ServiceHost, edge,
+def host_settings(cfg: ServeConfig, role: str) -> HostSettings:
+    """Where the service listens and registers, from its flags."""
+    return HostSettings(role, cfg.host, cfg.port, cfg.advertise_host, cfg.redis_url,
+                        cfg.registry_prefix, getattr(cfg, "metrics_port", -1),
+                        cfg.model_name)
+
+
+def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
          edge_config: EdgeConfig) -> int:
     from pdmesh.shared.engine.engine import EngineCore
 
+    a, config = cfg, cfg.engine
     pool = connect_pool(a.kvstore, host.settings.reach, a.pool_segment_mb) \
         if role.name != "mixed" else None
     if pool is not None:
@@ -100,7 +106,7 @@ def _run(a, role: EngineRole, config, service, host: ServiceHost, edge,
                   dp_rank=a.data_parallel_rank or 0, group=group)
     host.ready(model=host.settings.model_name, device=engine.device,
                dp_rank=a.data_parallel_rank or 0, kv_blocks=engine.kv.num_blocks,
-               kv_role=service.kv_role, inactive_keys=list(service.additional.inactive_keys),
+               kv_role=cfg.kv_role, inactive_keys=list(cfg.additional_config.inactive_keys),
                config=_jsonable(config))
     loop.run()  # the engine steps in the main thread until drained or stopped
     return 0

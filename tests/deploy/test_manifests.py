@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdmesh.cli import build_parser
+from pdmesh.cli import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy/k8s"
@@ -24,7 +24,7 @@ PDMESH_SERVICES = {"kvstore", "eplb", "prefill", "decode", "gateway"}
 
 def parses(argv: list[str]) -> None:
     """SystemExit if pdmesh's parser rejects the arguments."""
-    build_parser().parse_args(argv)
+    parse_args(argv, resolve=False)
 
 
 def compose() -> dict:

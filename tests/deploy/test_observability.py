@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from pdmesh.cli import build_parser
+from pdmesh.cli import parse_args
 from pdmesh.shared.infra.metrics import METRIC_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def container_ports(service: dict) -> set[int]:
 def metrics_port(command: list[str]) -> int:
     """The port a pdmesh service's command serves /metrics on (the gateway: its HTTP
     port; the gRPC services: --metrics-port), as pdmesh's own parser reads it."""
-    args = build_parser().parse_args(command)
+    args = parse_args(command, resolve=False)[2]
     port = args.port if command[0] == "gateway" else args.metrics_port
     assert port > 0, f"{command[0]}: no fixed metrics port in {command}"
     return port

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdmesh.cli import _resolve_model, build_parser
+from pdmesh.cli import parse_args
 
 
 def parsed(argv: list[str]):
-    parser = build_parser(argv[0])
-    args = parser.parse_args(argv)
-    _resolve_model(args, parser)
-    return args
+    return parse_args(argv, resolve=False)[2]
 
 
 @pytest.mark.parametrize("command", [["prefill"], ["decode"], ["mixed"], ["gateway"],

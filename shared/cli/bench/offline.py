@@ -9,7 +9,6 @@ right after, so the ratio compares like with like on a shared, noisy machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,18 +21,6 @@ import torch
 
 MEM_BANDWIDTH_GBS = 45.0  # this kind of machine, measured (../shared/baselines)
 SINGLE_RUNS = 5  # the single request is short, so its median takes more runs
-
-
-def add_args(off: argparse.ArgumentParser) -> None:
-    from pdmesh.shared.engine.args import add_engine_args
-
-    add_engine_args(off)
-    off.add_argument("--num-prompts", type=int, default=32)
-    off.add_argument("--input-len", type=int, default=128)
-    off.add_argument("--output-len", type=int, default=128)
-    off.add_argument("--runs", type=int, default=3)
-    off.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    off.add_argument("--json", default=None, help="also write the figures here")
 
 
 def workload(tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]]:
@@ -59,12 +46,12 @@ def _median_runs(fn, runs: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def bench_pdmesh(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+def bench_pdmesh(a: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    from pdmesh.shared.config.engine_config import engine_config
     from pdmesh.shared.engine import LLM, SamplingParams
-    from pdmesh.shared.engine.args import engine_config_from_args
 
     t0 = time.perf_counter()
-    llm = LLM(**asdict(engine_config_from_args(a)))
+    llm = LLM(**asdict(engine_config(a.flags)))
     ready = time.perf_counter() - t0
     eng = llm.engine
     batch_params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
@@ -115,7 +102,7 @@ def _weight_bytes(model: Any) -> int:
         w.embed.element_size()
 
 
-def bench_transformers(a: argparse.Namespace, prompts: list[list[int]], dtype: torch.dtype
+def bench_transformers(a: Any, prompts: list[list[int]], dtype: torch.dtype
                        ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -152,7 +139,7 @@ def bench_transformers(a: argparse.Namespace, prompts: list[list[int]], dtype: t
     }
 
 
-def run(a: argparse.Namespace) -> int:
+def run(a: Any) -> int:
     from pdmesh.shared.models.tokenizer import Tokenizer
 
     prompts = workload(Tokenizer(a.model), a.num_prompts, a.input_len)
@@ -166,7 +153,7 @@ def run(a: argparse.Namespace) -> int:
           f"{MEM_BANDWIDTH_GBS:.0f} GB/s = {bound_ms:.3f} ms; TPOT is "
           f"{ours['tpot_ms'] / bound_ms:.1f}x the bound")
     result: dict[str, Any] = {"pdmesh": ours, "decode_bound_ms": bound_ms,
-                              "args": {k: v for k, v in vars(a).items() if k != "func"}}
+                              "args": a.flags.values()}
     if not a.no_hf:
         dtype = getattr(torch, ours["dtype"])
         hf = bench_transformers(a, prompts, dtype)

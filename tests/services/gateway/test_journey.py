@@ -184,8 +184,9 @@ def test_invalid_request_is_a_400_without_retries():
 
 
 def test_hand_back_re_prefills_the_tokens_so_far():
+    one_prefill = [i for i in PD if i.id != "p2"]  # both prefills go to p1, in order
     start, pre, dec, events = journey(
-        PD, {"p1": [7, 12], "p2": [7, 12]},
+        one_prefill, {"p1": [7, 12]},
         {"d1": [[8, 9, "recomputed"], [13, "length"]], "d2": [[13, "length"]]})
     deltas = run(start())
     assert tokens(deltas) == [7, 8, 9, 12, 13] and deltas[-1].finish_reason == "length"

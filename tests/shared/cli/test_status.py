@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from pdmesh.cli import build_parser
+from pdmesh.cli import parse_args
 from pdmesh.shared.cli.status import run
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.registry import Instance, Registry
@@ -25,7 +25,7 @@ GROUP = "decode@127.0.0.1:45999"  # the DP rpc port is made up: only the name ma
 
 
 def status(prefix: str, *extra: str, capsys) -> tuple[int, str]:
-    args = build_parser("status").parse_args(["status", "--registry-prefix", prefix, *extra])
+    args = parse_args(["status", "--registry-prefix", prefix, *extra])[2]
     rc = run(args)
     return rc, capsys.readouterr().out
 
@@ -174,7 +174,7 @@ def test_redis_down_is_one_line_and_exit_2():
 
 
 def test_bad_watch_interval_is_an_error(registry_prefix):
-    args = build_parser("status").parse_args(["status", "--watch", "0"])
+    args = parse_args(["status", "--watch", "0"])[2]
     with pytest.raises(ValueError, match="--watch"):
         run(args)
 

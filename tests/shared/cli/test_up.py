@@ -95,3 +95,48 @@ def _parent(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (FileNotFoundError, ValueError):
         return -1
+
+
+def test_serve_runs_a_vllm_serve_command_line(qwen3_path, tmp_path, registry_prefix):
+    """`pdmesh serve` takes `vllm serve`'s flags as they are: underscores, several served
+    names, --max_model_len enforced at the gateway, flags without effect accepted."""
+    prefix = f"{registry_prefix}-serve-vllm"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdmesh", "serve", str(qwen3_path), "--port", "0",
+         "--max_model_len", "64", "--served-model-name", "first", "second",
+         "--block-size", "16", "--device", "cpu", "--trust-remote-code",
+         "--registry-prefix", prefix, "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out: list[str] = []
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if m := re.search(r"mesh ready: (http://\S+)/v1", line):
+                url = m.group(1)
+        assert url, "".join(out)
+        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["first", "second"]
+        assert {m["max_model_len"] for m in models} == {64}
+        for name in ("first", "second"):
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": name, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["model"] == name, r.text
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "first", "prompt": list(range(100, 170)), "max_tokens": 4})
+        assert r.status_code == 400 and "max_model_len (64)" in r.text
+        mixed_log = next(tmp_path.glob("mixed-*.log")).read_text()
+        assert "without effect: --trust-remote-code" in mixed_log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            for pid in running_with(prefix):
+                subprocess.run(["kill", "-9", str(pid)], check=False)

@@ -1,6 +1,6 @@
 """Priority scheduling from either flag family, ShortRequestFirst from --additional-config,
 and --max-queued-requests: parsed as an engine instance parses them, checked together,
-and turned into EngineConfig fields (pdmesh.shared.runtime.worker.scheduling_settings)."""
+and turned into EngineConfig fields (shared.config.engine_config.scheduling_settings)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import json
 
 import pytest
 
-from pdmesh.cli import build_parser
 from pdmesh.shared.config import ConfigError
+from pdmesh.shared.config.command_line import parse_command_line
 from pdmesh.shared.config.engine_config import scheduling_settings
-from pdmesh.shared.config.service import resolve_service_config
+from pdmesh.shared.config.serve import read_config
 
 SRF = {"scheduler_config": {"short_request_first_config": {
     "enabled": True, "threshold": 64, "long_max_wait_ms": 1500}}}
 
 
 def settings(role: str, *flags: str) -> dict:
-    a = build_parser(role).parse_args([role, "--model", "m", *flags])
-    return scheduling_settings(a, resolve_service_config(a, role, "cpu"))
+    flags = parse_command_line(role, ["--model", "m", *flags])
+    return scheduling_settings(read_config(flags, device="cpu"))
 
 
 def test_defaults_are_fcfs_without_a_limit():

@@ -1,0 +1,204 @@
+"""flags -> ServeConfig: the one path from a command line to what a service runs.
+
+    words ──parse_command_line──▶ Flags ──read_config──▶ ServeConfig (flags checked
+    together: --kv-transfer-config, priority scheduling, --additional-config and its
+    cross-key rules) ──resolve──▶ ServeConfig (+ what runs: the device, the EngineConfig;
+    what pdmesh cannot run yet refused, e.g. tensor parallelism)
+
+Every service, `pdmesh up` (for the flags it hands to its engines), `pdmesh serve` and
+`pdmesh config check` go through ``serve_config``, so `config check` accepts exactly the
+command lines a service accepts and refuses exactly what it refuses. Nothing is loaded:
+a bad flag stops start-up before the model is read. Every problem raises as a ValueError
+naming the flag (a FlagError or ConfigError listing them all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdmesh.shared.config.command_line import Flags, parse_command_line
+from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.flags import ENGINES
+from pdmesh.shared.config.parse import parse_additional_config
+from pdmesh.shared.config.schema import AdditionalConfig
+
+log = logging.getLogger(__name__)
+
+ROLE_KV = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": None}
+KV_ROLE_OF = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A command's configuration. Its flags read as attributes (``config.max_model_len``),
+    as argparse's namespace would; the rest is what they resolve to."""
+
+    command: str
+    flags: Flags
+    role: str | None = None  # the engine role it configures: prefill | decode | mixed
+    kv_role: str | None = None
+    kv_transfer: Mapping[str, Any] = field(default_factory=dict)
+    additional_config: AdditionalConfig = field(default_factory=AdditionalConfig)
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
+    priority_low_values_first: bool = True
+    device: str | None = None  # resolved (engine roles)
+    engine: Any = None  # the EngineConfig it runs (engine roles, resolved)
+    env: Mapping[str, str] = field(default_factory=dict)  # a vllm line's NAME=VALUE words
+    warnings: tuple[str, ...] = ()
+    accepted_without_effect: tuple[str, ...] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "flags":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.flags, name)
+
+    @property
+    def served_model_name(self) -> tuple[str, ...]:
+        return tuple(self.flags.served_model_name or ())
+
+    @property
+    def model_name(self) -> str:
+        """The name clients ask for (the first served name, else the model path)."""
+        names = self.served_model_name
+        return names[0] if names else (self.flags.model or "")
+
+    def log_warnings(self) -> None:
+        """What a service says at start-up about its flags."""
+        if self.accepted_without_effect:
+            log.warning("accepted for vLLM compatibility, without effect: %s",
+                        ", ".join(self.accepted_without_effect))
+        for w in self.warnings:
+            log.warning("--additional-config: %s", w)
+        if self.additional_config.inactive_keys:
+            log.warning("--additional-config: inactive on %s: %s", self.device,
+                        ", ".join(self.additional_config.inactive_keys))
+
+
+def serve_config(command: str, words: list[str], *, env: Mapping[str, str] | None = None,
+                 ) -> ServeConfig:
+    """What ``pdmesh COMMAND words...`` would run, or a ValueError naming every problem."""
+    return resolve(read_config(parse_command_line(command, words), env=env))
+
+
+def read_config(flags: Flags, *, device: str | None = None,
+                env: Mapping[str, str] | None = None) -> ServeConfig:
+    """The flags checked together; for an engine role, --additional-config parsed with
+    the cross-key rules (on ``device``: default the one --device resolves to)."""
+    role = engine_role(flags)
+    compat = tuple(flags.without_effect)
+    if role is None:
+        return ServeConfig(flags.command, flags, accepted_without_effect=compat)
+    kv_transfer = dict(flags.kv_transfer_config or {})
+    kv_role = kv_transfer.get("kv_role", ROLE_KV[role] if _fixed_role(flags) else None)
+    if _fixed_role(flags) and ROLE_KV[role] is not None and kv_role != ROLE_KV[role]:
+        raise ValueError(f"--kv-transfer-config: kv_role {kv_role!r} does not fit a {role} "
+                         f"instance (expected {ROLE_KV[role]!r})")
+    if flags.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size: must be >= 1, got {flags.data_parallel_size}")
+    policy, low_first = priority_scheduling(flags)
+    engine_args = EngineArgs(
+        kv_role=kv_role, data_parallel_size=flags.data_parallel_size,
+        data_parallel_size_local=flags.data_parallel_size_local,
+        tensor_parallel_size=flags.tensor_parallel_size,
+        pipeline_parallel_size=flags.pipeline_parallel_size or 1,
+        enable_expert_parallel=flags.enable_expert_parallel, enable_eplb=flags.enable_eplb,
+        eplb_config=flags.eplb_config or {}, scheduling_policy=policy,
+        enforce_eager=flags.enforce_eager,
+        speculative_method=(flags.speculative_config or {}).get("method"))
+    device = device or _device(flags.device)
+    additional = parse_additional_config(flags.additional_config, env=env, device=device,
+                                         engine_args=engine_args)
+    return ServeConfig(flags.command, flags, role, kv_role, kv_transfer, additional,
+                       engine_args, low_first, device, env=dict(env or {}),
+                       warnings=tuple(additional.warnings), accepted_without_effect=compat)
+
+
+def resolve(config: ServeConfig) -> ServeConfig:
+    """What the command will run, with what pdmesh cannot run (yet) refused."""
+    f = config.flags
+    _at_least(f, "max_queued_requests", 1)
+    if config.command == "gateway" or config.command in ("up", "serve"):
+        _at_least(f, "prefill_offload_threshold", 0)
+    if config.command == "eplb":
+        _positive(f, "interval_s")
+    if config.command == "kvstore":
+        from pdmesh.shared.kvpool.master import EvictionPolicy
+
+        EvictionPolicy(f.kv_lease_ttl_ms, f.eviction_high_watermark_ratio, f.eviction_ratio)
+    if config.role is None:
+        return config
+    if f.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size: {f.tensor_parallel_size} is not supported "
+                         "yet; pdmesh runs one model replica per instance (use 1)")
+    if config.command in ENGINES and config.role != "mixed" and not f.kvstore:
+        raise ValueError(f"--kvstore: a {config.role} instance needs the kvstore's address")
+    from pdmesh.shared.config.engine_config import serving_engine_config
+
+    return dataclasses.replace(config, engine=serving_engine_config(config))
+
+
+def engine_role(flags: Flags) -> str | None:
+    """The engine role a command line configures: the engine commands their own, `serve`
+    a mixed instance, `config check` what --role or the kv_role says."""
+    if flags.command in ENGINES:
+        return flags.command
+    if flags.command == "serve":
+        return "mixed"
+    if flags.command == "config check":
+        if flags.role:
+            return flags.role
+        kv_role = (flags.kv_transfer_config or {}).get("kv_role")
+        return KV_ROLE_OF.get(kv_role, "mixed")
+    return None
+
+
+def _fixed_role(flags: Flags) -> bool:
+    """The role is the command's (or --role's), not read from the kv_role."""
+    return flags.command in ENGINES or bool(getattr(flags, "role", None))
+
+
+def priority_scheduling(f: Any) -> tuple[str, bool]:
+    """The scheduling policy and, for "priority", whether lower values go first.
+
+    Two flag families ask for priority scheduling, each with its own default order:
+    vLLM's ``--scheduling-policy priority`` serves lower values first; SGLang's
+    ``--enable-priority-scheduling`` serves larger values first, lower ones with
+    ``--schedule-low-priority-values-first``. Given together they must agree on lower
+    first. ValueError naming the flag otherwise.
+    """
+    sglang, low_first = f.enable_priority_scheduling, f.schedule_low_priority_values_first
+    vllm = f.scheduling_policy == "priority"
+    if low_first and not (sglang or vllm):
+        raise ValueError("--schedule-low-priority-values-first: only with "
+                         "--enable-priority-scheduling")
+    if sglang and vllm and not low_first:
+        raise ValueError("--enable-priority-scheduling: serves larger priority values first, "
+                         "--scheduling-policy priority lower ones; give one of them, or add "
+                         "--schedule-low-priority-values-first")
+    if sglang:
+        return "priority", low_first
+    return f.scheduling_policy, True
+
+
+def _device(device: str) -> str:
+    from pdmesh.shared.kernels import resolve_device
+
+    return resolve_device(device)
+
+
+def _at_least(f: Flags, name: str, low: int) -> None:
+    value = getattr(f, name, None)
+    if value is not None and value < low:
+        raise ValueError(f"--{name.replace('_', '-')}: must be >= {low}, got {value}")
+
+
+def _positive(f: Flags, name: str) -> None:
+    import math
+
+    value = getattr(f, name)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--{name.replace('_', '-')}: must be a positive number, got {value}")

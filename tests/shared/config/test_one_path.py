@@ -1,0 +1,115 @@
+"""One config path: the services, `pdmesh config check` and `pdmesh up` read flags with
+the same parser and the same flags -> ServeConfig function, so the seeds' `vllm serve`
+lines start as they are and `config check` says exactly what a service would do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdmesh.shared.config.command_line import FlagError, parse_command_line
+from pdmesh.shared.config.serve import engine_role, read_config, serve_config
+from pdmesh.shared.config.vllm_cli import _expand, _shell_words
+from tests.shared.config.vllm_command_lines import SEED_COMMANDS
+
+GOOD_SEEDS = [c for c in SEED_COMMANDS if c.error is None]
+
+
+def seed_words(case) -> list[str]:
+    """The words after `vllm serve`, variables expanded, shell text after it dropped."""
+    words = _shell_words(case.command)
+    while words[0] != "vllm":
+        words.pop(0)
+    words = words[2:]
+    cut = next((i for i, w in enumerate(words) if w in ("2>&1", "|")), len(words))
+    words, problems = _expand(words[:cut], case.variables)
+    assert problems == []
+    return words
+
+
+@pytest.mark.parametrize("case", GOOD_SEEDS, ids=lambda c: c.name)
+def test_every_seed_line_is_read_by_the_service_parser_as_it_is(case):
+    check = parse_command_line("config check", seed_words(case))
+    role = engine_role(check)
+    flags = parse_command_line(role, seed_words(case))  # what `pdmesh ROLE ...` reads
+    config = read_config(flags, device="cpu")
+    assert config.role == role
+    for name, want in case.expect.items():
+        assert getattr(config, name) == want, name
+    if "--max_model_len" in case.command:  # vLLM's underscore spelling is read too
+        assert flags.max_model_len is not None and "--max-model-len" in flags.given
+
+
+def test_a_seed_line_starts_a_service_exactly_as_config_check_says():
+    """The DeepSeek-V4 PD decode line: the parser takes every flag, both refuse what
+    pdmesh cannot run yet (tensor parallelism 16) with the same message."""
+    case = next(c for c in SEED_COMMANDS if c.name == "dsv4_pd_decode")
+    words = seed_words(case)
+    with pytest.raises(ValueError) as by_check:
+        serve_config("config check", words)
+    with pytest.raises(ValueError) as by_service:
+        serve_config("decode", [*words, "--kvstore", "127.0.0.1:1"])
+    assert str(by_check.value) == str(by_service.value)
+    assert str(by_service.value).startswith("--tensor-parallel-size: 16 is not supported")
+    tp1 = list(words)
+    tp1[tp1.index("--tensor-parallel-size") + 1] = "1"
+    config = serve_config("decode", [*tp1, "--kvstore", "127.0.0.1:1"])
+    assert config.engine.max_model_len == 131072 and config.engine.block_size == 128
+    assert "--no-disable-hybrid-kv-cache-manager" in config.accepted_without_effect
+    assert "--speculative-config" in config.accepted_without_effect
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdmesh", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+BAD = [
+    ["--max_model_len", "abc"],
+    ["--additional-config", '{"scheduler_config": {"dyntra_lb_config": {"enabled": true}}}'],
+    ["--tensor-parallel-size", "4"],
+    ["--enable-priority-scheduling", "--scheduling-policy", "priority"],
+    ["--max-num-seq", "8"],
+]
+
+
+@pytest.mark.parametrize("flags", BAD, ids=lambda f: f[0])
+def test_config_check_refuses_what_the_service_refuses_with_the_same_words(qwen3_path,
+                                                                           flags):
+    check = run("config", "check", "--role", "decode", *flags)
+    service = run("decode", str(qwen3_path), "--kvstore", "127.0.0.1:1", "--device", "cpu",
+                  *flags)
+    assert check.returncode == service.returncode == 2
+    errors = [ln for ln in check.stderr.splitlines() if ln.startswith("pdmesh: error: ")]
+    assert errors and all(e in service.stderr for e in errors), (check.stderr,
+                                                                 service.stderr)
+
+
+def test_what_config_check_accepts_the_service_runs(qwen3_path):
+    """Accepted by config check -> the service gets past its flags (here as far as the
+    unreachable kvstore), and both list the same flags as without effect."""
+    flags = ["--max_model_len", "512", "--speculative-config", '{"method": "mtp"}',
+             "--no-disable-hybrid-kv-cache-manager", "--tp-size", "1"]
+    check = run("config", "check", "--role", "decode", *flags)
+    assert check.returncode == 0, check.stderr
+    service = run("decode", str(qwen3_path), "--kvstore", "127.0.0.1:1", "--device", "cpu",
+                  *flags)
+    assert service.returncode == 2 and "kvstore: no answer from 127.0.0.1:1" in service.stderr
+    for flag in ("--speculative-config", "--no-disable-hybrid-kv-cache-manager"):
+        assert flag in check.stderr and flag in service.stderr
+
+
+def test_up_checks_its_engines_flags_before_starting_anything(qwen3_path, tmp_path):
+    r = run("up", str(qwen3_path), "--engine-args", "--max-model-len x --bogus",
+            "--log-dir", str(tmp_path))
+    assert r.returncode == 2
+    assert "--max-model-len: expected an int, got 'x'" in r.stderr and "--bogus" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no service started, no log written
+
+
+def test_every_problem_of_a_command_line_at_once():
+    with pytest.raises(FlagError) as e:
+        parse_command_line("prefill", ["m", "--max-model-len", "x", "--bogus", "--port"])
+    assert len(e.value.problems) == 3
