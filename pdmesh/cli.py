@@ -116,7 +116,8 @@ def parse_args(argv: list[str], resolve: bool = True) -> tuple[argparse.Namespac
             raise SystemExit(0)
         config = _parse(command, rest, resolve)
     except HelpRequested as h:
-        print(help_text(str(h)), end="")
+        about = next((c.help for c in COMMANDS if c.name == str(h)), "")
+        print(help_text(str(h), about), end="")
         raise SystemExit(0) from None
     except (UsageError, FlagError, ConfigError, ValueError) as e:
         for problem in _problems(e):

@@ -176,7 +176,7 @@ class Journey:
                 log.warning("request %s: %s", self.req.request_id, last)
                 codes.append(e.code)
                 if e.code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise MeshError(e.details or "invalid request", 400) from e
+                    raise MeshError(e.details or "invalid request", http_status(e.code)) from e
                 if not retry.retryable(e.code):
                     break
                 tried.add(inst.id)

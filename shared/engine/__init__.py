@@ -5,7 +5,7 @@ shaped like vLLM's (``LLM``, ``SamplingParams``)."""
 import importlib
 
 # Loaded on first use (PEP 562): a gRPC edge process imports the engine's light modules
-# (requests, sampling parameters, the loop's stream types) without torch.
+# (requests, sampling parameters: the engine protocol's types) without torch.
 _EXPORTS = {
     "EngineConfig": "pdmesh.shared.engine.config",
     "EngineCore": "pdmesh.shared.engine.engine",

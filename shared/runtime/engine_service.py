@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdmesh.shared.config.serve import ServeConfig
@@ -79,15 +79,15 @@ def host_settings(cfg: ServeConfig, role: str) -> HostSettings:
 
 def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
          edge_config: EdgeConfig) -> int:
+    """Join the pool, load the engine, connect its edge, announce it, step."""
     from pdmesh.shared.engine.engine import EngineCore
 
-    a, config = cfg, cfg.engine
-    pool = connect_pool(a.kvstore, host.settings.reach, a.pool_segment_mb) \
-        if role.name != "mixed" else None
-    if pool is not None:
+    pool = None
+    if role.name != "mixed":
+        pool = connect_pool(cfg.kvstore, host.settings.reach, cfg.pool_segment_mb)
         host.at_close(pool.close)
-    engine = EngineCore(config, kv_pool=pool, save_prompts=role.name == "prefill")
-    eplb = _rank_eplb(a, role.name, engine, config)
+    engine = EngineCore(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
+    eplb = _rank_eplb(cfg, role.name, engine)
     if edge is not None:
         loop = EngineLoop(engine, edge[1], eplb)
         host.adopt_port(edge_port(*edge))
@@ -96,20 +96,28 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
         loop = EngineLoop(engine, port, eplb)
         host.aio_grpc_server(lambda server, aio: _add_inprocess(role, server, port, aio,
                                                                 edge_config))
-    # SIGTERM / SIGINT: new requests refused, those in flight finish up to
-    # --shutdown-timeout; a second signal stops at once (the handler sets flags only)
-    host.on_signal = lambda _: loop.drain(a.shutdown_timeout)
-    loop.on_drain = lambda: _draining(host, role.name, a.shutdown_timeout)
-    _serve_metrics(host, loop, eplb, a)
-    group = f"{role.name}@{config.data_parallel_address}" if a.data_parallel_size > 1 else ""
-    host.register(load=lambda: loop.load().registry_fields(), dp_size=a.data_parallel_size,
-                  dp_rank=a.data_parallel_rank or 0, group=group)
-    host.ready(model=host.settings.model_name, device=engine.device,
-               dp_rank=a.data_parallel_rank or 0, kv_blocks=engine.kv.num_blocks,
-               kv_role=cfg.kv_role, inactive_keys=list(cfg.additional_config.inactive_keys),
-               config=_jsonable(config))
+    _announce(cfg, role.name, host, loop, eplb)
     loop.run()  # the engine steps in the main thread until drained or stopped
     return 0
+
+
+def _announce(cfg: ServeConfig, role: str, host: ServiceHost, loop: EngineLoop,
+              eplb) -> None:
+    """Signals, metrics, the registry entry and the ready line."""
+    # SIGTERM / SIGINT: new requests refused, those in flight finish up to
+    # --shutdown-timeout; a second signal stops at once (the handler sets flags only)
+    host.on_signal = lambda _: loop.drain(cfg.shutdown_timeout)
+    loop.on_drain = lambda: _draining(host, role, cfg.shutdown_timeout)
+    _serve_metrics(host, loop, eplb, cfg)
+    engine = loop.engine
+    dp = cfg.data_parallel_size
+    group = f"{role}@{cfg.engine.data_parallel_address}" if dp > 1 else ""
+    host.register(load=lambda: loop.load().registry_fields(), dp_size=dp,
+                  dp_rank=cfg.data_parallel_rank or 0, group=group)
+    host.ready(model=host.settings.model_name, device=engine.device,
+               dp_rank=cfg.data_parallel_rank or 0, kv_blocks=engine.kv.num_blocks,
+               kv_role=cfg.kv_role, inactive_keys=list(cfg.additional_config.inactive_keys),
+               config=asdict(cfg.engine))
 
 
 def edge_on_thread() -> bool:
@@ -144,8 +152,9 @@ def _serve_metrics(host: ServiceHost, loop: EngineLoop, eplb, a) -> None:
     host.serve_metrics(worker_metrics(loop, labels, eplb), per_request.registry)
 
 
-def _rank_eplb(a, role: str, engine, config):
+def _rank_eplb(a: ServeConfig, role: str, engine):
     """The rank's side of dynamic EPLB (expert-parallel ranks with load recording)."""
+    config = engine.config
     if engine.ep is None or engine.model.load_recorder is None:
         return None
     from pdmesh.shared.infra.registry import Registry
@@ -176,9 +185,3 @@ def connect_pool(kvstore: str | None, host: str, segment_mb: int) -> KVPool:
         raise ConnectionError(f"kvstore: no answer from {kvstore} ({e.code().name})") from e
     return MooncakePool(stats.master_address, stats.metadata_url, local_hostname=host,
                         segment_bytes=segment_mb << 20)
-
-
-def _jsonable(config) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(config)

@@ -61,6 +61,7 @@ class ServiceHost:
         self.metrics_port: int | None = None
         self.instance: Instance | None = None
         self.on_signal: Callable[[int], None] | None = None  # flags only (signal handler)
+        self.aio_loop: asyncio.AbstractEventLoop | None = None  # aio_grpc_server's
         self.signals = SignalStop(on_signal=self._signalled).install()
         self._heartbeat: Heartbeat | None = None
         self._closers: list[Callable[[], None]] = []

@@ -5,17 +5,12 @@ master and transfer engine, torch's process group and the gRPC edges included.""
 from __future__ import annotations
 
 import ipaddress
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.shared.cli.test_up import running_with
+from tests.shared.cli.test_up import launch, shut
 
 TCP_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
 
@@ -91,21 +86,10 @@ def test_up_keeps_every_socket_on_loopback(tiny_models, tmp_path, registry_prefi
     model = tiny_models["qwen3_moe" if moe else "qwen3"]
     prefix = f"{registry_prefix}-lo-{int(moe)}"
     extra = ["--decode-args", "--data-parallel-size 2 --enable-expert-parallel"] if moe else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdmesh", "up", str(model), "--port", "0", "--registry-prefix",
-         prefix, "--log-dir", str(tmp_path), "--engine-args",
-         "--device cpu --block-size 16 --pool-segment-mb 64", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc, url, out = launch("up", str(model), "--port", "0", "--registry-prefix", prefix,
+                            "--log-dir", str(tmp_path), "--engine-args",
+                            "--device cpu --block-size 16 --pool-segment-mb 64", *extra)
     try:
-        url, out = None, []
-        deadline = time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            if m := re.search(r"mesh ready: (http://\S+)/v1", line):
-                url = m.group(1)
         assert url, "".join(out)
         mesh = tree(proc.pid)
         assert len(mesh) >= 7, [command_of(p) for p in mesh]  # up, kvstore, master, ...
@@ -122,11 +106,4 @@ def test_up_keeps_every_socket_on_loopback(tiny_models, tmp_path, registry_prefi
         logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
         assert "Found active interface" not in logs
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            for pid in running_with(prefix):
-                subprocess.run(["kill", "-9", str(pid)], check=False)
+        shut(proc, prefix)

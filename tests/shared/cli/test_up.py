@@ -30,6 +30,36 @@ def running_with(marker: str) -> list[int]:
     return pids
 
 
+def launch(*args: str) -> tuple[subprocess.Popen, str | None, list[str]]:
+    """`pdmesh ARGS...` (up or serve) in a session of its own; its URL once the mesh is
+    ready (None if it never was) and what it printed until then."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdmesh", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(line)
+        if m := re.search(r"mesh ready: (http://\S+)/v1", line):
+            return proc, m.group(1), out
+    return proc, None, out
+
+
+def shut(proc: subprocess.Popen, prefix: str) -> None:
+    """SIGTERM, then whatever is left of it (by its registry prefix) killed."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in running_with(prefix):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
 @pytest.mark.parametrize("command,moe", [("up", False), ("serve", False), ("up", True)])
 def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, command, moe):
     """`up`: the PD mesh; `serve`: one mixed instance behind the gateway; `up` on a MoE
@@ -37,24 +67,13 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
     model_path = tiny_models["qwen3_moe" if moe else "qwen3"]
     prefix = f"{registry_prefix}-{command}-{int(moe)}"
     extra = ["--decode-args", "--data-parallel-size 2 --enable-expert-parallel"] if moe else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdmesh", command, str(model_path), "--port", "0",
-         "--registry-prefix", prefix, "--log-dir", str(tmp_path),
-         "--engine-args", "--device cpu --block-size 16 --pool-segment-mb 64", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out: list[str] = []
+    proc, url, out = launch(command, str(model_path), "--port", "0", "--registry-prefix",
+                            prefix, "--log-dir", str(tmp_path), "--engine-args",
+                            "--device cpu --block-size 16 --pool-segment-mb 64", *extra)
     try:
-        url = master = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and url is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            if m := re.search(r"mooncake master ([\d.]+:\d+)", line):
-                master = m.group(1)
-            if m := re.search(r"mesh ready: (http://\S+)/v1", line):
-                url = m.group(1)
+        found = [m.group(1) for line in out
+                 if (m := re.search(r"mooncake master ([\d.]+:\d+)", line))]
+        master = found[0] if found else None
         assert url and (master or command == "serve"), "".join(out)
         assert moe == any("eplb controller ready" in line for line in out), "".join(out)
         model = model_path.name
@@ -101,23 +120,11 @@ def test_serve_runs_a_vllm_serve_command_line(qwen3_path, tmp_path, registry_pre
     """`pdmesh serve` takes `vllm serve`'s flags as they are: underscores, several served
     names, --max_model_len enforced at the gateway, flags without effect accepted."""
     prefix = f"{registry_prefix}-serve-vllm"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdmesh", "serve", str(qwen3_path), "--port", "0",
-         "--max_model_len", "64", "--served-model-name", "first", "second",
-         "--block-size", "16", "--device", "cpu", "--trust-remote-code",
-         "--registry-prefix", prefix, "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out: list[str] = []
+    proc, url, out = launch("serve", str(qwen3_path), "--port", "0", "--max_model_len", "64",
+                            "--served-model-name", "first", "second", "--block-size", "16",
+                            "--device", "cpu", "--trust-remote-code", "--registry-prefix",
+                            prefix, "--log-dir", str(tmp_path))
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and url is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            if m := re.search(r"mesh ready: (http://\S+)/v1", line):
-                url = m.group(1)
         assert url, "".join(out)
         models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == ["first", "second"]
@@ -132,11 +139,4 @@ def test_serve_runs_a_vllm_serve_command_line(qwen3_path, tmp_path, registry_pre
         mixed_log = next(tmp_path.glob("mixed-*.log")).read_text()
         assert "without effect: --trust-remote-code" in mixed_log
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            for pid in running_with(prefix):
-                subprocess.run(["kill", "-9", str(pid)], check=False)
+        shut(proc, prefix)
