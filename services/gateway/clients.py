@@ -83,9 +83,8 @@ class GrpcClients:
             raise CallFailed(e.code(), e.details() or e.code().name) from e
         lps = ([logprobs_from_proto(resp.first_logprobs)]
                if resp.HasField("first_logprobs") else [])
-        first = TokenDelta(call.request_id, [resp.first_token], lps,
-                           resp.finish_reason or None,
-                           num_cached_tokens=resp.num_cached_tokens)
+        first = TokenDelta(call.request_id, [resp.first_token], resp.num_cached_tokens, lps,
+                           resp.finish_reason or None)
         return PrefillResult(first, list(resp.block_keys))
 
     def generate(self, inst: Instance, call: Call, idle_timeout_s: float

@@ -83,8 +83,7 @@ def fill_chunk(chunk: decode_pb2.GenerateChunk, delta: TokenDelta) -> None:
 
 
 def delta_from_chunk(request_id: str, chunk: decode_pb2.GenerateChunk) -> TokenDelta:
-    return TokenDelta(request_id, list(chunk.token_ids),
+    return TokenDelta(request_id, list(chunk.token_ids), chunk.num_cached_tokens,
                       [logprobs_from_proto(m) for m in chunk.logprobs],
                       chunk.finish_reason or None,
-                      chunk.stop_reason if chunk.HasField("stop_reason") else None,
-                      chunk.num_cached_tokens)
+                      chunk.stop_reason if chunk.HasField("stop_reason") else None)

@@ -313,8 +313,8 @@ class EngineLoop:
 def _delta(req: Request, tokens: list[int], finished: bool) -> TokenDelta:
     lps = (req.logprobs[-len(tokens):]
            if tokens and req.sampling_params.logprobs is not None else [])
+    cached = max(req.num_cached_tokens, 0)
     if not finished:
-        return TokenDelta(req.request_id, tokens, lps,
-                          num_cached_tokens=max(req.num_cached_tokens, 0))
-    return TokenDelta(req.request_id, tokens, lps, req.finish_reason, req.stop_reason,
-                      max(req.num_cached_tokens, 0), list(req.kv_keys), req.timing())
+        return TokenDelta(req.request_id, tokens, cached, lps)
+    return TokenDelta(req.request_id, tokens, cached, lps, req.finish_reason,
+                      req.stop_reason, list(req.kv_keys), req.timing())

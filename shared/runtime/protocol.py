@@ -81,18 +81,20 @@ def failure_of(error: Exception) -> Failure:
     return Failure(Status.UNAVAILABLE, f"engine failed: {error}")
 
 
-class TokenDelta(msgspec.Struct):
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one engine step added to one request: the tokens the gateway streams.
 
     The same type on every hop until the SSE writer: the engine builds it from a step,
-    the edge process receives it, the gateway rebuilds it from the gRPC chunk."""
+    the edge process receives it, the gateway rebuilds it from the gRPC chunk. On the
+    socket pair it travels as a compact array without its trailing defaults (most
+    deltas: the id, the new tokens, the cached count)."""
 
     request_id: str
     token_ids: list[int] = msgspec.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in a prefix cache or the pool
     logprobs: list[dict[int, Logprob]] = msgspec.field(default_factory=list)
     finish_reason: str | None = None  # set on the last delta of a finished request
     stop_reason: int | None = None  # the stop token that ended it
-    num_cached_tokens: int = 0  # prompt tokens found in a prefix cache or the pool
     kv_keys: list[str] = msgspec.field(default_factory=list)  # pool keys of the prompt
     timing: dict[str, Any] | None = None  # when things happened to it (monotonic), at the end
     error: Failure | None = None  # refused or failed: the last delta, no tokens
@@ -105,9 +107,10 @@ class TokenDelta(msgspec.Struct):
         """This delta followed by ``more`` of the same request, as one (a reader that
         fell behind gets the steps it missed together)."""
         return TokenDelta(self.request_id, self.token_ids + more.token_ids,
+                          self.num_cached_tokens or more.num_cached_tokens,
                           self.logprobs + more.logprobs, more.finish_reason,
-                          more.stop_reason, self.num_cached_tokens or more.num_cached_tokens,
-                          more.kv_keys or self.kv_keys, more.timing, more.error)
+                          more.stop_reason, more.kv_keys or self.kv_keys, more.timing,
+                          more.error)
 
 
 def refused(request_id: str, error: Exception) -> TokenDelta:
