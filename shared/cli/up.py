@@ -106,9 +106,10 @@ def plan(cfg: ServeConfig) -> Plan:
              "decode": [*common, *cfg.decode_flags.split()],
              "mixed": [*common, *cfg.decode_flags.split()]}
     ranks = {}
-    for role, _ in roles:  # (the kvstore's address is not known yet)
-        pool = [] if role == "mixed" else ["--kvstore", "127.0.0.1:1"]
-        ranks[role] = serve_config(role, [str(model), *pool, *words[role]]).data_parallel_size
+    for role, _ in roles:  # (the kvstore's address is not known yet; each engine finds its
+        pool = [] if role == "mixed" else ["--kvstore", "127.0.0.1:1"]  # device itself)
+        checked = serve_config(role, [str(model), *pool, *words[role]], device="cpu")
+        ranks[role] = checked.data_parallel_size
     return Plan(model, cfg.served_model_name or (model.name,), roles, words, ranks, log_dir)
 
 

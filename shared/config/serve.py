@@ -79,9 +79,11 @@ class ServeConfig:
 
 
 def serve_config(command: str, words: list[str], *, env: Mapping[str, str] | None = None,
-                 ) -> ServeConfig:
-    """What ``pdmesh COMMAND words...`` would run, or a ValueError naming every problem."""
-    return resolve(read_config(parse_command_line(command, words), env=env))
+                 device: str | None = None) -> ServeConfig:
+    """What ``pdmesh COMMAND words...`` would run, or a ValueError naming every problem.
+    ``device``: check as if --device resolved to it (it only changes warnings: which
+    keys are inactive there) instead of looking for devices, which imports torch."""
+    return resolve(read_config(parse_command_line(command, words), env=env, device=device))
 
 
 def read_config(flags: Flags, *, device: str | None = None,
