@@ -19,7 +19,12 @@ import torch
 from pdmesh.shared.engine.block_manager import KVCacheManager
 from pdmesh.shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pdmesh.shared.engine.kv_connector import PoolConnector
-from pdmesh.shared.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from pdmesh.shared.engine.model_runner import (
+    ModelRunner,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+)
 from pdmesh.shared.engine.policy import policy_from_config
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler
@@ -67,6 +72,8 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
                                                                            config.max_num_seqs)
+        # what one token's KV takes in the paged cache, and so in the pool (MLA: the latent)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
         num_blocks = self._resolve_num_blocks()
         self.kv_fingerprint = self.fingerprint()  # reads the checkpoint: computed once
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -94,9 +101,11 @@ class EngineCore:
                         "parallelism) have no DP bubble to balance; DyntraLB is inactive")
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens",
-                 time.perf_counter() - t0, self.model_config.architecture, self.device,
-                 str(self.dtype).removeprefix("torch."), num_blocks, config.block_size)
+        log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens, "
+                 "%d KV bytes per token", time.perf_counter() - t0,
+                 self.model_config.architecture, self.device,
+                 str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
+                 self.kv_bytes_per_token)
 
     # -- configuration ----------------------------------------------------------------
     def _setup_expert_parallel(self):
@@ -141,8 +150,9 @@ class EngineCore:
         """What makes KV interchangeable: the model's content, its KV layout (layers, KV
         heads, head size, dtype) and the block size. The root of every block hash."""
         c = self.model_config
-        return (f"{model_fingerprint(self.config.model)}:{c.num_layers}x{c.num_kv_heads}x"
-                f"{c.head_dim}:{str(self.dtype).removeprefix('torch.')}:{self.config.block_size}")
+        layout = f"{c.num_layers}x{c.kv_cache_tensors}x{c.kv_cache_heads}x{c.kv_cache_dim}"
+        return (f"{model_fingerprint(self.config.model)}:{layout}:"
+                f"{str(self.dtype).removeprefix('torch.')}:{self.config.block_size}")
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

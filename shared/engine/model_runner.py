@@ -20,25 +20,30 @@ from pdmesh.shared.models.transformer import CausalLM, KVCache
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block."""
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What one token's KV takes, every layer: K and V of each KV head, or MLA's latent."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return cfg.kv_cache_tensors * cfg.num_layers * cfg.kv_cache_heads * cfg.kv_cache_dim * elem
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return block_size * kv_bytes_per_token(cfg, dtype)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[KVCache]:
-    """``num_blocks`` usable blocks plus the null block 0, which alone is zeroed: a slot
-    is read only after it was written, or is padding redirected to the null block
-    (masked, and finite, since NaN * 0 would still be NaN)."""
-    shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """Per layer, (K, V) - or MLA's one latent cache - of ``num_blocks`` usable blocks
+    plus the null block 0, which alone is zeroed: a slot is read only after it was
+    written, or is padding redirected to the null block (masked, and finite, since
+    NaN * 0 would still be NaN)."""
+    shape = (num_blocks + 1, block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
     caches = []
     for _ in range(cfg.num_layers):
-        k = torch.empty(shape, dtype=dtype, device=device)
-        v = torch.empty(shape, dtype=dtype, device=device)
-        k[NULL_BLOCK_ID].zero_()
-        v[NULL_BLOCK_ID].zero_()
-        caches.append((k, v))
+        layer = tuple(torch.empty(shape, dtype=dtype, device=device)
+                      for _ in range(cfg.kv_cache_tensors))
+        for t in layer:
+            t[NULL_BLOCK_ID].zero_()
+        caches.append(layer)
     return caches
 
 

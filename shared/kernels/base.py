@@ -137,6 +137,13 @@ class KernelBackend(ABC):
         return torch.addcmul(x * cos, rotated, sin)
 
     # -- KV cache and attention -------------------------------------------------------
+    def write_cache(self, x: torch.Tensor, cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+        """Scatter x [T, N, D] into its slots of one paged cache [blocks, bs, N, D] (MLA's
+        latent cache: one "head" of kv_lora_rank + rope dims per token)."""
+        num_blocks, block_size, n, d = cache.shape
+        cache.view(num_blocks * block_size, n, d).index_copy_(0, slot_mapping, x)
+
     def write_kv_cache(
         self,
         k: torch.Tensor,
@@ -197,6 +204,32 @@ class KernelBackend(ABC):
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+
+    def moe_gating_grouped_topk(
+        self, router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+        correction_bias: torch.Tensor | None, renormalize: bool, scaling: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing (noaux_tc): sigmoid scores; experts are chosen by score
+        plus ``correction_bias``, only within the ``topk_groups`` groups whose two best
+        biased scores sum highest; their weights are the unbiased scores, renormalized
+        (optionally), times ``scaling``.
+
+        router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64).
+        """
+        scores = router_logits.float().sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if num_groups > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, num_groups, e // num_groups)
+            group_scores = grouped.topk(min(2, e // num_groups), dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(group_scores).scatter_(
+                1, group_scores.topk(topk_groups, dim=-1)[1], 1.0).bool()  # [T, G]
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+        ids = choice.topk(top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * scaling, ids
 
     def grouped_matmul(
         self, x: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]

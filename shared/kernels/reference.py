@@ -92,3 +92,25 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
         keep = keep[:n]
         out[i, keep] = row[keep]
     return out
+
+
+def grouped_topk(logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                 bias: torch.Tensor, renormalize: bool, scaling: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing, one token at a time in float64: groups ranked by their two
+    best biased scores; the best biased experts of the best groups; unbiased weights."""
+    scores = torch.sigmoid(logits.double())
+    biased = scores + bias.double()
+    per = logits.shape[1] // num_groups
+    weights, ids = [], []
+    for t in range(logits.shape[0]):
+        groups = biased[t].view(num_groups, per)
+        rank = groups.topk(min(2, per), dim=-1)[0].sum(-1).topk(topk_groups)[1].tolist()
+        allowed = [g * per + j for g in sorted(rank) for j in range(per)]
+        best = sorted(allowed, key=lambda e: -float(biased[t, e]))[:top_k]
+        w = scores[t, best]
+        if renormalize:
+            w = w / w.sum()
+        weights.append(w * scaling)
+        ids.append(best)
+    return torch.stack(weights), torch.tensor(ids)

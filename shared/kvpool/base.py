@@ -73,18 +73,20 @@ class KVPool(ABC):
 class CacheRegions:
     """Maps a block id of a paged KV cache to its pool regions.
 
-    kv_caches: per layer (k_cache, v_cache), each [num_blocks, block_size, KVH, D] and
-    contiguous, so block b of a layer is one run of ``block_bytes`` bytes.
+    kv_caches: per layer its cache tensors - (k_cache, v_cache), or MLA's (latent,) -
+    each [num_blocks, block_size, N, D] and contiguous, so block b of a tensor is one run
+    of ``block_bytes`` bytes.
     """
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        for k, v in kv_caches:
-            if not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("kv_caches: every cache tensor must be contiguous")
-        first = kv_caches[0][0]
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, ...]]):
+        self.tensors = [t for layer in kv_caches for t in layer]
+        if not all(t.is_contiguous() for t in self.tensors):
+            raise ValueError("kv_caches: every cache tensor must be contiguous")
+        first = self.tensors[0]
         self.block_bytes = first[0].numel() * first.element_size()
-        self.bases = [t.data_ptr() for kv in kv_caches for t in kv]
-        self.tensors = [t for kv in kv_caches for t in kv]
+        if any(t[0].numel() * t.element_size() != self.block_bytes for t in self.tensors):
+            raise ValueError("kv_caches: every cache tensor must have blocks of one size")
+        self.bases = [t.data_ptr() for t in self.tensors]
 
     @property
     def value_bytes(self) -> int:

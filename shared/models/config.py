@@ -43,12 +43,41 @@ class MoEConfig:
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
-    # layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    # layer i is MoE iff i >= first_dense_layers, i not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeekMoE: sigmoid scores plus a correction bias choose the experts, within the
+    # best ``topk_groups`` of ``num_groups`` groups; weights scaled by routed_scaling
+    scoring: str = "softmax"  # softmax | sigmoid
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    num_shared_experts: int = 0  # dense experts every token goes through (DeepSeek)
+    first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        return (layer >= self.first_dense_layers and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: K and V come from one compressed latent of
+    ``kv_lora_rank`` per token plus a shared rotary key of ``qk_rope_head_dim``; the
+    paged cache stores exactly those (one "head" of their sum)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: q straight from the hidden state
+    softmax_scale: float  # qk_head_dim^-0.5, times yarn's mscale_all_dim factor squared
+    rope_interleave: bool = True  # rotary pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -72,7 +101,27 @@ class ModelConfig:
     bos_token_id: int | None
     rope_scaling: dict[str, Any] | None = None
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    num_nextn_predict_layers: int = 0  # MTP layers after the decoder layers (not decoders)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # -- the paged KV cache's layout, per layer --------------------------------------------
+    @property
+    def kv_cache_tensors(self) -> int:
+        """Cache tensors per layer: K and V, or MLA's one latent."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -92,19 +141,8 @@ class ModelConfig:
                                               not in ("default", None) else None)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        moe = None
-        if traits.moe:
-            n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
-            if n_exp is None:
-                raise ValueError(f"config.json: missing 'num_experts' (architecture {arch})")
-            moe = MoEConfig(
-                num_experts=int(n_exp),
-                top_k=int(cfg["num_experts_per_tok"]),
-                intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-            )
+        moe = _moe_config(cfg, arch) if traits.moe else None
+        mla = _mla_config(cfg, arch, scaling) if traits.mla else None
         return cls(
             architecture=arch,
             hidden_size=int(cfg["hidden_size"]),
@@ -112,7 +150,8 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=int(mla.qk_rope_head_dim if mla else cfg.get("head_dim")
+                         or cfg["hidden_size"] // heads),
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
@@ -125,6 +164,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             rope_scaling=scaling,
             moe=moe,
+            mla=mla,
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             raw=cfg,
         )
 
@@ -135,3 +176,53 @@ class ModelConfig:
             raise FileNotFoundError(f"model: {p} not found (a model folder needs config.json)")
         with open(p) as f:
             return cls.from_dict(json.load(f))
+
+
+def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig:
+    n_exp = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
+    if n_exp is None:
+        raise ValueError(f"config.json: missing 'num_experts' (architecture {arch})")
+    deepseek = "n_routed_experts" in cfg
+    scoring = str(cfg.get("scoring_func", "sigmoid" if deepseek else "softmax"))
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"config.json: scoring_func {scoring!r} is not supported "
+                         "(softmax or sigmoid)")
+    topk_method = cfg.get("topk_method", "noaux_tc" if deepseek else None)
+    if topk_method not in (None, "noaux_tc", "greedy", "group_limited_greedy"):
+        raise ValueError(f"config.json: topk_method {topk_method!r} is not supported")
+    groups = int(cfg.get("n_group") or 1)
+    if int(n_exp) % groups:
+        raise ValueError(f"config.json: n_group {groups} does not divide the {n_exp} experts")
+    return MoEConfig(
+        num_experts=int(n_exp),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        scoring=scoring,
+        num_groups=groups,
+        topk_groups=int(cfg.get("topk_group") or 1),
+        routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+    )
+
+
+def _mla_config(cfg: dict[str, Any], arch: str, scaling: dict[str, Any] | None) -> MLAConfig:
+    from pdmesh.shared.models.rotary import yarn_mscale
+
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not cfg.get(key):
+            raise ValueError(f"config.json: missing {key!r} (architecture {arch})")
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in (None, "default") and (scaling or {}).get("mscale_all_dim"):
+        m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        scale *= m * m
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]), q_lora_rank=int(q_lora) if q_lora else None,
+        softmax_scale=scale, rope_interleave=bool(cfg.get("rope_interleave", True)))

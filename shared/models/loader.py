@@ -23,6 +23,7 @@ from pdmesh.shared.models.transformer import (
     CausalLM,
     DenseMLPWeights,
     LayerWeights,
+    MLAWeights,
     ModelWeights,
     MoEWeights,
 )
@@ -39,6 +40,9 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if name not in self._where:
@@ -114,7 +118,21 @@ def _read_weights(
         lm_head = embed.t()
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
-                        lm_head=lm_head)
+                        lm_head=lm_head, mtp=_read_mtp(cfg, ckpt, dtype, dev))
+
+
+def _read_mtp(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
+              dev: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The multi-token-prediction layers a checkpoint carries after its decoder layers
+    (``model.layers.{num_hidden_layers + i}.*``: enorm, hnorm, eh_proj, shared_head and
+    a decoder layer), as they are; a checkpoint without them loads too."""
+    layers = []
+    for i in range(cfg.num_nextn_predict_layers):
+        prefix = f"model.layers.{cfg.num_layers + i}."
+        names = [n for n in ckpt.names() if n.startswith(prefix)]
+        if names:
+            layers.append({n[len(prefix):]: ckpt.get(n, dtype, dev) for n in names})
+    return layers
 
 
 def _input_major(w: torch.Tensor) -> torch.Tensor:
@@ -130,6 +148,71 @@ def _read_layer(
     def get(name: str) -> torch.Tensor:
         return ckpt.get(p + name, dtype, dev)
 
+    attn = _read_mla(cfg, ckpt, p, dtype, dev) if cfg.mla else _read_attention(
+        cfg, ckpt, p, i, dtype, dev)
+    mlp: DenseMLPWeights | MoEWeights
+    if cfg.moe is not None and cfg.moe.is_moe_layer(i):
+        mlp = _read_experts(cfg, ckpt, p, dtype, dev)
+    else:
+        mlp = _read_dense(ckpt, p + "mlp.", dtype, dev)
+    return LayerWeights(
+        input_norm=get("input_layernorm.weight"),
+        post_attn_norm=get("post_attention_layernorm.weight"),
+        attn=attn,
+        mlp=mlp,
+    )
+
+
+def _read_dense(ckpt: CheckpointReader, p: str, dtype: torch.dtype,
+                dev: torch.device) -> DenseMLPWeights:
+    gate_up = torch.cat([ckpt.get(p + "gate_proj.weight", dtype, dev),
+                         ckpt.get(p + "up_proj.weight", dtype, dev)], dim=0)
+    return DenseMLPWeights(gate_up=_input_major(gate_up),
+                           down=_input_major(ckpt.get(p + "down_proj.weight", dtype, dev)))
+
+
+def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dtype,
+              dev: torch.device) -> MLAWeights:
+    """DeepSeek's latent attention. Rotary dims stored interleaved (rope_interleave) are
+    put in rotate-half order here, in the q and kv_a projections alike: every dot
+    product is the same, and the rotary kernel is the one the other models use."""
+    m = cfg.mla
+    assert m is not None
+    h, nope, rope, lat = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(p + "self_attn." + name, dtype, dev)
+
+    order = (torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+             if m.rope_interleave else torch.arange(rope))
+    q_rows = torch.cat([torch.cat((torch.arange(nope), nope + order)) + j * (nope + rope)
+                        for j in range(h)])
+    kv_rows = torch.cat((torch.arange(lat), lat + order))
+    if m.q_lora_rank is None:
+        q, q_a, q_a_norm, q_b = _input_major(get("q_proj.weight")[q_rows]), None, None, None
+    else:
+        q, q_a = None, _input_major(get("q_a_proj.weight"))
+        q_a_norm, q_b = get("q_a_layernorm.weight"), _input_major(get("q_b_proj.weight")[q_rows])
+    kv_b = get("kv_b_proj.weight")
+    expected = (h * (nope + m.v_head_dim), lat)
+    if tuple(kv_b.shape) != expected:
+        raise ValueError(f"model: {p}self_attn.kv_b_proj has shape {tuple(kv_b.shape)}, "
+                         f"expected {expected}")
+    kv_b = kv_b.view(h, nope + m.v_head_dim, lat)
+    return MLAWeights(
+        q=q, q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
+        kv_a=_input_major(get("kv_a_proj_with_mqa.weight")[kv_rows]),
+        kv_a_norm=get("kv_a_layernorm.weight"),
+        w_uk=kv_b[:, :nope].contiguous(),  # [H, nope, L]
+        w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),  # [H, L, v]
+        o=_input_major(get("o_proj.weight")))
+
+
+def _read_attention(cfg: ModelConfig, ckpt: CheckpointReader, p: str, i: int,
+                    dtype: torch.dtype, dev: torch.device) -> AttentionWeights:
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(p + name, dtype, dev)
+
     def maybe(name: str) -> torch.Tensor | None:
         return ckpt.maybe(p + name, dtype, dev)
 
@@ -142,21 +225,8 @@ def _read_layer(
     if cfg.qk_norm:
         qk_norm = torch.cat([get("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
                              get("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
-    attn = AttentionWeights(qkv=_input_major(qkv), qkv_bias=qkv_bias,
+    return AttentionWeights(qkv=_input_major(qkv), qkv_bias=qkv_bias,
                             o=_input_major(get("self_attn.o_proj.weight")), qk_norm=qk_norm)
-    mlp: DenseMLPWeights | MoEWeights
-    if cfg.moe is not None and cfg.moe.is_moe_layer(i):
-        mlp = _read_experts(cfg, ckpt, p, dtype, dev)
-    else:
-        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], dim=0)
-        mlp = DenseMLPWeights(gate_up=_input_major(gate_up),
-                              down=_input_major(get("mlp.down_proj.weight")))
-    return LayerWeights(
-        input_norm=get("input_layernorm.weight"),
-        post_attn_norm=get("post_attention_layernorm.weight"),
-        attn=attn,
-        mlp=mlp,
-    )
 
 
 def _read_experts(
@@ -180,4 +250,12 @@ def _read_experts(
     if tuple(w13.shape) != expected:
         raise ValueError(f"model: {p}mlp.experts gate/up has shape {tuple(w13.shape)}, "
                          f"expected {expected}")
-    return MoEWeights(router=_input_major(router), w13=_input_major(w13), w2=_input_major(w2))
+    shared = None
+    if cfg.moe.num_shared_experts:
+        shared = _read_dense(ckpt, p + "mlp.shared_experts.", dtype, dev)
+    bias = ckpt.maybe(p + "mlp.gate.e_score_correction_bias", torch.float32, dev)
+    if cfg.moe.scoring == "sigmoid" and bias is None:
+        raise ValueError(f"model: {p}mlp.gate.e_score_correction_bias is missing "
+                         f"({cfg.architecture} routes with it)")
+    return MoEWeights(router=_input_major(router), w13=_input_major(w13), w2=_input_major(w2),
+                      correction_bias=bias, shared=shared)

@@ -1,7 +1,8 @@
 """Which Hugging Face architectures pdmesh runs, and what sets them apart.
 
 All of them are the same pre-norm decoder (:mod:`pdmesh.shared.models.transformer`); the
-traits below switch its few differences on.
+traits below switch its differences on (DeepSeek-V3's latent attention and DeepSeekMoE
+routing included).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ class ArchitectureTraits:
     qkv_bias: bool = False  # Qwen2: biases on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
     moe: bool = False  # Qwen3-MoE: routed experts instead of the dense MLP
+    mla: bool = False  # DeepSeek-V2/V3: multi-head latent attention, a latent KV cache
 
 
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
@@ -22,6 +24,7 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias=True),
     "Qwen3ForCausalLM": ArchitectureTraits(qk_norm=True),
     "Qwen3MoeForCausalLM": ArchitectureTraits(qk_norm=True, moe=True),
+    "DeepseekV3ForCausalLM": ArchitectureTraits(moe=True, mla=True),
 }
 
 

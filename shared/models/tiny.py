@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+         "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+MOE_ARCHS = ("qwen3_moe", "deepseek_v3")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -57,6 +58,24 @@ SIZES = {
                    head_dim=128, vocab=4096, experts=16, experts_per_token=4,
                    expert_intermediate=768),
 }
+
+
+@dataclass(frozen=True)
+class DeepSeekShape:
+    """DeepSeek-V3's extra dimensions (MLA, DeepSeekMoE, MTP) for a tiny checkpoint."""
+
+    q_lora_rank: int | None = 96  # None: q straight from the hidden state
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    n_group: int = 4  # 1: ungrouped routing
+    topk_group: int = 2
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    routed_scaling_factor: float = 2.5
+    yarn: bool = False  # rope_scaling yarn (factor 4 from 1024) with mscale 0.707
+    num_nextn_predict_layers: int = 1
 
 
 def _corpus_files() -> list[str]:
@@ -119,6 +138,29 @@ def _config(arch: str, s: Shape, tok: Tokenizer) -> dict:
     return cfg
 
 
+def _deepseek_config(cfg: dict, s: Shape, d: DeepSeekShape) -> dict:
+    """config.json as DeepSeek-V3's official checkpoints write it."""
+    for key in ("num_experts", "num_local_experts", "decoder_sparse_step", "mlp_only_layers",
+                "head_dim"):
+        cfg.pop(key, None)
+    cfg.update(
+        num_key_value_heads=s.heads, q_lora_rank=d.q_lora_rank, kv_lora_rank=d.kv_lora_rank,
+        qk_nope_head_dim=d.qk_nope_head_dim, qk_rope_head_dim=d.qk_rope_head_dim,
+        v_head_dim=d.v_head_dim, n_routed_experts=s.experts, n_shared_experts=d.n_shared_experts,
+        num_experts_per_tok=s.experts_per_token, moe_intermediate_size=s.expert_intermediate,
+        n_group=d.n_group, topk_group=d.topk_group, topk_method="noaux_tc",
+        scoring_func="sigmoid", norm_topk_prob=True,
+        routed_scaling_factor=d.routed_scaling_factor,
+        first_k_dense_replace=d.first_k_dense_replace, moe_layer_freq=1,
+        num_nextn_predict_layers=d.num_nextn_predict_layers, rope_interleave=True,
+        ep_size=1)
+    if d.yarn:
+        cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 1024, "beta_fast": 32,
+                               "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+    return cfg
+
+
 def hot_experts(layer: int, num_experts: int) -> list[int]:
     """The experts ``expert_skew`` favours in a layer: a quarter of them, consecutive (so
     one rank holds them all under the identity placement), a different set per layer."""
@@ -126,7 +168,8 @@ def hot_experts(layer: int, num_experts: int) -> list[int]:
     return [(layer * n + k) % num_experts for k in range(n)]
 
 
-def _skew_router(w: dict[str, torch.Tensor], s: Shape, skew: float) -> None:
+def _skew_router(w: dict[str, torch.Tensor], s: Shape, skew: float, first_moe: int = 0
+                 ) -> None:
     """Every token's embedding gains a shared component along hidden dimension 0, which
     the residual stream carries through the layers; each layer's hot experts get ``skew``
     added to their router weight on that dimension, so they win the top-k far more often
@@ -134,21 +177,86 @@ def _skew_router(w: dict[str, torch.Tensor], s: Shape, skew: float) -> None:
     component's share of the normalized hidden state fades as the residual stream grows,
     so the added weight grows with depth to keep every layer about as skewed."""
     w["model.embed_tokens.weight"][:, 0] += 0.3
-    for i in range(s.layers):
+    for i in range(first_moe, s.layers):
         gate = w[f"model.layers.{i}.mlp.gate.weight"]  # [E, hidden]
         for e in hot_experts(i, s.experts):
             gate[e, 0] += skew * (1 + i)
 
 
+class _Draw:
+    """Seeded random tensors."""
+
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def normal(self, *shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g) * std
+
+    def norm(self, n: int) -> torch.Tensor:  # not all ones: a loader that drops it is caught
+        return 1.0 + self.normal(n, std=0.1)
+
+
+def _deepseek_weights(s: Shape, d: DeepSeekShape, seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's official layout: MLA, dense then DeepSeekMoE layers, and the MTP
+    layers after the decoder layers (model.layers.{num_hidden_layers + i})."""
+    r = _Draw(seed)
+    w = {"model.embed_tokens.weight": r.normal(s.vocab, s.hidden),
+         "model.norm.weight": r.norm(s.hidden),
+         "lm_head.weight": r.normal(s.vocab, s.hidden, std=0.05)}
+    for i in range(s.layers + d.num_nextn_predict_layers):
+        p = f"model.layers.{i}."
+        w.update(_deepseek_layer(r, p, s, d, moe=i >= d.first_k_dense_replace))
+        if i >= s.layers:  # an MTP layer: its own norms, projection and head
+            w[p + "enorm.weight"] = r.norm(s.hidden)
+            w[p + "hnorm.weight"] = r.norm(s.hidden)
+            w[p + "eh_proj.weight"] = r.normal(s.hidden, 2 * s.hidden)
+            w[p + "shared_head.norm.weight"] = r.norm(s.hidden)
+            w[p + "shared_head.head.weight"] = r.normal(s.vocab, s.hidden, std=0.05)
+            w[p + "embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+    return w
+
+
+def _deepseek_layer(r: _Draw, p: str, s: Shape, d: DeepSeekShape, moe: bool
+                    ) -> dict[str, torch.Tensor]:
+    qk = d.qk_nope_head_dim + d.qk_rope_head_dim
+    a = p + "self_attn."
+    w = {p + "input_layernorm.weight": r.norm(s.hidden),
+         p + "post_attention_layernorm.weight": r.norm(s.hidden),
+         a + "kv_a_proj_with_mqa.weight": r.normal(d.kv_lora_rank + d.qk_rope_head_dim,
+                                                   s.hidden, std=0.05),
+         a + "kv_a_layernorm.weight": r.norm(d.kv_lora_rank),
+         a + "kv_b_proj.weight": r.normal(s.heads * (d.qk_nope_head_dim + d.v_head_dim),
+                                          d.kv_lora_rank, std=0.05),
+         a + "o_proj.weight": r.normal(s.hidden, s.heads * d.v_head_dim)}
+    if d.q_lora_rank is None:
+        w[a + "q_proj.weight"] = r.normal(s.heads * qk, s.hidden, std=0.05)
+    else:
+        w[a + "q_a_proj.weight"] = r.normal(d.q_lora_rank, s.hidden, std=0.05)
+        w[a + "q_a_layernorm.weight"] = r.norm(d.q_lora_rank)
+        w[a + "q_b_proj.weight"] = r.normal(s.heads * qk, d.q_lora_rank, std=0.05)
+    m = p + "mlp."
+    if not moe:
+        w[m + "gate_proj.weight"] = r.normal(s.intermediate, s.hidden)
+        w[m + "up_proj.weight"] = r.normal(s.intermediate, s.hidden)
+        w[m + "down_proj.weight"] = r.normal(s.hidden, s.intermediate)
+        return w
+    w[m + "gate.weight"] = r.normal(s.experts, s.hidden, std=0.1)
+    w[m + "gate.e_score_correction_bias"] = r.normal(s.experts, std=0.05)
+    for e in range(s.experts):
+        q = f"{m}experts.{e}."
+        w[q + "gate_proj.weight"] = r.normal(s.expert_intermediate, s.hidden)
+        w[q + "up_proj.weight"] = r.normal(s.expert_intermediate, s.hidden)
+        w[q + "down_proj.weight"] = r.normal(s.hidden, s.expert_intermediate)
+    shared = s.expert_intermediate * d.n_shared_experts
+    w[m + "shared_experts.gate_proj.weight"] = r.normal(shared, s.hidden)
+    w[m + "shared_experts.up_proj.weight"] = r.normal(shared, s.hidden)
+    w[m + "shared_experts.down_proj.weight"] = r.normal(s.hidden, shared)
+    return w
+
+
 def _weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-
-    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
-
-    def norm(n: int) -> torch.Tensor:  # not all ones, so a loader that drops it is caught
-        return 1.0 + normal(n, std=0.1)
-
+    r = _Draw(seed)
+    normal, norm = r.normal, r.norm
     w = {"model.embed_tokens.weight": normal(s.vocab, s.hidden),
          "model.norm.weight": norm(s.hidden),
          "lm_head.weight": normal(s.vocab, s.hidden, std=0.05)}
@@ -178,15 +286,17 @@ def _weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
 
 
 def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: str = "tiny",
-                    tokenizer: Tokenizer | None = None, expert_skew: float = 0.0) -> Path:
+                    tokenizer: Tokenizer | None = None, expert_skew: float = 0.0,
+                    deepseek: DeepSeekShape | None = None) -> Path:
     """Write the model folder; returns its path. ``tokenizer`` reuses a trained one.
     ``expert_skew`` (MoE only): how strongly each layer's router favours a few hot
-    experts (see ``_skew_router``); 0 leaves routing as random as the weights make it."""
+    experts (see ``_skew_router``); 0 leaves routing as random as the weights make it.
+    ``deepseek``: DeepSeek-V3's extra dimensions (default ``DeepSeekShape()``)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: must be one of {', '.join(ARCHS)}, got {arch!r}")
-    if expert_skew < 0 or (expert_skew and arch != "qwen3_moe"):
-        raise ValueError(f"expert_skew: must be >= 0 and needs --arch qwen3_moe "
-                         f"(got {expert_skew} for {arch})")
+    if expert_skew < 0 or (expert_skew and arch not in MOE_ARCHS):
+        raise ValueError(f"expert_skew: must be >= 0 and needs a MoE --arch "
+                         f"({', '.join(MOE_ARCHS)}; got {expert_skew} for {arch})")
     if size not in SIZES:
         raise ValueError(f"size: must be one of {', '.join(SIZES)}, got {size!r}")
     shape = SIZES[size]
@@ -197,6 +307,9 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
         raise ValueError(f"tokenizer: vocabulary {tok.get_vocab_size()} != {shape.vocab}")
     tok.save(str(out / "tokenizer.json"))
     cfg = _config(arch, shape, tok)
+    ds = deepseek or DeepSeekShape()
+    if arch == "deepseek_v3":
+        cfg = _deepseek_config(cfg, shape, ds)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {
         "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
@@ -210,9 +323,11 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     _write_json(out / "special_tokens_map.json", {
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
         "additional_special_tokens": ["<|im_start|>"]})
-    weights = _weights(arch, shape, seed)
+    weights = (_deepseek_weights(shape, ds, seed) if arch == "deepseek_v3"
+               else _weights(arch, shape, seed))
     if expert_skew:
-        _skew_router(weights, shape, expert_skew)
+        first_moe = ds.first_k_dense_replace if arch == "deepseek_v3" else 0
+        _skew_router(weights, shape, expert_skew, first_moe)
     weights = {k: v.contiguous() for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -230,7 +345,7 @@ def add_args(m: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--size", choices=list(SIZES), default="tiny")
     m.add_argument("--expert-skew", type=float, default=0.0,
-                   help="qwen3_moe: bias each layer's router toward a quarter of its "
+                   help="MoE archs: bias each layer's router toward a quarter of its "
                         "experts (0: off; 0.3 sends them about 2/3 of the routed tokens)")
 
 

@@ -1,4 +1,4 @@
-"""The pre-norm decoder that Llama, Qwen2, Qwen3 and Qwen3-MoE share.
+"""The pre-norm decoder that Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 share.
 
 Plain classes holding tensors (no nn.Module hooks on the hot path); every op goes
 through the kernel backend. Projection weights are stored input-major ([in, out], so a
@@ -8,11 +8,24 @@ load: q|k|v into one matrix, gate|up into one, experts stacked into [E, H, 2I] a
 
     tokens -> embed -> [ norm -> attention -> +res -> norm -> mlp/moe -> +res ] x L
            -> norm (only the rows that need logits) -> lm_head -> float32 logits
+
+DeepSeek-V3's attention is MLA (``MLAWeights``): each token's K and V are one latent
+(kv_lora_rank dims, normed, plus qk_rope_head_dim of shared rotary key), and that latent
+is all the paged cache holds. Attention runs in the absorbed form, prefill and decode
+alike: W_UK folded into the query, every head attends over the one latent "head" (the
+paged attention kernels, as MQA with head_dim kv_lora_rank + rope), W_UV applied after:
+
+    q [T, H, nope | rope] ─ q_nope @ W_UK[h] ─▶ [T, H, L | rope] ─┐
+    x ─ kv_a ─▶ [c (normed, L) | k_rope (rotated, R)] ─ cache ────┴▶ attention
+        ─▶ [T, H, L (| rope, dropped)] ─ @ W_UV[h] ─▶ [T, H, v] ─ o ─▶ [T, hidden]
+
+Its MoE layers (DeepSeekMoE) route with sigmoid scores and grouped top-k
+(``moe_gating_grouped_topk``) and add shared experts every token goes through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +33,7 @@ from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.rotary import rotary_tables
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), one layer
+KVCache = tuple[torch.Tensor, ...]  # one layer: (k_cache, v_cache), or MLA's (latent,)
 
 
 @dataclass
@@ -29,6 +42,19 @@ class AttentionWeights:
     qkv_bias: torch.Tensor | None  # [(H + 2*KVH) * D]
     o: torch.Tensor  # [H * D, hidden]
     qk_norm: torch.Tensor | None  # [H + KVH, D]: q_norm per query head, then k_norm
+
+
+@dataclass
+class MLAWeights:
+    q: torch.Tensor | None  # [hidden, H * (nope + rope)]  (no q-LoRA)
+    q_a: torch.Tensor | None  # [hidden, q_lora]  (q-LoRA)
+    q_a_norm: torch.Tensor | None  # [q_lora]
+    q_b: torch.Tensor | None  # [q_lora, H * (nope + rope)]
+    kv_a: torch.Tensor  # [hidden, L + R]: the latent and the shared rotary key
+    kv_a_norm: torch.Tensor  # [L]
+    w_uk: torch.Tensor  # [H, nope, L]: k_nope of head h is W_UK[h] @ c, absorbed into q
+    w_uv: torch.Tensor  # [H, L, v]: head h's value is c @ W_UV[h], applied after attention
+    o: torch.Tensor  # [H * v, hidden]
 
 
 @dataclass
@@ -42,13 +68,15 @@ class MoEWeights:
     router: torch.Tensor  # [hidden, E]
     w13: torch.Tensor  # [E, hidden, 2I]  (gate | up)
     w2: torch.Tensor  # [E, I, hidden]
+    correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek's noaux_tc)
+    shared: DenseMLPWeights | None = None  # shared experts, as one dense MLP
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     post_attn_norm: torch.Tensor  # [hidden]
-    attn: AttentionWeights
+    attn: AttentionWeights | MLAWeights
     mlp: DenseMLPWeights | MoEWeights
 
 
@@ -58,6 +86,10 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [hidden, V]  (a transposed view of the embedding when tied)
+    # multi-token-prediction layers (DeepSeek's num_nextn_predict_layers), by their
+    # checkpoint names without the layer prefix; loaded for speculative decoding, never
+    # run as decoder layers
+    mtp: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 class CausalLM:
@@ -67,7 +99,7 @@ class CausalLM:
         self.config = config
         self.w = weights
         self.backend = backend
-        self.scale = config.head_dim**-0.5
+        self.scale = config.mla.softmax_scale if config.mla else config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         # MoE layers, in order; set by the engine: expert parallelism across DP ranks and
@@ -77,7 +109,7 @@ class CausalLM:
         self._moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
         self.ep = None
         self.load_recorder = None
-        cos, sin = rotary_tables(config.head_dim, config.max_position_embeddings,
+        cos, sin = rotary_tables(config.rotary_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         # [max_pos, D] float32, in the form the backend's rotary kernel takes
         self.cos, self.sin = backend.rotary_tables(cos.to(backend.device), sin.to(backend.device))
@@ -117,13 +149,15 @@ class CausalLM:
 
     def _attention(
         self,
-        w: AttentionWeights,
+        w: AttentionWeights | MLAWeights,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if isinstance(w, MLAWeights):
+            return self._latent_attention(w, x, cos, sin, kv[0], meta)
         be, cfg = self.backend, self.config
         t = x.shape[0]
         qkv = _project(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
@@ -141,20 +175,69 @@ class CausalLM:
             o = be.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale)
         return torch.mm(o.reshape(t, self.q_size), w.o)  # [T, hidden]
 
+    def _latent_attention(
+        self,
+        w: MLAWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,  # [blocks, bs, 1, L + R]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        be, cfg = self.backend, self.config
+        m = cfg.mla
+        assert m is not None
+        t, h = x.shape[0], cfg.num_heads
+        nope, lat = m.qk_nope_head_dim, m.kv_lora_rank
+        if w.q is not None:
+            q = torch.mm(x, w.q)
+        else:
+            q = torch.mm(be.rms_norm(torch.mm(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+        q = q.view(t, h, nope + m.qk_rope_head_dim)
+        latent = torch.mm(x, w.kv_a)  # [T, L + R]
+        c = be.rms_norm(latent[:, :lat], w.kv_a_norm, cfg.rms_norm_eps)  # [T, L]
+        # one rotary call for the query heads' rope dims and the shared key's
+        rope = be.rotary_embedding(torch.cat((q[:, :, nope:], latent[:, None, lat:]), dim=1),
+                                   cos, sin)  # [T, H + 1, R]
+        entry = torch.cat((c, rope[:, h]), dim=-1).unsqueeze(1)  # [T, 1, L + R]
+        be.write_cache(entry, cache, meta.slot_mapping)
+        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk).transpose(0, 1)
+        query = torch.cat((q_latent, rope[:, :h]), dim=-1)  # [T, H, L + R]
+        if meta.is_decode:
+            o = be.paged_attention_decode(query, cache, cache, meta, self.scale)
+        else:
+            o = be.paged_attention_prefill(query, entry, entry, cache, cache, meta, self.scale)
+        # the values are the latents: their rope dims are not part of them
+        v = torch.bmm(o[:, :, :lat].transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]
+        return torch.mm(v.reshape(t, h * m.v_head_dim), w.o)  # [T, hidden]
+
     def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int
              ) -> torch.Tensor:
         be = self.backend
         if isinstance(w, DenseMLPWeights):
             return torch.mm(be.silu_and_mul(torch.mm(x, w.gate_up)), w.down)
-        moe = self.config.moe
-        assert moe is not None
-        router_logits = torch.mm(x, w.router)  # [T, E]
-        weights, ids = be.moe_gating_topk(router_logits, moe.top_k, moe.norm_topk_prob)
+        weights, ids = self._route(w, x)
         if self.load_recorder is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
         if self.ep is not None:
-            return self.ep.moe(layer, x, weights, ids, be)
-        return be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)
+            out = self.ep.moe(layer, x, weights, ids, be)
+        else:
+            out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)
+        if w.shared is not None:
+            out = out + self._mlp(w.shared, x, layer)
+        return out
+
+    def _route(self, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) for each token."""
+        moe = self.config.moe
+        assert moe is not None
+        if moe.scoring == "softmax":
+            return self.backend.moe_gating_topk(torch.mm(x, w.router), moe.top_k,
+                                                moe.norm_topk_prob)
+        router_logits = torch.mm(x.float(), w.router.float())  # [T, E], in float32
+        return self.backend.moe_gating_grouped_topk(
+            router_logits, moe.top_k, moe.num_groups, moe.topk_groups, w.correction_bias,
+            moe.norm_topk_prob, moe.routed_scaling)
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -116,6 +116,7 @@ def _announce(cfg: ServeConfig, role: str, host: ServiceHost, loop: EngineLoop,
                   dp_rank=cfg.data_parallel_rank or 0, group=group)
     host.ready(model=host.settings.model_name, device=engine.device,
                dp_rank=cfg.data_parallel_rank or 0, kv_blocks=engine.kv.num_blocks,
+               kv_bytes_per_token=engine.kv_bytes_per_token,
                kv_role=cfg.kv_role, inactive_keys=list(cfg.additional_config.inactive_keys),
                config=asdict(cfg.engine))
 

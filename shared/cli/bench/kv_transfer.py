@@ -33,10 +33,11 @@ def run(a: argparse.Namespace) -> int:
     cfg = ModelConfig.from_folder(a.model)
     dtype = parse_dtype(a.dtype)
     n = -(-a.tokens // a.block_size)
-    shape = (n + 1, a.block_size, cfg.num_kv_heads, cfg.head_dim)  # + the null block
-    src = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    # the model's own cache layout (K and V, or MLA's latent), plus the null block
+    shape = (n + 1, a.block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
+    src = [tuple(torch.randn(shape).to(dtype) for _ in range(cfg.kv_cache_tensors))
            for _ in range(cfg.num_layers)]
-    dst = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    dst = [tuple(torch.zeros(shape, dtype=dtype) for _ in range(cfg.kv_cache_tensors))
            for _ in range(cfg.num_layers)]
     s_regions, d_regions = CacheRegions(src), CacheRegions(dst)
     total = s_regions.value_bytes * n

@@ -36,7 +36,7 @@ def references(tiny_models):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_greedy_matches_transformers(tiny_models, references, arch, variant):
     llm = LLM(str(tiny_models[arch]), device="cpu", dtype="float32", block_size=16,
               **VARIANTS[variant])

@@ -176,6 +176,51 @@ def test_paged_attention_consecutive_blocks(backend, dtype, ctx_lens, q_lens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["decode", "chunked_prefill", "fresh_prefill", "mixed"])
+def test_latent_attention_over_one_cache(backend, dtype, case):
+    """MLA's shape: one latent "head" of kv_lora_rank + rope dims (80 here) per token,
+    written once and read as both keys and values (the same cache tensor), every query
+    head attending over it."""
+    ctx_lens, q_lens = {"decode": ([5, 40, 130], [1, 1, 1]),
+                        "chunked_prefill": ([16, 3], [20, 9]),
+                        "fresh_prefill": ([0, 0], [7, 33]),
+                        "mixed": ([37, 0, 12], [1, 21, 17])}[case]
+    q, k, _, cache, _, meta = _paged_batch(ctx_lens, q_lens, 16, kvh=1, h=8, d=80,
+                                           dtype=dtype, seed=11)
+    dev = backend.device
+    dmeta = _to(meta, dev)
+    cache_d = cache.to(dev)
+    backend.write_cache(k.to(dev), cache_d, dmeta.slot_mapping)
+    flat = cache.view(-1, *cache.shape[2:])
+    for row, slot in enumerate(meta.slot_mapping.tolist()):
+        flat[slot] = k[row]
+    close(cache_d, cache, dtype)
+    backend.prepare_attention(dmeta)
+    if dmeta.is_decode:
+        out = backend.paged_attention_decode(q.to(dev), cache_d, cache_d, dmeta, 0.1)
+    else:
+        out = backend.paged_attention_prefill(q.to(dev), k.to(dev), k.to(dev), cache_d,
+                                              cache_d, dmeta, 0.1)
+    close(out, ref.paged_attention(q, cache, cache, meta, 0.1), dtype)
+
+
+@pytest.mark.parametrize(("groups", "topk_groups"), [(1, 1), (4, 2), (8, 3)])
+def test_moe_grouped_topk_routing(backend, groups, topk_groups):
+    g = torch.Generator().manual_seed(groups)
+    logits = torch.randn(33, 16, generator=g)
+    bias = 0.1 * torch.randn(16, generator=g)
+    dev = backend.device
+    weights, ids = backend.moe_gating_grouped_topk(logits.to(dev), 4, groups, topk_groups,
+                                                   bias.to(dev), True, 2.5)
+    exp_w, exp_ids = ref.grouped_topk(logits, 4, groups, topk_groups, bias, True, 2.5)
+    got_ids, order = ids.cpu().long().sort(dim=-1)
+    want_ids, want_order = exp_ids.sort(dim=-1)
+    assert torch.equal(got_ids, want_ids)
+    close(weights.cpu().float().gather(1, order), exp_w.float().gather(1, want_order),
+          torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_gating_and_experts(backend, dtype):
     g = torch.Generator().manual_seed(4)
     num_tokens, hidden, inter, experts, top_k = 11, 32, 24, 6, 2

@@ -267,3 +267,24 @@ def test_dyntralb_pauses_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_mo
                 p.kill()
     assert got[0][0] == want[:5] and got[1][0] == want[5:]
     assert got[0][1] > 0  # the heavy rank paused requests
+
+
+def test_deepseek_moe_over_two_ranks_with_moves_equals_one_process(tiny_models):
+    """DeepSeekMoE (grouped sigmoid routing with a correction bias, shared experts on
+    every rank, dense first layer) over two EP ranks, a redundant slot and live moves."""
+    from pdmesh.shared.models.config import ModelConfig
+
+    path = str(tiny_models["deepseek_v3"])
+    llm = LLM(path, device="cpu", dtype="float32", block_size=16)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    cfg = ModelConfig.from_folder(path)
+    n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
+    g = torch.Generator().manual_seed(5)
+    moves = [(3 + layer, layer, torch.cat([torch.randperm(cfg.moe.num_experts, generator=g),
+                                           torch.randint(0, cfg.moe.num_experts, (2,),
+                                                         generator=g)]).tolist())
+             for layer in range(n_moe)]
+    res = run_ranks(path, [PROMPTS[:2], PROMPTS[2:]], redundant=2, moves=moves)
+    assert res[0][0] == want[:2] and res[1][0] == want[2:]
+    assert res[0][1] > 0 and res[1][1] > 0 and res[0][2] > 0

@@ -1,0 +1,57 @@
+"""DeepSeek-V3 through the whole PD mesh: prefill stores MLA's latent blocks in the real
+Mooncake pool, decode continues from them, and the OpenAI API answers exactly what the
+offline engine does, streaming and not; the pool moves the latent's bytes only."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from tests.mesh import MODEL, pd_mesh
+
+PROMPTS = [list(range(300, 347)), [7, 8, 9], list(range(1000, 1100))]
+NEW = 16
+BLOCK = 16  # tests/mesh.py's --block-size
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    with pd_mesh(tiny_models["deepseek_v3"], tmp_path_factory.mktemp("ds-pd"),
+                 f"{registry_prefix}-ds") as services:
+        yield services
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_models):
+    llm = LLM(str(tiny_models["deepseek_v3"]), device="cpu", dtype="float32", block_size=BLOCK)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    return [o.outputs[0].text for o in outs], llm.engine.kv_bytes_per_token
+
+
+def test_answers_equal_the_offline_engine_streaming_and_not(mesh, offline):
+    texts, _ = offline
+    client = openai.OpenAI(base_url=mesh["gateway"].info["http"] + "/v1", api_key="x",
+                           max_retries=0, timeout=120)
+    for prompt, want in zip(PROMPTS, texts, strict=True):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == want
+        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in streamed) == want
+
+
+def test_the_pool_moves_latent_blocks(mesh, offline):
+    _, per_token = offline
+    assert mesh["prefill"].info["kv_bytes_per_token"] == per_token
+    text = httpx.get(mesh["prefill"].info["metrics"], timeout=10).text
+    put = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdmesh_kv_transfer_bytes_total") and 'direction="put"' in line)
+    # every prompt above went through prefill twice (whole, streamed): its blocks, the
+    # partial tail included, each a whole block of latents (a put of a block already in
+    # the pool moves nothing)
+    blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
+    assert per_token * BLOCK * blocks <= put <= 2 * per_token * BLOCK * blocks
