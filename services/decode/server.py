@@ -116,7 +116,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if delta is not None and delta.timing:
             t = delta.timing
             if t["kv_get"]:
-                self.tracing.record("kv.get", span, *t["kv_get"])
+                self.tracing.record("kv.get", span, *t["kv_get"],
+                                    attributes={"pdmesh.bytes": t.get("kv_get_bytes", 0)})
             self.tracing.record("queue", span, t["arrival"], t["scheduled"])
             self.tracing.record("first_token", span, t["scheduled"], t["first_token"])
             span.set_attribute("pdmesh.finish_reason", delta.finish_reason or "")

@@ -107,10 +107,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.tracing.record("queue", span, t["arrival"], t["scheduled"])
         self.tracing.record("compute", span, t["scheduled"], t["first_token"])
         if t["kv_get"]:
-            self.tracing.record("kv.get", span, *t["kv_get"])
+            self.tracing.record("kv.get", span, *t["kv_get"],
+                                attributes={"pdmesh.bytes": t.get("kv_get_bytes", 0)})
         if t["kv_put"]:
             self.tracing.record("kv.put", span, *t["kv_put"],
-                                attributes={"pdmesh.blocks": len(delta.kv_keys)})
+                                attributes={"pdmesh.blocks": len(delta.kv_keys),
+                                            "pdmesh.bytes": t.get("kv_put_bytes", 0)})
 
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh()

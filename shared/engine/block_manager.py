@@ -8,6 +8,11 @@
 A freed block keeps its hash and stays findable until it is reused: the free list is
 in LRU order, so the least recently freed block is evicted first, and a request frees
 its blocks tail first (a prefix outlives its continuations).
+
+A model may keep several cache groups (:mod:`pdmesh.shared.engine.kv_cache_spec`), each
+with its own pool and block table under the same token blocks and hashes: DeepSeek-V4's
+compressed history in one, its sliding window in another, whose blocks are given back
+once the window has passed them (and stay findable, like any freed block).
 """
 
 from __future__ import annotations
@@ -134,23 +139,51 @@ class BlockPool:
 
 @dataclass
 class _Held:
-    """The blocks one request holds, in token order."""
+    """The blocks one request holds in one group, in token order; a sliding group's
+    blocks that fell out of its window are None (their table entries read block 0)."""
 
-    blocks: list[KVBlock] = field(default_factory=list)
+    blocks: list[KVBlock | None] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # block ids, kept beside the blocks
-    registered: int = 0  # how many leading blocks are findable by hash
+    registered: int = 0  # how many leading blocks were made findable by hash
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """One cache group as the block manager sees it."""
+
+    name: str
+    num_blocks: int
+    window: int | None = None  # sliding: tokens behind the next one to compute it keeps
+
+
+@dataclass
+class PrefixHit:
+    """A cached prefix of ``num_blocks`` full blocks: per group, its blocks (a sliding
+    group's only from the first one its window needs; None before that)."""
+
+    num_blocks: int = 0
+    blocks: list[list[KVBlock | None]] = field(default_factory=list)
 
 
 class KVCacheManager:
-    """Which blocks each request holds; allocation with prefix-cache reuse."""
+    """Which blocks each request holds, in every cache group; allocation with
+    prefix-cache reuse. Group 0 is the request's history (every block kept); a sliding
+    group (DeepSeek-V4's window) gives back what its window left behind. Allocation is
+    all or nothing across groups, and a prefix is a hit only where every group has it.
+    """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 fingerprint: str = ""):
+    def __init__(self, num_blocks: int | list[GroupBlocks], block_size: int,
+                 enable_prefix_caching: bool, fingerprint: str = ""):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.groups = (list(num_blocks) if isinstance(num_blocks, list)
+                       else [GroupBlocks("kv", num_blocks)])
+        if self.groups[0].window is not None:
+            raise ValueError("cache groups: the first group must keep every block")
+        self.pools = [BlockPool(g.num_blocks, enable_prefix_caching) for g in self.groups]
+        self.pool = self.pools[0]
         self.hasher = BlockHasher(block_size, fingerprint)
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, list[_Held]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,63 +196,111 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_ids(self, request: Request) -> list[int]:
-        """The request's block table (read-only: the manager's own list)."""
+    def block_ids(self, request: Request, group: int = 0) -> list[int]:
+        """The request's block table in a group (read-only: the manager's own list)."""
         held = self._held.get(request.request_id)
-        return held.ids if held is not None else []
+        return held[group].ids if held is not None else []
 
-    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        """Longest run of the request's leading full blocks already in the cache.
+    def _first_needed(self, group: int, next_token: int) -> int:
+        window = self.groups[group].window
+        if window is None:
+            return 0
+        return max(0, next_token - window) // self.block_size
+
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """Longest run of the request's leading full blocks already in the cache: all of
+        them in the history groups, the ones its window needs in the sliding groups.
 
         At least the last token is always left to compute, so the step has a query.
         """
         if not self.enable_prefix_caching:
-            return []
+            return PrefixHit()
         hashes = self.hasher.update(request)
         limit = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
+        longest = 0
         for h in hashes[:limit]:
-            b = self.pool.lookup(h)
-            if b is None:
+            if any(self.pools[g].lookup(h) is None for g, spec in enumerate(self.groups)
+                   if spec.window is None):
                 break
-            hits.append(b)
-        return hits
+            longest += 1
+        sliding = [g for g, spec in enumerate(self.groups) if spec.window is not None]
+        for n in range(longest, 0, -1):  # the longest prefix whose windows are cached too
+            if all(self.pools[g].lookup(h) is not None for g in sliding
+                   for h in hashes[self._first_needed(g, n * self.block_size):n]):
+                break
+        else:
+            return PrefixHit()
+        blocks = []
+        for g, pool in enumerate(self.pools):
+            first = self._first_needed(g, n * self.block_size)
+            blocks.append([None] * first + [pool.lookup(h) for h in hashes[first:n]])
+        return PrefixHit(n, blocks)
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 cached: list[KVBlock] | None = None) -> bool:
+                 cached: PrefixHit | None = None) -> bool:
         """Room for ``num_new_tokens`` beyond what the request has computed (plus the
-        ``cached`` prefix hits it is about to adopt). False, changing nothing, if the
-        pool cannot supply it."""
+        ``cached`` prefix hits it is about to adopt). False, changing nothing, if a pool
+        cannot supply it. Blocks a sliding group's window has left behind go back first.
+        """
         held = self._held.get(request.request_id)
-        num_held = len(held.blocks) if held is not None else 0
-        num_cached = len(cached) if cached else 0
-        num_tokens = request.num_computed_tokens + num_cached * self.block_size + num_new_tokens
-        needed = self.blocks_for(num_tokens) - num_held - num_cached
-        if cached:
-            # cached hits sitting in the free list stop being allocatable once touched
-            reclaimed = sum(1 for b in cached if b.ref_cnt == 0)
-            if needed > self.pool.num_free - reclaimed:
+        num_cached = cached.num_blocks if cached else 0
+        start = request.num_computed_tokens + num_cached * self.block_size
+        num_tokens = start + num_new_tokens
+        last = self.blocks_for(num_tokens)
+        plans = []
+        for g, pool in enumerate(self.pools):
+            h = held[g] if held is not None else None
+            num_held = len(h.blocks) if h is not None else 0
+            first = self._first_needed(g, start)
+            hits = cached.blocks[g] if cached and cached.num_blocks else []
+            if h is not None and first > 0:
+                self._trim(h, pool, first)
+            have = max(num_held + len(hits), first)
+            needed = max(0, last - have)
+            touched = [b for b in hits if b is not None]
+            reclaimed = sum(1 for b in touched if b.ref_cnt == 0)
+            if needed > pool.num_free - reclaimed:
                 return False
-        elif needed > self.pool.num_free:
-            return False
+            plans.append((first, hits, touched, needed))
         if held is None:
-            held = self._held[request.request_id] = _Held()
-        if cached:
-            self.pool.touch(cached)
-            held.blocks.extend(cached)
-            held.ids.extend(b.block_id for b in cached)
-        if needed > 0:
-            new = self.pool.allocate(needed)
-            held.blocks.extend(new)
-            held.ids.extend(b.block_id for b in new)
+            held = self._held[request.request_id] = [_Held() for _ in self.groups]
+        for g, (pool, (first, hits, touched, needed)) in enumerate(
+                zip(self.pools, plans, strict=True)):
+            h = held[g]
+            pool.touch(touched)
+            h.blocks.extend(hits)
+            h.ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in hits)
+            gap = first - len(h.blocks)
+            if gap > 0:  # out of the window before it was ever needed
+                h.blocks.extend([None] * gap)
+                h.ids.extend([NULL_BLOCK_ID] * gap)
+            if needed > 0:
+                new = pool.allocate(needed)
+                h.blocks.extend(new)
+                h.ids.extend(b.block_id for b in new)
         if self.enable_prefix_caching:
             full = min(num_tokens, request.num_tokens) // self.block_size
-            if full > held.registered:  # blocks that this step fills become findable
+            if any(h.registered < full for h in held):  # blocks this step fills: findable
                 hashes = self.hasher.update(request)
-                for i in range(held.registered, full):
-                    self.pool.register(held.blocks[i], hashes[i])
-                held.registered = full
+                for pool, h in zip(self.pools, held, strict=True):
+                    for i in range(h.registered, full):
+                        b = h.blocks[i]
+                        if b is not None:
+                            pool.register(b, hashes[i])
+                    h.registered = max(h.registered, full)
         return True
+
+    @staticmethod
+    def _trim(h: _Held, pool: BlockPool, first: int) -> None:
+        """Give back a sliding group's blocks before ``first`` (newest first, so the
+        older ones are evicted first)."""
+        gone = [b for b in h.blocks[:first] if b is not None]
+        if not gone:
+            return
+        pool.free(gone)
+        for i in range(min(first, len(h.blocks))):
+            h.blocks[i] = None
+            h.ids[i] = NULL_BLOCK_ID
 
     def forget_from(self, request: Request, first_block: int) -> None:
         """Withdraw the prefix-cache registration of the request's blocks from
@@ -227,11 +308,23 @@ class KVCacheManager:
         held = self._held.get(request.request_id)
         if held is None:
             return
-        for b in held.blocks[first_block:held.registered]:
-            self.pool.unregister(b)
-        held.registered = min(held.registered, first_block)
+        for pool, h in zip(self.pools, held, strict=True):
+            for b in h.blocks[first_block:h.registered]:
+                if b is not None:
+                    pool.unregister(b)
+            h.registered = min(h.registered, first_block)
 
     def free(self, request: Request) -> None:
         held = self._held.pop(request.request_id, None)
         if held is not None:
-            self.pool.free(held.blocks)
+            for pool, h in zip(self.pools, held, strict=True):
+                pool.free([b for b in h.blocks if b is not None])
+
+    def reset_prefix_cache(self) -> None:
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """Per group: (free blocks, usable blocks)."""
+        return {g.name: (p.num_free, p.num_blocks) for g, p in zip(self.groups, self.pools,
+                                                                     strict=True)}

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.block_manager import GroupBlocks, KVCacheManager
 from pdmesh.shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from pdmesh.shared.engine.kv_connector import PoolConnector
-from pdmesh.shared.engine.model_runner import (
-    ModelRunner,
-    allocate_kv_cache,
-    kv_bytes_per_block,
-    kv_bytes_per_token,
+from pdmesh.shared.engine.kv_cache_spec import (
+    FULL,
+    allocate_caches,
+    cache_spec,
+    layer_caches,
 )
+from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.engine.policy import policy_from_config
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler
@@ -72,20 +73,28 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
                                                                            config.max_num_seqs)
-        # what one token's KV takes in the paged cache, and so in the pool (MLA: the latent)
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
-        num_blocks = self._resolve_num_blocks()
+        # what the paged cache keeps, group by group (one for most models; DeepSeek-V4:
+        # its compressed history and its sliding window), and what a token of context
+        # takes there, and so in the pool (MLA: the latent; V4: its compressed entries)
+        self.cache_spec = cache_spec(self.model_config, config.block_size)
+        self.kv_bytes_per_token = round(self.cache_spec.bytes_per_token(self.dtype))
+        groups = self._resolve_num_blocks()
+        num_blocks = groups[0].num_blocks
         self.kv_fingerprint = self.fingerprint()  # reads the checkpoint: computed once
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+        self.kv = KVCacheManager(groups, config.block_size, config.enable_prefix_caching,
                                  fingerprint=self.kv_fingerprint)
-        kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size,
-                                      self.dtype, self.backend.device)
-        self.runner = ModelRunner(self.model, self.backend, self.kv, kv_caches)
+        caches = allocate_caches(self.cache_spec, [g.num_blocks for g in groups], self.dtype,
+                                 self.backend.device)
+        self.runner = ModelRunner(self.model, self.backend, self.kv,
+                                  layer_caches(self.cache_spec, caches,
+                                               self.model_config.num_layers))
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
         self.connector = None
         if kv_pool is not None:
-            self.connector = PoolConnector(kv_pool, CacheRegions(kv_caches), self.kv.hasher,
-                                           self.kv_fingerprint, save_prompts)
+            self.connector = PoolConnector(
+                kv_pool, [CacheRegions(t) for t in caches], self.kv.hasher,
+                self.kv_fingerprint, save_prompts,
+                windows=[g.window for g in groups], names=[g.name for g in groups])
         self.scheduler = Scheduler(self.kv, policy_from_config(config),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
@@ -101,11 +110,15 @@ class EngineCore:
                         "parallelism) have no DP bubble to balance; DyntraLB is inactive")
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        window = self.cache_spec.window_bytes(self.dtype)
         log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens, "
-                 "%d KV bytes per token", time.perf_counter() - t0,
+                 "%d KV bytes per token%s", time.perf_counter() - t0,
                  self.model_config.architecture, self.device,
                  str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
-                 self.kv_bytes_per_token)
+                 self.kv_bytes_per_token,
+                 f" + {window} window bytes per sequence ("
+                 + ", ".join(f"{g.name}: {g.num_blocks} blocks" for g in groups) + ")"
+                 if window else "")
 
     # -- configuration ----------------------------------------------------------------
     def _setup_expert_parallel(self):
@@ -133,6 +146,8 @@ class EngineCore:
         weights = [self.model.w.layers[i].mlp for i in moe_layers]
         ep = ExpertParallel(cfg.data_parallel_rank, cfg.data_parallel_size, moe_layers,
                             weights, moe.num_experts, cfg.num_redundant_experts, start)
+        if self.model_config.v4 is not None:
+            ep.swiglu_limit = self.model_config.v4.swiglu_limit or None
         for w in weights:  # the full expert stacks are not needed any more
             w.w13 = w.w13.new_empty(0)
             w.w2 = w.w2.new_empty(0)
@@ -147,10 +162,12 @@ class EngineCore:
                               self.backend)
 
     def fingerprint(self) -> str:
-        """What makes KV interchangeable: the model's content, its KV layout (layers, KV
-        heads, head size, dtype) and the block size. The root of every block hash."""
-        c = self.model_config
-        layout = f"{c.num_layers}x{c.kv_cache_tensors}x{c.kv_cache_heads}x{c.kv_cache_dim}"
+        """What makes KV interchangeable: the model's content, its cache layout (groups,
+        layers, tensors, heads, sizes), the dtype and the block size. The root of every
+        block hash, and the prefix of every pool key."""
+        import hashlib
+
+        layout = hashlib.blake2b(self.cache_spec.layout().encode(), digest_size=8).hexdigest()
         return (f"{model_fingerprint(self.config.model)}:{layout}:"
                 f"{str(self.dtype).removeprefix('torch.')}:{self.config.block_size}")
 
@@ -164,24 +181,41 @@ class EngineCore:
                              f"max_position_embeddings ({limit})")
         return asked
 
-    def _resolve_num_blocks(self) -> int:
+    def _resolve_num_blocks(self) -> list[GroupBlocks]:
+        """Blocks per cache group. A sliding group gets what every seat's window needs
+        plus a full step of new tokens; the history group (the first) gets the rest of
+        the budget, or ``num_kv_blocks``."""
         cfg = self.config
+        spec = self.cache_spec
+        bs = cfg.block_size
+        sliding = {g.name: cfg.max_num_seqs * (-(-g.window // bs) + 2)
+                   + -(-self.max_num_batched_tokens // bs)
+                   for g in spec.groups if g.kind != FULL}
+        sliding_bytes = sum(n * g.block_bytes(self.dtype) for g in spec.groups
+                            for n in [sliding.get(g.name, 0)])
+        per_block = spec.groups[0].block_bytes(self.dtype)
         if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device == "cpu":
-            # Enough for every seat at full length, at most the default CPU budget.
-            full = cfg.max_num_seqs * self.max_model_len // cfg.block_size + cfg.max_num_seqs
-            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, full * per_block)
+            blocks = cfg.num_kv_blocks
         else:
-            budget = self._device_kv_budget()
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
-                             f"({per_block} bytes each)")
-        return int(blocks)
+            if cfg.kv_cache_memory_bytes is not None:
+                budget = cfg.kv_cache_memory_bytes
+            elif self.device == "cpu":
+                # Enough for every seat at full length, at most the default CPU budget.
+                full = cfg.max_num_seqs * self.max_model_len // bs + cfg.max_num_seqs
+                budget = min(DEFAULT_CPU_KV_CACHE_BYTES, full * per_block + sliding_bytes)
+            else:
+                budget = self._device_kv_budget()
+            if not per_block:  # no history tensors (sliding layers only): bookkeeping
+                per_block = 1
+                budget = cfg.max_num_seqs * (-(-self.max_model_len // bs) + 1) + sliding_bytes
+            blocks = (budget - sliding_bytes) // per_block
+            if blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
+                                 f"({per_block} bytes each, after {sliding_bytes} bytes of "
+                                 "sliding-window blocks)")
+        return [GroupBlocks(g.name, int(blocks)) if g.kind == FULL
+                else GroupBlocks(g.name, sliding[g.name], window=g.window)
+                for g in spec.groups]
 
     def _device_kv_budget(self) -> int:
         """gpu_memory_utilization of device memory, less what weights already took and a
@@ -263,7 +297,7 @@ class EngineCore:
         except BaseException:
             # This step's full blocks were made findable by hash before being computed:
             # forget every cached prefix rather than serve one that was never filled.
-            self.kv.pool.reset_prefix_cache()
+            self.kv.reset_prefix_cache()
             raise
         sampled = self.sampler(logits, [sched.requests[i] for i in sample_idx])
         for i, lp in zip(sample_idx, sampled.logprobs, strict=True):
@@ -274,7 +308,8 @@ class EngineCore:
                 req = sched.requests[i]
                 if not req.kv_keys:  # its prompt (and any tokens it came with) just done
                     t0 = time.monotonic()
-                    req.kv_keys = self.connector.save(req, self.kv.block_ids(req))
+                    req.kv_keys = self.connector.save(
+                        req, [self.kv.block_ids(req, g) for g in range(len(self.kv.groups))])
                     req.kv_put_time = (t0, time.monotonic())
         tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)

@@ -13,6 +13,11 @@ Two moments in a request's life, as in vLLM's KV-connector design:
 Pool keys are ``<fingerprint>/<hash>``: the chained block hash of the engine's prefix
 cache for a full block, and, for the partial tail, the same chain extended by the tail's
 tokens (a different byte length, so it never collides with a full block's key).
+
+A model with several cache groups (DeepSeek-V4: compressed history, sliding window)
+moves each group's blocks under its own keys, ``<fingerprint>/<hash>/<group>`` past the
+first group; a sliding group moves only the blocks its window needs where the request
+continues.
 """
 
 from __future__ import annotations
@@ -28,16 +33,23 @@ log = logging.getLogger(__name__)
 
 
 class PoolConnector:
-    def __init__(self, pool: KVPool, regions: CacheRegions, hasher: BlockHasher,
-                 fingerprint: str, save_prompts: bool):
+    def __init__(self, pool: KVPool, regions: CacheRegions | list[CacheRegions],
+                 hasher: BlockHasher, fingerprint: str, save_prompts: bool,
+                 windows: list[int | None] | None = None, names: list[str] | None = None):
+        """``regions``: per cache group (one for most models); ``windows``: per group,
+        None for a history group or the tokens a sliding group keeps."""
         self.pool = pool
-        self.regions = regions
+        self.groups = regions if isinstance(regions, list) else [regions]
+        self.regions = self.groups[0]
+        self.windows = windows or [None] * len(self.groups)
+        self.names = names or [str(g) for g in range(len(self.groups))]
         self.hasher = hasher
         self.block_size = hasher.block_size
         self.prefix = fingerprint
         self.save_prompts = save_prompts
-        for t in regions.tensors:
-            pool.register(t)
+        for group in self.groups:
+            for t in group.tensors:
+                pool.register(t)
         # transfers, for metrics: direction -> [bytes, seconds of each transfer]
         self.transfer_bytes = {"put": 0, "get": 0}
         self.transfer_seconds: dict[str, list[float]] = {"put": [], "get": []}
@@ -47,13 +59,15 @@ class PoolConnector:
         taken, self.transfer_seconds[direction] = self.transfer_seconds[direction], []
         return taken
 
-    def _account(self, direction: str, regions: list, ok: list[bool], seconds: float) -> None:
-        self.transfer_bytes[direction] += sum(n for regs, done in zip(regions, ok, strict=True)
-                                              if done for _, n in regs)
+    def _account(self, direction: str, regions: list, ok: list[bool], seconds: float) -> int:
+        """Record a transfer; returns its bytes."""
+        moved = sum(n for regs, done in zip(regions, ok, strict=True) if done for _, n in regs)
+        self.transfer_bytes[direction] += moved
         times = self.transfer_seconds[direction]
         times.append(seconds)
         if len(times) > 4096:  # read and cleared by the metrics collector; bounded anyway
             del times[:2048]
+        return moved
 
     def prompt_keys(self, request: Request, num_tokens: int) -> list[str]:
         """Pool keys covering the request's first ``num_tokens`` tokens, in block order."""
@@ -67,6 +81,31 @@ class PoolConnector:
             keys.append(f"{self.prefix}/{self.hasher.hash_block(parent, tail).hex()}")
         return keys
 
+    def _first_block(self, group: int, next_token: int) -> int:
+        """The first block a group must supply when the request continues at
+        ``next_token`` (every block for a history group)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, next_token - window) // self.block_size
+
+    def _group_keys(self, group: int, keys: list[str]) -> list[str]:
+        return keys if group == 0 else [f"{k}/{self.names[group]}" for k in keys]
+
+    def _plan(self, keys: list[str], tables: list[list[int]], first: int, end: int
+              ) -> tuple[list[str], list[list]]:
+        """Every group's keys and regions for blocks ``first ..`` of a request that
+        continues at token ``end``."""
+        all_keys: list[str] = []
+        regions: list[list] = []
+        for g, group in enumerate(self.groups):
+            if not group.tensors:
+                continue
+            lo = max(first, self._first_block(g, end))
+            gkeys = self._group_keys(g, keys)
+            for b in range(lo, len(keys)):
+                all_keys.append(gkeys[b])
+                regions.append(group.regions(tables[g][b]))
+        return all_keys, regions
+
     def loadable_tokens(self, request: Request, local_tokens: int) -> int:
         """Tokens past ``local_tokens`` (block aligned) that the pool can supply, leaving
         the last token to compute."""
@@ -77,44 +116,54 @@ class PoolConnector:
         first = local_tokens // self.block_size
         try:
             hits = self.pool.prefix_hits(keys[first:])
+            end = min(limit, (first + hits) * self.block_size)
+            if hits and len(self.groups) > 1:  # the windows where it continues, too
+                needed, _ = self._plan(keys[:first + hits], [[0] * (first + hits)]
+                                       * len(self.groups), first, end)
+                if not all(self.pool.exists(needed)):
+                    return 0
         except ConnectionError as e:  # the pool is down: compute everything here
             log.warning("request %s: pool lookup failed (%s)", request.request_id, e)
             return 0
-        return min(limit, (first + hits) * self.block_size) - local_tokens
+        return end - local_tokens
 
-    def load(self, request: Request, block_ids: list[int], start_token: int,
-             num_tokens: int) -> bool:
-        """Copy tokens [start_token, start_token + num_tokens) in from the pool."""
+    def load(self, request: Request, block_ids: list[int] | list[list[int]],
+             start_token: int, num_tokens: int) -> bool:
+        """Copy tokens [start_token, start_token + num_tokens) in from the pool.
+        ``block_ids``: the request's table, or one per cache group."""
         bs = self.block_size
+        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         first, end = start_token // bs, start_token + num_tokens
-        keys = self.prompt_keys(request, end)[first:]
-        regions = [self.regions.regions(block_ids[first + i]) for i in range(len(keys))]
+        keys, regions = self._plan(self.prompt_keys(request, end), tables, first, end)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
             ok = self.pool.get(keys, regions)
         except ConnectionError as e:
             log.warning("request %s: pool load failed (%s); recomputing", request.request_id, e)
             return False
-        self._account("get", regions, ok, time.perf_counter() - t0)
+        request.kv_get_bytes = self._account("get", regions, ok, time.perf_counter() - t0)
         if not all(ok):
             log.warning("request %s: %d of %d blocks vanished from the pool; recomputing",
                         request.request_id, len(ok) - sum(ok), len(ok))
             return False
         return True
 
-    def save(self, request: Request, block_ids: list[int]) -> list[str]:
-        """Put the prompt's blocks in the pool; returns their keys (all of them, also
-        those the pool already had)."""
+    def save(self, request: Request, block_ids: list[int] | list[list[int]]) -> list[str]:
+        """Put the prompt's blocks in the pool (a sliding group's: those its window needs
+        where the request continues); returns their keys (all of them, also those the
+        pool already had). ``block_ids``: the request's table, or one per cache group."""
+        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         # the prompt, and any output tokens the request came with (a re-prefill)
-        keys = self.prompt_keys(request, request.num_tokens)
-        regions = [self.regions.regions(b) for b in block_ids[:len(keys)]]
+        end = request.num_tokens
+        keys, regions = self._plan(self.prompt_keys(request, end), tables, 0, end)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
             stored = self.pool.put(keys, regions)
         except ConnectionError as e:  # decode will find nothing and compute the prompt
             log.warning("request %s: pool save failed (%s)", request.request_id, e)
             return keys
-        self._account("put", regions, stored, time.perf_counter() - t0)
+        request.kv_put_bytes = self._account("put", regions, stored,
+                                             time.perf_counter() - t0)
         if not all(stored):
             log.warning("request %s: pool refused %d of %d blocks", request.request_id,
                         len(stored) - sum(stored), len(stored))

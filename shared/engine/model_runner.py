@@ -11,40 +11,12 @@ import logging
 import numpy as np
 import torch
 
-from pdmesh.shared.engine.block_manager import NULL_BLOCK_ID, KVCacheManager
+from pdmesh.shared.engine.block_manager import KVCacheManager
 from pdmesh.shared.engine.scheduler import SchedulerOutput
 from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
-from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.transformer import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """What one token's KV takes, every layer: K and V of each KV head, or MLA's latent."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.kv_cache_tensors * cfg.num_layers * cfg.kv_cache_heads * cfg.kv_cache_dim * elem
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * kv_bytes_per_token(cfg, dtype)
-
-
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[KVCache]:
-    """Per layer, (K, V) - or MLA's one latent cache - of ``num_blocks`` usable blocks
-    plus the null block 0, which alone is zeroed: a slot is read only after it was
-    written, or is padding redirected to the null block (masked, and finite, since
-    NaN * 0 would still be NaN)."""
-    shape = (num_blocks + 1, block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
-    caches = []
-    for _ in range(cfg.num_layers):
-        layer = tuple(torch.empty(shape, dtype=dtype, device=device)
-                      for _ in range(cfg.kv_cache_tensors))
-        for t in layer:
-            t[NULL_BLOCK_ID].zero_()
-        caches.append(layer)
-    return caches
 
 
 class ModelRunner:
@@ -57,22 +29,21 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.device = backend.device
 
-    def execute(self, step: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, step: SchedulerOutput, every_row: bool = False
+                ) -> tuple[torch.Tensor, list[int]]:
         """Run the model on one step. Returns (logits [S, V] float32, the positions in
-        ``step.requests`` of the S requests that computed their last token and sample)."""
+        ``step.requests`` of the S requests that computed their last token and sample).
+        ``every_row``: logits of every token computed this step instead, [T, V]."""
         bs = self.block_size
         reqs, counts = step.requests, step.num_tokens
         num_seqs = len(reqs)
         starts = [r.num_computed_tokens for r in reqs]
         seq_lens = [s + n for s, n in zip(starts, counts, strict=True)]
         tables = [self.kv.block_ids(r) for r in reqs]
-        width = max(map(len, tables))
-        if num_seqs == 1:
-            block_table = np.asarray(tables, dtype=np.int32)
-        else:  # rows padded with the null block
-            block_table = np.zeros((num_seqs, width), dtype=np.int32)
-            for i, t in enumerate(tables):
-                block_table[i, :len(t)] = t
+        block_table = _table(tables)
+        # the other cache groups' tables (DeepSeek-V4's sliding window), host side
+        group_tables = [_table([self.kv.block_ids(r, g) for r in reqs])
+                        for g in range(1, len(self.kv.groups))]
 
         if step.total_tokens == num_seqs:  # pure decode: one token each (the common step)
             input_ids = np.fromiter((r.token_ids[s] for r, s in zip(reqs, starts, strict=True)),
@@ -95,7 +66,8 @@ class ModelRunner:
             np.cumsum(counts, out=qsl[1:])
         sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
                       if n == r.num_tokens]
-        logits_rows = qsl[1:][sample_idx] - 1
+        logits_rows = (np.arange(len(input_ids)) if every_row
+                       else qsl[1:][sample_idx] - 1)
 
         dev = self.device
         meta = AttentionMetadata(
@@ -111,6 +83,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
             block_tables_host=block_table,
+            group_tables_host=group_tables,
+            positions_host=positions,
         )
         self.backend.prepare_attention(meta)
         logits = self.model.forward(
@@ -121,3 +95,13 @@ class ModelRunner:
             torch.from_numpy(logits_rows.astype(np.int64)).to(dev),
         )
         return logits, sample_idx
+
+
+def _table(tables: list[list[int]]) -> np.ndarray:
+    """Block tables -> [num_seqs, width] int32, rows padded with the null block 0."""
+    if len(tables) == 1:
+        return np.asarray(tables, dtype=np.int32)
+    table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    return table

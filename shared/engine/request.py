@@ -79,12 +79,15 @@ class Request:
     first_token_time: float | None = None
     kv_get_time: tuple[float, float] | None = None  # (start, end) of its pool load
     kv_put_time: tuple[float, float] | None = None  # (start, end) of its pool save
+    kv_get_bytes: int = 0  # what its pool load and save moved
+    kv_put_bytes: int = 0
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""
         return {"arrival": self.arrival_time, "scheduled": self.scheduled_time,
                 "first_token": self.first_token_time, "kv_get": self.kv_get_time,
-                "kv_put": self.kv_put_time}
+                "kv_put": self.kv_put_time, "kv_get_bytes": self.kv_get_bytes,
+                "kv_put_bytes": self.kv_put_bytes}
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.block_manager import KVCacheManager, PrefixHit
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.policy import SchedulingPolicy
 from pdmesh.shared.engine.request import Request, RequestStatus
@@ -98,8 +98,8 @@ class Scheduler:
                     break
                 admit -= need
             fresh = req.num_computed_tokens == 0
-            cached = self.kv.find_cached_prefix(req) if fresh else []
-            hit_tokens = len(cached) * self.kv.block_size
+            cached = self.kv.find_cached_prefix(req) if fresh else PrefixHit()
+            hit_tokens = cached.num_blocks * self.kv.block_size
             # tokens the KV pool can supply beyond the local hits (loaded, not computed)
             pooled = (self.connector.loadable_tokens(req, hit_tokens)
                       if fresh and self.connector is not None else 0)
@@ -111,7 +111,9 @@ class Scheduler:
             if pooled:
                 assert self.connector is not None
                 t0 = time.monotonic()
-                loaded = self.connector.load(req, self.kv.block_ids(req), hit_tokens, pooled)
+                loaded = self.connector.load(
+                    req, [self.kv.block_ids(req, g) for g in range(len(self.kv.groups))],
+                    hit_tokens, pooled)
                 req.kv_get_time = (t0, time.monotonic())
                 if loaded:
                     req.num_computed_tokens += pooled

@@ -50,6 +50,9 @@ class AttentionMetadata:
     block_size: int
     # block_tables as built on the host (numpy, int32), so backends need no device read
     block_tables_host: Any = None
+    # the other cache groups' block tables (DeepSeek-V4's sliding window), host side
+    group_tables_host: list[Any] = field(default_factory=list)
+    positions_host: Any = None  # [num_tokens] int64 numpy: each row's position
     # What a backend precomputes once per step and reuses in every layer.
     backend_state: dict[str, Any] = field(default_factory=dict)
 
@@ -186,10 +189,13 @@ class KernelBackend(ABC):
         """One new token per sequence; q [B, H, D] -> [B, H, D]."""
 
     # -- MLP and MoE ------------------------------------------------------------------
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]. x is a temporary of the
-        caller's and may be overwritten (the result may be a view of it)."""
+        caller's and may be overwritten (the result may be a view of it). ``limit``
+        (DeepSeek-V4's swiglu_limit): gate clamped to at most limit, up to +-limit."""
         gate, up = x.chunk(2, dim=-1)
+        if limit:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         return F.silu(gate) * up
 
     def moe_gating_topk(
@@ -208,15 +214,17 @@ class KernelBackend(ABC):
     def moe_gating_grouped_topk(
         self, router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
         correction_bias: torch.Tensor | None, renormalize: bool, scaling: float,
+        scoring: str = "sigmoid",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's routing (noaux_tc): sigmoid scores; experts are chosen by score
         plus ``correction_bias``, only within the ``topk_groups`` groups whose two best
         biased scores sum highest; their weights are the unbiased scores, renormalized
-        (optionally), times ``scaling``.
+        (optionally), times ``scaling``. DeepSeek-V4 scores with ``sqrtsoftplus``
+        (sqrt(softplus(logit))), or ``softmax``, the same way otherwise.
 
         router_logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64).
         """
-        scores = router_logits.float().sigmoid()
+        scores = score_experts(router_logits, scoring)
         choice = scores if correction_bias is None else scores + correction_bias.float()
         if num_groups > 1:
             t, e = choice.shape
@@ -254,11 +262,13 @@ class KernelBackend(ABC):
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        limit: float | None = None,
     ) -> torch.Tensor:
         """Routed SwiGLU experts: sum_k w_k * down_e(silu(gate_e x) * up_e x).
 
         x [T, H], w13 [E, H, 2I], w2 [E, I, H], topk_* [T, k] -> [T, H].
         Tokens are sorted by expert so each expert runs one matmul (no per-token loop).
+        ``limit``: the swiglu clamp (``silu_and_mul``).
         """
         top_k = topk_ids.shape[1]
         num_experts = w13.shape[0]
@@ -267,11 +277,40 @@ class KernelBackend(ABC):
         token_of = order // top_k  # source token of each sorted row
         group_sizes = torch.bincount(flat_ids, minlength=num_experts).tolist()
         xs = x.index_select(0, token_of)  # [T*k, H]
-        h = self.silu_and_mul(self.grouped_matmul(xs, w13, group_sizes))
+        h = self.silu_and_mul(self.grouped_matmul(xs, w13, group_sizes), limit)
         ys = self.grouped_matmul(h, w2, group_sizes)  # [T*k, H]
         ys = ys * topk_weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, ys)
+        return out
+
+    # -- DeepSeek-V4 attention -------------------------------------------------------
+    def sink_attention(
+        self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of many query heads over one shared K=V head, with a learned sink
+        per head (a logit that joins the softmax and carries no value).
+
+        q [S, H, Lq, D], kv [S, K, D] (each sequence's keys, which are its values),
+        visible [S, Lq, K] bool, sinks [H] float32 -> [S, H, Lq, D]. A row that sees no
+        key gives zeros (all its weight goes to the sink).
+        """
+        s, h, lq, d = q.shape
+        k = kv.shape[1]
+        out = q.new_empty((s, h, lq, d))
+        sink = sinks.float().view(1, h, 1, 1)
+        # bound the logits temporary: query rows in pieces of at most ~32M logits
+        step = max(1, (1 << 25) // max(1, s * h * k))
+        for lo in range(0, lq, step):
+            hi = min(lq, lo + step)
+            logits = torch.matmul(q[:, :, lo:hi], kv.transpose(1, 2).unsqueeze(1)).float()
+            logits = logits.mul_(scale).masked_fill_(~visible[:, None, lo:hi], float("-inf"))
+            top = torch.maximum(logits.amax(-1, keepdim=True), sink)
+            probs = (logits - top).exp_()
+            denom = probs.sum(-1, keepdim=True) + (sink - top).exp()
+            probs = probs.div_(denom).to(q.dtype)
+            out[:, :, lo:hi] = torch.matmul(probs, kv.unsqueeze(1))
         return out
 
     # -- sampling ---------------------------------------------------------------------
@@ -320,3 +359,16 @@ class KernelBackend(ABC):
                 noise[row] = torch.empty(probs.shape[1]).exponential_(generator=gen)
         return probs.div(noise).argmax(dim=-1)
 
+
+
+def score_experts(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router logits [T, E] -> float32 expert scores: sigmoid, softmax or DeepSeek-V4's
+    sqrtsoftplus."""
+    x = router_logits.float()
+    if scoring == "sigmoid":
+        return x.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return F.softplus(x).sqrt()
+    if scoring == "softmax":
+        return x.softmax(dim=-1)
+    raise ValueError(f"scoring_func: {scoring!r} is not supported")

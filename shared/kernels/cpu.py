@@ -62,9 +62,12 @@ class CPUBackend(KernelBackend):
         rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
         return torch.addcmul(x * cos.unsqueeze(1), rolled, sin.unsqueeze(1))
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         # In place in the caller's temporary: no new [T, I] buffers, one pass less.
         gate, up = x.chunk(2, dim=-1)
+        if limit:
+            gate.clamp_(max=limit)
+            up.clamp_(-limit, limit)
         return F.silu(gate, inplace=True).mul_(up)  # [T, I] view, row stride 2I
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

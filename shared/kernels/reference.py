@@ -55,20 +55,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     d = x.shape[-1] // 2
-    g = x[..., :d].double()
-    return (g * torch.sigmoid(g) * x[..., d:].double()).to(x.dtype)
+    g, u = x[..., :d].double(), x[..., d:].double()
+    if limit:
+        g, u = torch.clamp(g, max=limit), torch.clamp(u, -limit, limit)
+    return (g * torch.sigmoid(g) * u).to(x.dtype)
 
 
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-        ids: torch.Tensor) -> torch.Tensor:
+        ids: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     out = torch.zeros_like(x, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             hcat = w13[e].double() @ x[t].double()
-            h = silu_and_mul(hcat)
+            h = silu_and_mul(hcat, limit)
             out[t] += float(weights[t, j]) * (w2[e].double() @ h)
     return out.to(x.dtype)
 
@@ -95,11 +97,18 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
 
 
 def grouped_topk(logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
-                 bias: torch.Tensor, renormalize: bool, scaling: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 bias: torch.Tensor, renormalize: bool, scaling: float,
+                 scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing, one token at a time in float64: groups ranked by their two
-    best biased scores; the best biased experts of the best groups; unbiased weights."""
-    scores = torch.sigmoid(logits.double())
+    best biased scores; the best biased experts of the best groups; unbiased weights.
+    DeepSeek-V4 scores sqrt(softplus(logit)) (or softmax) instead of the sigmoid."""
+    x = logits.double()
+    if scoring == "sqrtsoftplus":
+        scores = torch.sqrt(torch.log1p(torch.exp(x)))
+    elif scoring == "softmax":
+        scores = torch.exp(x) / torch.exp(x).sum(-1, keepdim=True)
+    else:
+        scores = 1 / (1 + torch.exp(-x))
     biased = scores + bias.double()
     per = logits.shape[1] // num_groups
     weights, ids = [], []
@@ -114,3 +123,23 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_groups: int, topk_groups:
         weights.append(w * scaling)
         ids.append(best)
     return torch.stack(weights), torch.tensor(ids)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor,
+                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [S, H, Lq, D] over kv [S, K, D] (keys = values) where visible [S, Lq, K], with
+    a sink logit per head in the softmax denominator; one query at a time, float64."""
+    s_, h_, lq, _ = q.shape
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(s_):
+        keys = kv[s].double()
+        for i in range(lq):
+            seen = visible[s, i].nonzero().flatten()
+            for h in range(h_):
+                logits = [float(q[s, h, i].double() @ keys[j]) * scale for j in seen]
+                top = max([float(sinks[h]), *logits])
+                weights = [2.718281828459045 ** (x - top) for x in logits]
+                total = sum(weights) + 2.718281828459045 ** (float(sinks[h]) - top)
+                for w, j in zip(weights, seen, strict=True):
+                    out[s, h, i] += w / total * keys[j]
+    return out.to(q.dtype)

@@ -4,6 +4,7 @@ A pool value is one KV block of every layer, concatenated:
 
     key  = "<model fingerprint + KV layout>/<chained block hash, hex>"
     value = K[layer 0][block] | V[layer 0][block] | K[layer 1][block] | ... | V[layer L-1][block]
+            (MLA: the latent of each layer; DeepSeek-V4: one cache group's tensors)
 
 Values move between the pool and a paged KV cache with no Python-side copies: a block
 is described by its memory regions (one (address, nbytes) per layer and K/V, straight
@@ -73,25 +74,24 @@ class KVPool(ABC):
 class CacheRegions:
     """Maps a block id of a paged KV cache to its pool regions.
 
-    kv_caches: per layer its cache tensors - (k_cache, v_cache), or MLA's (latent,) -
-    each [num_blocks, block_size, N, D] and contiguous, so block b of a tensor is one run
-    of ``block_bytes`` bytes.
+    tensors: the cache tensors of one block table - per layer (k_cache, v_cache), or
+    MLA's latent, or a DeepSeek-V4 group's tensors; tuples per layer are flattened. Each
+    is [num_blocks, slots, N, D] and contiguous, so block b of a tensor is one run of
+    that tensor's block bytes; the value of a block is every tensor's run, in order.
     """
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, ...]]):
-        self.tensors = [t for layer in kv_caches for t in layer]
+    def __init__(self, tensors: list[torch.Tensor] | list[tuple[torch.Tensor, ...]]):
+        self.tensors = [t for item in tensors
+                        for t in (item if isinstance(item, tuple) else (item,))]
         if not all(t.is_contiguous() for t in self.tensors):
             raise ValueError("kv_caches: every cache tensor must be contiguous")
-        first = self.tensors[0]
-        self.block_bytes = first[0].numel() * first.element_size()
-        if any(t[0].numel() * t.element_size() != self.block_bytes for t in self.tensors):
-            raise ValueError("kv_caches: every cache tensor must have blocks of one size")
+        self.block_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.bases = [t.data_ptr() for t in self.tensors]
 
     @property
     def value_bytes(self) -> int:
-        return self.block_bytes * len(self.bases)
+        return sum(self.block_bytes)
 
     def regions(self, block_id: int) -> list[Region]:
-        off = block_id * self.block_bytes
-        return [(base + off, self.block_bytes) for base in self.bases]
+        return [(base + block_id * n, n) for base, n in zip(self.bases, self.block_bytes,
+                                                             strict=True)]

@@ -49,7 +49,7 @@ class MoEConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # DeepSeekMoE: sigmoid scores plus a correction bias choose the experts, within the
     # best ``topk_groups`` of ``num_groups`` groups; weights scaled by routed_scaling
-    scoring: str = "softmax"  # softmax | sigmoid
+    scoring: str = "softmax"  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4)
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
@@ -80,6 +80,50 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", \
+    "heavily_compressed_attention"
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """DeepSeek-V4's own dimensions. Every layer attends over a sliding window of its
+    one shared K=V head; a compressed layer also attends over entries that each
+    summarize ``rate`` tokens (CSA: overlapping windows of 2 * rate, of which a lightning
+    indexer picks ``index_topk`` per query; HCA: disjoint windows, all of them)."""
+
+    head_dim: int  # D: the one K=V head, and each query head
+    rope_dim: int  # its last rope_dim dims are rotary (interleaved pairs)
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int  # sliding window, the query's own token included
+    layer_types: tuple[str, ...]  # per layer: SLIDING, CSA or HCA
+    compress_rates: tuple[int, ...]  # per layer: 0 (sliding only) or its rate
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_rope_theta: float
+    compress_rope_scaling: dict[str, Any] | None  # yarn, for the compressed layers only
+    hc_mult: int  # hyper-connection streams
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    hash_layers: tuple[bool, ...]  # per layer: experts chosen by token id (hash MoE)
+    swiglu_limit: float  # clamp of the experts' gate (above) and up (both sides); 0: off
+
+    @property
+    def state_window(self) -> int:
+        """Tokens behind the next one to compute whose window keys and compressor inputs
+        must stay in the cache: the window's, and (CSA) the previous compression window
+        that overlaps the current one, or (HCA) the current one."""
+        keep = self.window - 1
+        for kind, rate in zip(self.layer_types, self.compress_rates, strict=True):
+            if kind == CSA:
+                keep = max(keep, 2 * rate - 1)
+            elif kind == HCA:
+                keep = max(keep, rate - 1)
+        return keep
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -102,6 +146,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    v4: V4Config | None = None
     num_nextn_predict_layers: int = 0  # MTP layers after the decoder layers (not decoders)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -121,6 +166,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.v4 is not None:
+            return self.v4.rope_dim
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @classmethod
@@ -143,6 +190,9 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         moe = _moe_config(cfg, arch) if traits.moe else None
         mla = _mla_config(cfg, arch, scaling) if traits.mla else None
+        v4 = _v4_config(cfg, scaling) if traits.v4 else None
+        if v4 is not None:  # the sliding layers' rope is plain; yarn is the compressed ones'
+            scaling = None
         return cls(
             architecture=arch,
             hidden_size=int(cfg["hidden_size"]),
@@ -152,9 +202,11 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(mla.qk_rope_head_dim if mla else cfg.get("head_dim")
                          or cfg["hidden_size"] // heads),
+            v4=v4,
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(cfg.get("rope_theta", (rope.get("main") or rope).get("rope_theta",
+                                                                          10000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=traits.qkv_bias or bool(cfg.get("attention_bias", False)),
@@ -183,10 +235,16 @@ def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig:
     if n_exp is None:
         raise ValueError(f"config.json: missing 'num_experts' (architecture {arch})")
     deepseek = "n_routed_experts" in cfg
-    scoring = str(cfg.get("scoring_func", "sigmoid" if deepseek else "softmax"))
-    if scoring not in ("softmax", "sigmoid"):
+    v4 = arch == "DeepseekV4ForCausalLM"
+    scoring = str(cfg.get("scoring_func",
+                          "sqrtsoftplus" if v4 else "sigmoid" if deepseek else "softmax"))
+    allowed = ("softmax", "sigmoid", "sqrtsoftplus") if v4 else ("softmax", "sigmoid")
+    if scoring not in allowed:
         raise ValueError(f"config.json: scoring_func {scoring!r} is not supported "
-                         "(softmax or sigmoid)")
+                         f"({', '.join(allowed)})")
+    if v4 and int(cfg.get("n_shared_experts", 1) or 0) != 1:
+        raise ValueError("config.json: n_shared_experts must be 1 for DeepseekV4ForCausalLM "
+                         "(one shared expert of moe_intermediate_size)")
     topk_method = cfg.get("topk_method", "noaux_tc" if deepseek else None)
     if topk_method not in (None, "noaux_tc", "greedy", "group_limited_greedy"):
         raise ValueError(f"config.json: topk_method {topk_method!r} is not supported")
@@ -204,7 +262,7 @@ def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig:
         num_groups=groups,
         topk_groups=int(cfg.get("topk_group") or 1),
         routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0),
-        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_shared_experts=int(cfg.get("n_shared_experts", 1 if v4 else 0) or 0),
         first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
     )
 
@@ -226,3 +284,91 @@ def _mla_config(cfg: dict[str, Any], arch: str, scaling: dict[str, Any] | None) 
         kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
         v_head_dim=int(cfg["v_head_dim"]), q_lora_rank=int(q_lora) if q_lora else None,
         softmax_scale=scale, rope_interleave=bool(cfg.get("rope_interleave", True)))
+
+
+_RATIO_TYPES = {0: SLIDING, 1: SLIDING, 4: CSA}  # compress_ratios: any other rate is HCA
+
+
+def _v4_config(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> V4Config:
+    """DeepSeek-V4's config.json, in either spelling: DeepSeek's own (``compress_ratios``
+    per layer, 0 or 1 for sliding-only and 4 for CSA, ``num_hash_layers``,
+    ``qk_rope_head_dim``, ``rope_scaling``) or transformers' (``layer_types``,
+    ``compress_rates``, ``mlp_layer_types``, ``partial_rotary_factor``, nested
+    ``rope_parameters``). Both given: layer_types names the kinds, and the rates must
+    agree."""
+    n = int(cfg["num_hidden_layers"])
+    for key in ("head_dim", "q_lora_rank", "o_groups", "o_lora_rank"):
+        if not cfg.get(key):
+            raise ValueError(f"config.json: missing {key!r} (architecture DeepseekV4ForCausalLM)")
+    head_dim = int(cfg["head_dim"])
+    if cfg.get("qk_rope_head_dim"):
+        rope_dim = int(cfg["qk_rope_head_dim"])
+    else:
+        rope_dim = int(head_dim * float(cfg.get("partial_rotary_factor") or 64 / 512))
+    if not 0 < rope_dim <= head_dim or rope_dim % 2:
+        raise ValueError(f"config.json: qk_rope_head_dim {rope_dim} must be even and at most "
+                         f"head_dim ({head_dim})")
+    rates_by_type = {CSA: 4, HCA: 128, **(cfg.get("compress_rates") or {})}
+    types = rates = None
+    if cfg.get("layer_types") is not None:
+        types = tuple(cfg["layer_types"][:n])
+        bad = sorted({t for t in types if t not in (SLIDING, CSA, HCA)})
+        if bad:
+            raise ValueError(f"config.json: layer_types {bad} are not DeepSeek-V4 layer types")
+        rates = tuple(0 if t == SLIDING else int(rates_by_type[t]) for t in types)
+    if cfg.get("compress_ratios") is not None:
+        ratios = [int(r) for r in cfg["compress_ratios"][:n]]
+        ratio_rates = tuple(0 if r <= 1 else r for r in ratios)
+        if types is None:
+            types = tuple(_RATIO_TYPES.get(r, HCA) for r in ratios)
+            rates = ratio_rates
+        elif rates != ratio_rates:  # (the kind, CSA or HCA, is layer_types' to say)
+            raise ValueError("config.json: compress_ratios and layer_types / compress_rates "
+                             "disagree on the layers' compress rates")
+    if types is None or rates is None:
+        raise ValueError("config.json: missing 'compress_ratios' or 'layer_types' "
+                         "(architecture DeepseekV4ForCausalLM)")
+    if len(types) != n:
+        raise ValueError(f"config.json: {len(types)} layer types for {n} layers")
+    if any(r < 0 for r in rates):
+        raise ValueError("config.json: compress rates must be positive")
+    if cfg.get("mlp_layer_types") is not None:
+        mlp_types = list(cfg["mlp_layer_types"][:n])
+        bad = sorted({t for t in mlp_types if t not in ("hash_moe", "moe")})
+        if bad or len(mlp_types) != n:
+            raise ValueError(f"config.json: mlp_layer_types must list hash_moe / moe for each "
+                             f"of the {n} layers")
+        hashed = tuple(t == "hash_moe" for t in mlp_types)
+    else:
+        k = int(cfg.get("num_hash_layers", 3) or 0)
+        hashed = tuple(i < k for i in range(n))
+    heads, groups = int(cfg["num_attention_heads"]), int(cfg["o_groups"])
+    if heads % groups:
+        raise ValueError(f"config.json: o_groups {groups} does not divide the {heads} heads")
+    rp = cfg.get("rope_parameters") or {}
+    if isinstance(rp.get("compress"), dict):
+        compress = dict(rp["compress"])
+        theta = float(compress.get("rope_theta", cfg.get("compress_rope_theta", 160000.0)))
+    else:
+        compress = dict(scaling or {})
+        theta = float(cfg.get("compress_rope_theta", 160000.0))
+    kind = compress.get("rope_type", compress.get("type", "default"))
+    if kind not in (None, "default", "yarn"):
+        raise ValueError(f"config.json: rope type {kind!r} for the compressed layers is not "
+                         "supported (default or yarn)")
+    if kind == "yarn":
+        # DeepSeek-V4 leaves cos / sin unscaled: no yarn attention factor
+        compress = {**compress, "rope_type": "yarn", "attention_factor": 1.0}
+    else:
+        compress = None
+    return V4Config(
+        head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=int(cfg["q_lora_rank"]),
+        o_groups=groups, o_lora_rank=int(cfg["o_lora_rank"]),
+        window=int(cfg.get("sliding_window") or 128), layer_types=types, compress_rates=rates,
+        index_heads=int(cfg.get("index_n_heads", 64)),
+        index_head_dim=int(cfg.get("index_head_dim", 128)),
+        index_topk=int(cfg.get("index_topk", 512)),
+        compress_rope_theta=theta, compress_rope_scaling=compress,
+        hc_mult=int(cfg.get("hc_mult", 4)), hc_sinkhorn_iters=int(cfg.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(cfg.get("hc_eps", 1e-6)), hash_layers=hashed,
+        swiglu_limit=float(cfg.get("swiglu_limit", 0.0) or 0.0))

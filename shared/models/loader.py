@@ -3,6 +3,8 @@
 Checkpoint names are Hugging Face's. Experts come either one per tensor
 (``mlp.experts.{e}.gate_proj.weight``, real checkpoints) or already stacked
 (``mlp.experts.gate_up_proj``, as newer transformers releases write them).
+DeepSeek-V4 checkpoints keep DeepSeek's own names (``layers.{i}.attn.wq_a``, ...), as
+its official releases ship them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.shared.kernels import KernelBackend
-from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.models.config import CSA, ModelConfig
+from pdmesh.shared.models.deepseek_v4 import (
+    CompressorWeights,
+    DeepseekV4,
+    HyperConnectionWeights,
+    V4AttentionWeights,
+    V4LayerWeights,
+    V4Weights,
+)
 from pdmesh.shared.models.transformer import (
     AttentionWeights,
     CausalLM,
@@ -95,12 +105,14 @@ def model_fingerprint(folder: str | Path) -> str:
 def load_model(
     folder: str | Path, backend: KernelBackend, dtype: torch.dtype,
     config: ModelConfig | None = None,
-) -> tuple[ModelConfig, CausalLM]:
+) -> tuple[ModelConfig, CausalLM | DeepseekV4]:
     """Read config (unless given) and weights; weights land on the backend's device in
     ``dtype``."""
     config = config or ModelConfig.from_folder(folder)
     dev = backend.device
     with open_checkpoint(folder) as ckpt:
+        if config.v4 is not None:
+            return config, DeepseekV4(config, _read_v4(config, ckpt, dtype, dev), backend)
         weights = _read_weights(config, ckpt, dtype, dev)
     return config, CausalLM(config, weights, backend)
 
@@ -259,3 +271,123 @@ def _read_experts(
                          f"({cfg.architecture} routes with it)")
     return MoEWeights(router=_input_major(router), w13=_input_major(w13), w2=_input_major(w2),
                       correction_bias=bias, shared=shared)
+
+
+# -- DeepSeek-V4 --------------------------------------------------------------------------
+def _rope_order(dim: int, rope: int) -> torch.Tensor:
+    """Index that puts the last ``rope`` dims of a ``dim`` vector from interleaved pairs
+    into rotate-half order (x0, x2, .., x1, x3, ..)."""
+    return torch.cat((torch.arange(dim - rope), dim - rope + torch.arange(0, rope, 2),
+                      dim - rope + torch.arange(1, rope, 2)))
+
+
+def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
+             dev: torch.device) -> V4Weights:
+    if ckpt.has("model.embed_tokens.weight"):
+        raise ValueError("model: this DeepSeek-V4 checkpoint uses transformers' renamed "
+                         "layout; pdmesh loads DeepSeek's own (embed.weight, layers.{i}.attn."
+                         "wq_a.weight, ...), as the official releases ship it")
+    if ckpt.has("layers.0.attn.wq_a.scale") or cfg.raw.get("quantization_config"):
+        raise ValueError("model: quantized DeepSeek-V4 checkpoints (FP8 / FP4 scales) are "
+                         "not supported; load a bfloat16 or float32 checkpoint")
+
+    def f32(name: str) -> torch.Tensor:
+        return ckpt.get(name, torch.float32, dev)
+
+    def hc(p: str) -> HyperConnectionWeights:
+        return HyperConnectionWeights(fn=f32(p + "_fn").t().contiguous(), base=f32(p + "_base"),
+                                      scale=f32(p + "_scale"))
+
+    layers = [_read_v4_layer(cfg, ckpt, i, dtype, dev, hc) for i in range(cfg.num_layers)]
+    lm_head = ckpt.get("head.weight", dtype, dev)
+    mtp = []
+    for i in range(cfg.num_nextn_predict_layers):
+        prefix = f"mtp.{i}."
+        names = [n for n in ckpt.names() if n.startswith(prefix)]
+        if names:
+            mtp.append({n[len(prefix):]: ckpt.get(n, dtype, dev) for n in names})
+    return V4Weights(embed=ckpt.get("embed.weight", dtype, dev), layers=layers,
+                     final_norm=ckpt.get("norm.weight", dtype, dev),
+                     lm_head=_input_major(lm_head), hc_head=hc("hc_head"), mtp=mtp)
+
+
+def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, dtype: torch.dtype,
+                   dev: torch.device, hc) -> V4LayerWeights:
+    v4, moe = cfg.v4, cfg.moe
+    assert v4 is not None and moe is not None
+    p = f"layers.{i}."
+    a = p + "attn."
+    h, d, r = cfg.num_heads, v4.head_dim, v4.rope_dim
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(name, dtype, dev)
+
+    head_order = _rope_order(d, r)
+    q_rows = torch.cat([head_order + j * d for j in range(h)])
+
+    def compressor(c: str, dim: int, rate: int, overlap: bool
+                   ) -> tuple[CompressorWeights, torch.Tensor]:
+        halves = 2 if overlap else 1
+        order = torch.cat([_rope_order(dim, r) + j * dim for j in range(halves)])
+        proj = torch.cat((get(c + "wkv.weight")[order], get(c + "wgate.weight")[order]))
+        ape = ckpt.get(c + "ape", torch.float32, dev)
+        if tuple(ape.shape) != (rate, halves * dim):
+            raise ValueError(f"model: {c}ape has shape {tuple(ape.shape)}, expected "
+                             f"{(rate, halves * dim)} (compress rate {rate})")
+        return (CompressorWeights(rate=rate, overlap=overlap, dim=dim, ape=ape[:, order],
+                                  norm=get(c + "norm.weight")[_rope_order(dim, r)]), proj)
+
+    kind, rate = v4.layer_types[i], v4.compress_rates[i]
+    parts = [get(a + "wq_a.weight"), get(a + "wkv.weight")[head_order]]
+    comp = index_comp = index_q = None
+    if rate:
+        comp, proj = compressor(a + "compressor.", d, rate, kind == CSA)
+        parts.append(proj)
+    if kind == CSA:
+        ih = v4.index_head_dim
+        index_comp, proj = compressor(a + "indexer.compressor.", ih, rate, True)
+        parts.append(proj)
+        parts.append(get(a + "indexer.weights_proj.weight"))
+        rows = torch.cat([_rope_order(ih, r) + j * ih for j in range(v4.index_heads)])
+        index_q = _input_major(get(a + "indexer.wq_b.weight")[rows])
+    o_a = get(a + "wo_a.weight")  # [groups * o_lora, H * D / groups]
+    g = v4.o_groups
+    expected = (g * v4.o_lora_rank, h * d // g)
+    if tuple(o_a.shape) != expected:
+        raise ValueError(f"model: {a}wo_a has shape {tuple(o_a.shape)}, expected {expected}")
+    in_order = torch.cat([head_order + j * d for j in range(h // g)])
+    o_a = o_a[:, in_order].view(g, v4.o_lora_rank, -1).transpose(1, 2).contiguous()
+    attn = V4AttentionWeights(
+        x_proj=_input_major(torch.cat(parts)), splits=tuple(t.shape[0] for t in parts),
+        q_a_norm=get(a + "q_norm.weight"), q_b=_input_major(get(a + "wq_b.weight")[q_rows]),
+        kv_norm=get(a + "kv_norm.weight")[head_order], o_a=o_a,
+        o_b=_input_major(get(a + "wo_b.weight")),
+        sinks=ckpt.get(a + "attn_sink", torch.float32, dev), compressor=comp, index_q=index_q,
+        index_compressor=index_comp)
+    f = p + "ffn."
+    e = f + "experts.{}.{}.weight"
+    w13 = torch.stack([torch.cat((get(e.format(j, "w1")), get(e.format(j, "w3"))))
+                       for j in range(moe.num_experts)])
+    w2 = torch.stack([get(e.format(j, "w2")) for j in range(moe.num_experts)])
+    expected = (moe.num_experts, 2 * moe.intermediate_size, cfg.hidden_size)
+    if tuple(w13.shape) != expected:
+        raise ValueError(f"model: {f}experts w1/w3 have shape {tuple(w13.shape)}, "
+                         f"expected {expected}")
+    shared = DenseMLPWeights(
+        gate_up=_input_major(torch.cat((get(f + "shared_experts.w1.weight"),
+                                        get(f + "shared_experts.w3.weight")))),
+        down=_input_major(get(f + "shared_experts.w2.weight")))
+    tid2eid = bias = None
+    if v4.hash_layers[i]:
+        tid2eid = ckpt.get(f + "gate.tid2eid", torch.int64, dev)
+        if (tuple(tid2eid.shape) != (cfg.vocab_size, moe.top_k)
+                or int(tid2eid.min()) < 0 or int(tid2eid.max()) >= moe.num_experts):
+            raise ValueError(f"model: {f}gate.tid2eid must be [vocab, num_experts_per_tok] "
+                             f"expert ids below {moe.num_experts}")
+    else:
+        bias = ckpt.get(f + "gate.bias", torch.float32, dev)
+    mlp = MoEWeights(router=_input_major(get(f + "gate.weight")), w13=_input_major(w13),
+                     w2=_input_major(w2), correction_bias=bias, shared=shared, tid2eid=tid2eid)
+    return V4LayerWeights(
+        attn_norm=get(p + "attn_norm.weight"), ffn_norm=get(p + "ffn_norm.weight"),
+        attn_hc=hc(p + "hc_attn"), ffn_hc=hc(p + "hc_ffn"), attn=attn, mlp=mlp)

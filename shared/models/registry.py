@@ -16,6 +16,7 @@ class ArchitectureTraits:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
     moe: bool = False  # Qwen3-MoE: routed experts instead of the dense MLP
     mla: bool = False  # DeepSeek-V2/V3: multi-head latent attention, a latent KV cache
+    v4: bool = False  # DeepSeek-V4: sliding + compressed attention, hyper-connections
 
 
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
@@ -25,6 +26,7 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "Qwen3ForCausalLM": ArchitectureTraits(qk_norm=True),
     "Qwen3MoeForCausalLM": ArchitectureTraits(qk_norm=True, moe=True),
     "DeepseekV3ForCausalLM": ArchitectureTraits(moe=True, mla=True),
+    "DeepseekV4ForCausalLM": ArchitectureTraits(moe=True, v4=True),
 }
 
 

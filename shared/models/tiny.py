@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-MOE_ARCHS = ("qwen3_moe", "deepseek_v3")
+         "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "deepseek_v4": "DeepseekV4ForCausalLM"}
+MOE_ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -76,6 +77,42 @@ class DeepSeekShape:
     routed_scaling_factor: float = 2.5
     yarn: bool = False  # rope_scaling yarn (factor 4 from 1024) with mscale 0.707
     num_nextn_predict_layers: int = 1
+
+
+@dataclass(frozen=True)
+class DeepSeekV4Shape:
+    """DeepSeek-V4's extra dimensions for a tiny checkpoint. ``layer_types`` cycles over
+    the layers: "s" sliding only, "c" CSA (rate ``csa_rate``), "h" HCA (``hca_rate``)."""
+
+    head_dim: int = 64
+    rope_dim: int = 16
+    q_lora_rank: int = 64
+    o_groups: int = 2
+    o_lora_rank: int = 32
+    window: int = 16
+    layer_types: str = "schc"
+    csa_rate: int = 4
+    hca_rate: int = 16
+    index_heads: int = 8
+    index_head_dim: int = 32
+    index_topk: int = 8
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    num_hash_layers: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    swiglu_limit: float = 10.0
+    routed_scaling_factor: float = 1.5
+    yarn: bool = True  # the compressed layers' rope: yarn (factor 4 from 1024)
+    num_nextn_predict_layers: int = 1
+
+    def layer_kinds(self, n: int) -> list[str]:
+        kinds = {"s": "sliding_attention", "c": "compressed_sparse_attention",
+                 "h": "heavily_compressed_attention"}
+        return [kinds[self.layer_types[i % len(self.layer_types)]] for i in range(n)]
+
+    def rate(self, kind: str) -> int:
+        return {"sliding_attention": 0, "compressed_sparse_attention": self.csa_rate,
+                "heavily_compressed_attention": self.hca_rate}[kind]
 
 
 def _corpus_files() -> list[str]:
@@ -161,6 +198,121 @@ def _deepseek_config(cfg: dict, s: Shape, d: DeepSeekShape) -> dict:
     return cfg
 
 
+def _deepseek_v4_config(cfg: dict, s: Shape, d: DeepSeekV4Shape) -> dict:
+    """config.json in DeepSeek-V4's own spelling (compress_ratios per layer and MTP
+    layer, num_hash_layers, qk_rope_head_dim, rope_scaling), plus transformers'
+    layer_types / compress_rates, which name the rates compress_ratios cannot (an HCA
+    rate other than 128)."""
+    for key in ("num_experts", "num_local_experts", "decoder_sparse_step", "mlp_only_layers",
+                "intermediate_size"):
+        cfg.pop(key, None)
+    kinds = d.layer_kinds(s.layers)
+    cfg.update(
+        num_key_value_heads=1, head_dim=d.head_dim, qk_rope_head_dim=d.rope_dim,
+        q_lora_rank=d.q_lora_rank, o_groups=d.o_groups, o_lora_rank=d.o_lora_rank,
+        n_routed_experts=s.experts, n_shared_experts=1, num_experts_per_tok=s.experts_per_token,
+        moe_intermediate_size=s.expert_intermediate, scoring_func=d.scoring_func,
+        norm_topk_prob=True, routed_scaling_factor=d.routed_scaling_factor,
+        swiglu_limit=d.swiglu_limit, sliding_window=d.window,
+        compress_ratios=[d.rate(k) for k in kinds] + [0] * d.num_nextn_predict_layers,
+        layer_types=kinds,
+        compress_rates={"compressed_sparse_attention": d.csa_rate,
+                        "heavily_compressed_attention": d.hca_rate},
+        compress_rope_theta=160000.0, num_hash_layers=d.num_hash_layers,
+        index_n_heads=d.index_heads, index_head_dim=d.index_head_dim,
+        index_topk=d.index_topk, hc_mult=d.hc_mult, hc_sinkhorn_iters=d.hc_sinkhorn_iters,
+        hc_eps=1e-6, num_nextn_predict_layers=d.num_nextn_predict_layers)
+    if d.yarn:
+        cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 1024, "beta_fast": 32,
+                               "beta_slow": 1}
+    return cfg
+
+
+def _deepseek_v4_weights(s: Shape, d: DeepSeekV4Shape, seed: int) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4's official layout (the names its inference code uses, which
+    transformers renames on load): ``embed``, ``layers.{i}.attn`` / ``ffn`` /
+    ``hc_*``, ``head``, ``hc_head_*``, and the MTP blocks under ``mtp.{i}``."""
+    r = _Draw(seed)
+    hc = d.hc_mult
+    w = {"embed.weight": r.normal(s.vocab, s.hidden),
+         "norm.weight": r.norm(s.hidden),
+         "head.weight": r.normal(s.vocab, s.hidden, std=0.05),
+         "hc_head_fn": r.normal(hc, hc * s.hidden, std=0.1),
+         "hc_head_base": r.normal(hc, std=0.1),
+         "hc_head_scale": 1.0 + r.normal(1, std=0.1)}
+    kinds = d.layer_kinds(s.layers)
+    for i, kind in enumerate(kinds):
+        w.update(_deepseek_v4_block(r, f"layers.{i}.", s, d, kind, hashed=i < d.num_hash_layers))
+    for i in range(d.num_nextn_predict_layers):
+        p = f"mtp.{i}."
+        w.update(_deepseek_v4_block(r, p, s, d, "sliding_attention", hashed=False))
+        w[p + "e_proj.weight"] = r.normal(s.hidden, s.hidden)
+        w[p + "h_proj.weight"] = r.normal(s.hidden, s.hidden)
+        w[p + "enorm.weight"] = r.norm(s.hidden)
+        w[p + "hnorm.weight"] = r.norm(s.hidden)
+        w[p + "norm.weight"] = r.norm(s.hidden)
+        w[p + "hc_head_fn"] = r.normal(hc, hc * s.hidden, std=0.1)
+        w[p + "hc_head_base"] = r.normal(hc, std=0.1)
+        w[p + "hc_head_scale"] = 1.0 + r.normal(1, std=0.1)
+    return w
+
+
+def _deepseek_v4_block(r: _Draw, p: str, s: Shape, d: DeepSeekV4Shape, kind: str,
+                       hashed: bool) -> dict[str, torch.Tensor]:
+    hc, mix = d.hc_mult, (2 + d.hc_mult) * d.hc_mult
+    a = p + "attn."
+    w = {p + "attn_norm.weight": r.norm(s.hidden), p + "ffn_norm.weight": r.norm(s.hidden)}
+    for site in ("attn", "ffn"):
+        w[f"{p}hc_{site}_fn"] = r.normal(mix, hc * s.hidden, std=0.1)
+        w[f"{p}hc_{site}_base"] = r.normal(mix, std=0.1)
+        w[f"{p}hc_{site}_scale"] = 1.0 + r.normal(3, std=0.1)
+    w.update({
+        a + "wq_a.weight": r.normal(d.q_lora_rank, s.hidden, std=0.05),
+        a + "q_norm.weight": r.norm(d.q_lora_rank),
+        a + "wq_b.weight": r.normal(s.heads * d.head_dim, d.q_lora_rank, std=0.1),
+        a + "wkv.weight": r.normal(d.head_dim, s.hidden, std=0.05),
+        a + "kv_norm.weight": r.norm(d.head_dim),
+        a + "wo_a.weight": r.normal(d.o_groups * d.o_lora_rank,
+                                    s.heads * d.head_dim // d.o_groups, std=0.05),
+        a + "wo_b.weight": r.normal(s.hidden, d.o_groups * d.o_lora_rank, std=0.05),
+        a + "attn_sink": r.normal(s.heads, std=1.0)})
+    rate = d.rate(kind)
+    if rate:
+        overlap = 2 if kind == "compressed_sparse_attention" else 1
+        c = a + "compressor."
+        w[c + "wkv.weight"] = r.normal(overlap * d.head_dim, s.hidden, std=0.05)
+        w[c + "wgate.weight"] = r.normal(overlap * d.head_dim, s.hidden, std=0.2)
+        w[c + "ape"] = r.normal(rate, overlap * d.head_dim, std=0.5)
+        w[c + "norm.weight"] = r.norm(d.head_dim)
+    if kind == "compressed_sparse_attention":
+        x = a + "indexer."
+        w[x + "wq_b.weight"] = r.normal(d.index_heads * d.index_head_dim, d.q_lora_rank,
+                                        std=0.1)
+        w[x + "weights_proj.weight"] = r.normal(d.index_heads, s.hidden, std=0.2)
+        w[x + "compressor.wkv.weight"] = r.normal(2 * d.index_head_dim, s.hidden, std=0.05)
+        w[x + "compressor.wgate.weight"] = r.normal(2 * d.index_head_dim, s.hidden, std=0.2)
+        w[x + "compressor.ape"] = r.normal(d.csa_rate, 2 * d.index_head_dim, std=0.5)
+        w[x + "compressor.norm.weight"] = r.norm(d.index_head_dim)
+    f = p + "ffn."
+    w[f + "gate.weight"] = r.normal(s.experts, s.hidden, std=0.1)
+    if hashed:  # a fixed token -> experts table, distinct experts per token
+        w[f + "gate.tid2eid"] = torch.stack([
+            torch.randperm(s.experts, generator=r.g)[:s.experts_per_token]
+            for _ in range(s.vocab)])
+    else:
+        w[f + "gate.bias"] = r.normal(s.experts, std=0.05)
+    for e in range(s.experts):
+        q = f"{f}experts.{e}."
+        w[q + "w1.weight"] = r.normal(s.expert_intermediate, s.hidden)
+        w[q + "w3.weight"] = r.normal(s.expert_intermediate, s.hidden)
+        w[q + "w2.weight"] = r.normal(s.hidden, s.expert_intermediate)
+    w[f + "shared_experts.w1.weight"] = r.normal(s.expert_intermediate, s.hidden)
+    w[f + "shared_experts.w3.weight"] = r.normal(s.expert_intermediate, s.hidden)
+    w[f + "shared_experts.w2.weight"] = r.normal(s.hidden, s.expert_intermediate)
+    return w
+
+
 def hot_experts(layer: int, num_experts: int) -> list[int]:
     """The experts ``expert_skew`` favours in a layer: a quarter of them, consecutive (so
     one rank holds them all under the identity placement), a different set per layer."""
@@ -168,19 +320,20 @@ def hot_experts(layer: int, num_experts: int) -> list[int]:
     return [(layer * n + k) % num_experts for k in range(n)]
 
 
-def _skew_router(w: dict[str, torch.Tensor], s: Shape, skew: float, first_moe: int = 0
-                 ) -> None:
+def _skew_router(w: dict[str, torch.Tensor], s: Shape, skew: float, first_moe: int = 0,
+                 embed: str = "model.embed_tokens.weight",
+                 gate: str = "model.layers.{}.mlp.gate.weight") -> None:
     """Every token's embedding gains a shared component along hidden dimension 0, which
     the residual stream carries through the layers; each layer's hot experts get ``skew``
     added to their router weight on that dimension, so they win the top-k far more often
     than the rest, whatever the token (as real MoE models have hot experts). The shared
     component's share of the normalized hidden state fades as the residual stream grows,
     so the added weight grows with depth to keep every layer about as skewed."""
-    w["model.embed_tokens.weight"][:, 0] += 0.3
+    w[embed][:, 0] += 0.3
     for i in range(first_moe, s.layers):
-        gate = w[f"model.layers.{i}.mlp.gate.weight"]  # [E, hidden]
+        router = w[gate.format(i)]  # [E, hidden]
         for e in hot_experts(i, s.experts):
-            gate[e, 0] += skew * (1 + i)
+            router[e, 0] += skew * (1 + i)
 
 
 class _Draw:
@@ -287,11 +440,14 @@ def _weights(arch: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
 
 def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: str = "tiny",
                     tokenizer: Tokenizer | None = None, expert_skew: float = 0.0,
-                    deepseek: DeepSeekShape | None = None) -> Path:
+                    deepseek: DeepSeekShape | None = None,
+                    deepseek_v4: DeepSeekV4Shape | None = None) -> Path:
     """Write the model folder; returns its path. ``tokenizer`` reuses a trained one.
     ``expert_skew`` (MoE only): how strongly each layer's router favours a few hot
     experts (see ``_skew_router``); 0 leaves routing as random as the weights make it.
-    ``deepseek``: DeepSeek-V3's extra dimensions (default ``DeepSeekShape()``)."""
+    ``deepseek``: DeepSeek-V3's extra dimensions (default ``DeepSeekShape()``);
+    ``deepseek_v4``: DeepSeek-V4's (default ``DeepSeekV4Shape()``). On DeepSeek-V4 the
+    skew acts on the learned-router layers (hash layers pick experts by token id)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: must be one of {', '.join(ARCHS)}, got {arch!r}")
     if expert_skew < 0 or (expert_skew and arch not in MOE_ARCHS):
@@ -308,8 +464,11 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     tok.save(str(out / "tokenizer.json"))
     cfg = _config(arch, shape, tok)
     ds = deepseek or DeepSeekShape()
+    ds4 = deepseek_v4 or DeepSeekV4Shape()
     if arch == "deepseek_v3":
         cfg = _deepseek_config(cfg, shape, ds)
+    elif arch == "deepseek_v4":
+        cfg = _deepseek_v4_config(cfg, shape, ds4)
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {
         "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
@@ -323,9 +482,16 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     _write_json(out / "special_tokens_map.json", {
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
         "additional_special_tokens": ["<|im_start|>"]})
-    weights = (_deepseek_weights(shape, ds, seed) if arch == "deepseek_v3"
-               else _weights(arch, shape, seed))
-    if expert_skew:
+    if arch == "deepseek_v3":
+        weights = _deepseek_weights(shape, ds, seed)
+    elif arch == "deepseek_v4":
+        weights = _deepseek_v4_weights(shape, ds4, seed)
+    else:
+        weights = _weights(arch, shape, seed)
+    if expert_skew and arch == "deepseek_v4":
+        _skew_router(weights, shape, expert_skew, ds4.num_hash_layers, embed="embed.weight",
+                     gate="layers.{}.ffn.gate.weight")
+    elif expert_skew:
         first_moe = ds.first_k_dense_replace if arch == "deepseek_v3" else 0
         _skew_router(weights, shape, expert_skew, first_moe)
     weights = {k: v.contiguous() for k, v in weights.items()}

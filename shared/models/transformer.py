@@ -33,7 +33,7 @@ from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.rotary import rotary_tables
 
-KVCache = tuple[torch.Tensor, ...]  # one layer: (k_cache, v_cache), or MLA's (latent,)
+KVCache = dict[str, torch.Tensor]  # one layer's cache tensors by role: k and v, or latent
 
 
 @dataclass
@@ -70,6 +70,7 @@ class MoEWeights:
     w2: torch.Tensor  # [E, I, hidden]
     correction_bias: torch.Tensor | None = None  # [E] float32 (DeepSeek's noaux_tc)
     shared: DenseMLPWeights | None = None  # shared experts, as one dense MLP
+    tid2eid: torch.Tensor | None = None  # [V, k] DeepSeek-V4 hash layers: experts by token
 
 
 @dataclass
@@ -157,7 +158,7 @@ class CausalLM:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         if isinstance(w, MLAWeights):
-            return self._latent_attention(w, x, cos, sin, kv[0], meta)
+            return self._latent_attention(w, x, cos, sin, kv["latent"], meta)
         be, cfg = self.backend, self.config
         t = x.shape[0]
         qkv = _project(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
@@ -167,7 +168,7 @@ class CausalLM:
             qk = be.head_rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
         qk = be.rotary_embedding(qk, cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv["k"], kv["v"]
         be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = be.paged_attention_decode(q, k_cache, v_cache, meta, self.scale)

@@ -112,6 +112,7 @@ class ExpertParallel:
         """``experts``: each MoE layer's full expert weights (this rank keeps only its
         slots); ``phy2log`` [L, S]: a start placement (default: identity)."""
         self.rank, self.world = rank, world
+        self.swiglu_limit: float | None = None  # DeepSeek-V4's clamp, set by the engine
         self.num_experts = num_experts
         self.num_slots = num_experts + num_redundant
         if self.num_slots % world:
@@ -171,7 +172,8 @@ class ExpertParallel:
         by_slot = torch.argsort(local_slot, stable=True)
         sizes = recv_mat.sum(0).tolist()
         rows = recv_x.index_select(0, by_slot)
-        h = backend.silu_and_mul(backend.grouped_matmul(rows, self.w13[i], sizes))
+        h = backend.silu_and_mul(backend.grouped_matmul(rows, self.w13[i], sizes),
+                                 self.swiglu_limit)
         y_sorted = backend.grouped_matmul(h, self.w2[i], sizes)
         y = torch.empty_like(y_sorted)
         y[by_slot] = y_sorted

@@ -58,14 +58,14 @@ def bench_pdmesh(a: Any, prompts: list[list[int]]) -> dict[str, Any]:
     outputs: list[list[int]] = []
 
     def batch() -> None:
-        eng.kv.pool.reset_prefix_cache()  # every run pays for its prefill
+        eng.kv.reset_prefix_cache()  # every run pays for its prefill
         outs = llm.generate(prompts, batch_params)
         outputs[:] = [o.outputs[0].token_ids for o in outs]
 
     t_batch, batch_runs = _median_runs(batch, a.runs)
 
     def single() -> tuple[float, float]:
-        eng.kv.pool.reset_prefix_cache()
+        eng.kv.reset_prefix_cache()
         req = eng.add_request(prompts[0], batch_params)
         t0 = time.perf_counter()
         eng.step()

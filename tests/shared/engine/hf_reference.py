@@ -26,3 +26,32 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int,
                 seq.append(int(logits[0, -1].float().argmax()))
             outs.append(seq[len(prompt):])
     return outs
+
+
+def hf_greedy_stepwise(path: Path, prompts: list[list[int]], new_tokens: int,
+                       dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Greedy continuations with every token, the prompt's too, fed one at a time through
+    transformers' cache. DeepSeek-V4's reference: its one-shot prefill is not causal on
+    long prompts (logits at a position change when later tokens are appended), feeding
+    token by token is (each step sees exactly the tokens before it)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation="eager").eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            cache = DynamicCache(config=model.config)
+            out: list[int] = []
+            logits = None
+            for token in list(prompt) + [None] * new_tokens:
+                if token is None:
+                    assert logits is not None
+                    token = int(logits.float().argmax())
+                    out.append(token)
+                    if len(out) == new_tokens:
+                        break
+                logits = model(input_ids=torch.tensor([[token]]), cache=cache,
+                               use_cache=True).logits[0, -1]
+            outs.append(out)
+    return outs

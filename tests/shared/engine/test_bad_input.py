@@ -87,7 +87,7 @@ def test_failed_step_leaks_nothing_and_poisons_no_cache(qwen3_path, monkeypatch)
     prompts = [list(range(100, 150)), list(range(100, 140))]  # a shared 32-token prefix
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    llm.engine.kv.pool.reset_prefix_cache()
+    llm.engine.kv.reset_prefix_cache()
     runner = llm.engine.runner
     real = runner.execute
 

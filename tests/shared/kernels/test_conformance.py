@@ -204,15 +204,18 @@ def test_latent_attention_over_one_cache(backend, dtype, case):
     close(out, ref.paged_attention(q, cache, cache, meta, 0.1), dtype)
 
 
+@pytest.mark.parametrize("scoring", ["sigmoid", "sqrtsoftplus", "softmax"])
 @pytest.mark.parametrize(("groups", "topk_groups"), [(1, 1), (4, 2), (8, 3)])
-def test_moe_grouped_topk_routing(backend, groups, topk_groups):
+def test_moe_grouped_topk_routing(backend, groups, topk_groups, scoring):
+    """DeepSeek-V3's sigmoid routing, and DeepSeek-V4's sqrtsoftplus / softmax scores."""
     g = torch.Generator().manual_seed(groups)
     logits = torch.randn(33, 16, generator=g)
     bias = 0.1 * torch.randn(16, generator=g)
     dev = backend.device
     weights, ids = backend.moe_gating_grouped_topk(logits.to(dev), 4, groups, topk_groups,
-                                                   bias.to(dev), True, 2.5)
-    exp_w, exp_ids = ref.grouped_topk(logits, 4, groups, topk_groups, bias, True, 2.5)
+                                                   bias.to(dev), True, 2.5, scoring)
+    exp_w, exp_ids = ref.grouped_topk(logits, 4, groups, topk_groups, bias, True, 2.5,
+                                      scoring)
     got_ids, order = ids.cpu().long().sort(dim=-1)
     want_ids, want_order = exp_ids.sort(dim=-1)
     assert torch.equal(got_ids, want_ids)
@@ -240,6 +243,48 @@ def test_moe_gating_and_experts(backend, dtype):
                             w2.transpose(1, 2).contiguous().to(dev), exp_w.to(dev, dtype),
                             exp_ids.to(dev))
     close(out, ref.moe(x, w13, w2, exp_w.to(dtype), exp_ids), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_with_a_swiglu_limit(backend, dtype):
+    """DeepSeek-V4's clamp: gate at most the limit, up within +-limit, before silu * up."""
+    g = torch.Generator().manual_seed(14)
+    num_tokens, hidden, inter, experts, top_k = 9, 32, 24, 5, 2
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    w13 = (0.5 * torch.randn(experts, 2 * inter, hidden, generator=g)).to(dtype)
+    w2 = (0.2 * torch.randn(experts, hidden, inter, generator=g)).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    dev = backend.device
+    want = ref.moe(x, w13, w2, weights.to(dtype), ids, limit=0.7)
+    assert not torch.allclose(want.double(), ref.moe(x, w13, w2, weights.to(dtype), ids).double(),
+                              atol=1e-3)  # the limit clips here
+    out = backend.fused_moe(x.to(dev), w13.transpose(1, 2).contiguous().to(dev),
+                            w2.transpose(1, 2).contiguous().to(dev), weights.to(dev, dtype),
+                            ids.to(dev), 0.7)
+    close(out, want, dtype)
+    h = (torch.randn(num_tokens, 2 * inter, generator=g) * 2).to(dtype)
+    close(backend.silu_and_mul(h.clone().to(dev), 0.7), ref.silu_and_mul(h, 0.7), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("seqs", "queries", "keys"), [(1, 9, 20), (3, 1, 24), (2, 5, 7)])
+def test_sink_attention(backend, dtype, seqs, queries, keys):
+    """DeepSeek-V4's attention: many query heads over one K=V head per sequence, a
+    visibility mask (window and chosen entries), a learned sink per head; a query that
+    sees nothing gives zeros."""
+    g = torch.Generator().manual_seed(seqs * 100 + queries)
+    heads, dim = 4, 32
+    q = torch.randn(seqs, heads, queries, dim, generator=g).to(dtype)
+    kv = torch.randn(seqs, keys, dim, generator=g).to(dtype)
+    visible = torch.rand(seqs, queries, keys, generator=g) < 0.6
+    visible[0, 0] = False
+    sinks = torch.randn(heads, generator=g)
+    dev = backend.device
+    out = backend.sink_attention(q.to(dev), kv.to(dev), visible.to(dev), sinks.to(dev), 0.17)
+    want = ref.sink_attention(q, kv, visible, sinks, 0.17)
+    assert float(want[0, :, 0].abs().max()) == 0.0
+    close(out, want, dtype)
 
 
 def test_grouped_matmul(backend):

@@ -82,7 +82,7 @@ def test_the_cache_holds_the_latent_only(models):
     assert llm.engine.kv_bytes_per_token * 4 < per_head_kv
     caches = llm.engine.runner.kv_caches
     assert len(caches) == cfg.num_layers and all(len(layer) == 1 for layer in caches)
-    assert caches[0][0].shape[1:] == (16, 1, latent)
+    assert caches[0]["latent"].shape[1:] == (16, 1, latent)
 
 
 def test_mtp_layers_load_and_are_not_decoder_layers(models):

@@ -288,3 +288,27 @@ def test_deepseek_moe_over_two_ranks_with_moves_equals_one_process(tiny_models):
     res = run_ranks(path, [PROMPTS[:2], PROMPTS[2:]], redundant=2, moves=moves)
     assert res[0][0] == want[:2] and res[1][0] == want[2:]
     assert res[0][1] > 0 and res[1][1] > 0 and res[0][2] > 0
+
+
+def test_deepseek_v4_moe_over_two_ranks_with_moves_equals_one_process(tiny_models):
+    """DeepSeek-V4's MoE (hash layers choosing experts by token id, sqrtsoftplus top-k
+    with a correction bias, a clamped swiglu, a shared expert on every rank) over two EP
+    ranks, a redundant slot and live moves, with sliding / compressed attention around
+    it; prompts long enough to cross the window and several compression windows."""
+    from pdmesh.shared.models.config import ModelConfig
+
+    path = str(tiny_models["deepseek_v4"])
+    prompts = [list(range(40, 140)), [5, 9, 200, 14], list(range(300, 370)), [77] * 40]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=16)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    cfg = ModelConfig.from_folder(path)
+    assert any(cfg.v4.hash_layers) and not all(cfg.v4.hash_layers)
+    g = torch.Generator().manual_seed(6)
+    moves = [(3 + layer, layer, torch.cat([torch.randperm(cfg.moe.num_experts, generator=g),
+                                           torch.randint(0, cfg.moe.num_experts, (2,),
+                                                         generator=g)]).tolist())
+             for layer in range(cfg.num_layers)]
+    res = run_ranks(path, [prompts[:2], prompts[2:]], redundant=2, moves=moves)
+    assert res[0][0] == want[:2] and res[1][0] == want[2:]
+    assert res[0][1] > 0 and res[1][1] > 0 and res[0][2] > 0

@@ -1,0 +1,461 @@
+"""DeepSeek-V4: sliding-window attention with compressed long-range entries, hyper-
+connections and hash-routed MoE, over the paged cache groups of
+:mod:`pdmesh.shared.engine.kv_cache_spec`.
+
+    tokens -> embed -> n streams ─┬─ hc_pre ─ norm ─ attention ─ hc_post ─┐
+                                  │  (collapse the streams; mix them back)│ x L
+                                  └─ hc_pre ─ norm ─ MoE ─────── hc_post ─┘
+           -> hc_head (collapse) -> norm -> lm_head
+
+Attention has one K=V head per token (normed, its last ``rope_dim`` dims rotated) and
+many query heads; each query sees
+
+    the window      its own and the previous window - 1 tokens' K=V (every layer)
+    the entries     a compressed layer's entries of rate m, each summarizing m tokens
+                    (a softmax-gated sum of per-token projections, normed and rotated
+                    at the window's first position), only those whose window is over:
+                    HCA all of them, CSA the ``index_topk`` a lightning indexer scores
+                    highest (the CSA windows overlap: entry w draws on windows w-1, w)
+
+with a learned sink per head in the softmax; the rotation is undone on the output
+(K = V carried it), and a grouped low-rank projection brings the heads back.
+
+The cache keeps, per request: the window K=V and the compressors' per-token inputs
+(``window`` group, sliding: only the last ``state_window`` tokens), and the entries and
+indexer keys (``compressed`` group, every block). Everything is written per token or
+per entry, so any chunking, a prefix-cache hit, a pool transfer or a recompute of the
+last token continue exactly. Rotary dims, interleaved in the checkpoint, are put in
+rotate-half order at load (q, K=V, the compressors, the indexer and the output
+projection's input alike), so the rotary kernel is the one every model uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
+from pdmesh.shared.kernels.base import score_experts
+from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
+from pdmesh.shared.models.rotary import rotary_tables
+from pdmesh.shared.models.transformer import DenseMLPWeights, KVCache, MoEWeights
+
+
+@dataclass
+class CompressorWeights:
+    rate: int
+    overlap: bool  # CSA: each entry spans its window and the previous one
+    dim: int  # the entry's size (head_dim, or the indexer's head size)
+    ape: torch.Tensor  # [rate, (1 + overlap) * dim] float32: the gate's position bias
+    norm: torch.Tensor  # [dim]
+
+    @property
+    def width(self) -> int:
+        """Per token: kv and gate, (1 + overlap) * dim each."""
+        return 2 * (1 + self.overlap) * self.dim
+
+
+@dataclass
+class V4AttentionWeights:
+    # everything computed from the attention's input, in one matmul, split as
+    # q_lora | kv | compressor (kv | gate) | indexer compressor (kv | gate) | index weights
+    x_proj: torch.Tensor  # [hidden, sum(splits)]
+    splits: tuple[int, ...]
+    q_a_norm: torch.Tensor  # [q_lora]
+    q_b: torch.Tensor  # [q_lora, H * D]
+    kv_norm: torch.Tensor  # [D]
+    o_a: torch.Tensor  # [groups, H * D / groups, o_lora]
+    o_b: torch.Tensor  # [groups * o_lora, hidden]
+    sinks: torch.Tensor  # [H] float32
+    compressor: CompressorWeights | None = None
+    index_q: torch.Tensor | None = None  # [q_lora, index_heads * index_head_dim]
+    index_compressor: CompressorWeights | None = None
+
+
+@dataclass
+class HyperConnectionWeights:
+    fn: torch.Tensor  # [hc * hidden, mixes] float32, input-major
+    base: torch.Tensor  # [mixes] float32
+    scale: torch.Tensor  # [3] (a layer's pre / post / comb) or [1] (the head) float32
+
+
+@dataclass
+class V4LayerWeights:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    attn_hc: HyperConnectionWeights
+    ffn_hc: HyperConnectionWeights
+    attn: V4AttentionWeights
+    mlp: MoEWeights  # tid2eid set on hash layers
+
+
+@dataclass
+class V4Weights:
+    embed: torch.Tensor  # [V, hidden]
+    layers: list[V4LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # [hidden, V]
+    hc_head: HyperConnectionWeights
+    mtp: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class _Compression:
+    """One step's work for the compressed layers of one (rate, overlap)."""
+
+    closing_slots: torch.Tensor  # [NW, rows] window-group slots of each closing window
+    closing_valid: torch.Tensor  # [NW, rows] bool (CSA's window -1 does not exist)
+    closing_dest: torch.Tensor  # [NW] compressed-group entry slot
+    closing_pos: torch.Tensor  # [NW] the window's first position (its entry's rotation)
+    entry_slots: torch.Tensor  # [S, E] each sequence's entries (0: padding, masked)
+    causal: torch.Tensor  # [S, Lq, E] bool: entry e's window is over for the query
+
+
+@dataclass
+class _Step:
+    """What every layer of one step shares, built once on the host."""
+
+    num_seqs: int
+    max_query: int
+    decode: bool
+    q_valid: torch.Tensor | None  # [S, Lq] bool (None: one sequence, or decode)
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T] window-group slot of each new token
+    window_slots: torch.Tensor  # [S, Lw] the window keys of each sequence
+    window_visible: torch.Tensor  # [S, Lq, Lw] bool
+    compression: dict[tuple[int, bool], _Compression]
+
+
+class DeepseekV4:
+    """forward(tokens of a flat varlen batch) -> logits for the rows asked for; the same
+    interface as :class:`~pdmesh.shared.models.transformer.CausalLM`."""
+
+    def __init__(self, config: ModelConfig, weights: V4Weights, backend: KernelBackend):
+        assert config.v4 is not None and config.moe is not None
+        self.config = config
+        self.v4 = config.v4
+        self.w = weights
+        self.backend = backend
+        self.scale = self.v4.head_dim ** -0.5
+        self.moe_layers = list(range(config.num_layers))  # every V4 layer routes
+        self._moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.ep = None
+        self.load_recorder = None
+        dev, v4 = backend.device, self.v4
+        # the sliding layers' rope is plain; the compressed layers', their compressors'
+        # and indexers' is its own theta, with yarn
+        self.rope = {
+            "main": backend.rotary_tables(*(t.to(dev) for t in rotary_tables(
+                v4.rope_dim, config.max_position_embeddings, config.rope_theta, None))),
+            "compress": backend.rotary_tables(*(t.to(dev) for t in rotary_tables(
+                v4.rope_dim, config.max_position_embeddings, v4.compress_rope_theta,
+                v4.compress_rope_scaling))),
+        }
+        self.limit = v4.swiglu_limit or None
+        self._ones = torch.ones(1, v4.head_dim, dtype=weights.embed.dtype, device=dev)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.embed.dtype
+
+    # -- the step plan ----------------------------------------------------------------
+    def _step(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
+        v4, dev = self.v4, self.backend.device
+        bs = meta.block_size
+        qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
+        starts = np.asarray(meta.context_lens_host, dtype=np.int64)
+        ends = np.asarray(meta.seq_lens_host, dtype=np.int64)
+        s, lq = len(qlens), int(qlens.max())
+        ctable = np.asarray(meta.block_tables_host, dtype=np.int64)  # compressed group
+        wtable = np.asarray(meta.group_tables_host[0], dtype=np.int64)  # window group
+        seq_of = np.repeat(np.arange(s), qlens)
+        pos = (np.asarray(meta.positions_host, dtype=np.int64) if meta.positions_host
+               is not None else meta_positions(starts, qlens))
+        write = wtable[seq_of, pos // bs] * bs + pos % bs
+
+        def window_slot(seq: np.ndarray, p: np.ndarray, ok: np.ndarray) -> np.ndarray:
+            safe = np.where(ok, p, 0)
+            return np.where(ok, wtable[seq, safe // bs] * bs + safe % bs, 0)
+
+        q_pos = starts[:, None] + np.arange(lq)  # [S, Lq]
+        lo = np.maximum(0, starts - v4.window + 1)
+        lw = int((ends - lo).max())
+        key_pos = lo[:, None] + np.arange(lw)  # [S, Lw]
+        key_ok = key_pos < ends[:, None]
+        rows = np.broadcast_to(np.arange(s)[:, None], key_pos.shape)
+        window_slots = window_slot(rows, key_pos, key_ok)
+        ahead = q_pos[:, :, None] - key_pos[:, None, :]  # [S, Lq, Lw]
+        visible = key_ok[:, None, :] & (ahead >= 0) & (ahead < v4.window)
+
+        comp: dict[tuple[int, bool], _Compression] = {}
+        for kind, rate in zip(v4.layer_types, v4.compress_rates, strict=True):
+            key = (rate, kind == CSA)
+            if not rate or key in comp:
+                continue
+            overlap = kind == CSA
+            spb = max(1, bs // rate)
+            # windows that close in this step: w with (w + 1) * rate - 1 in [start, end)
+            counts = ends // rate - starts // rate
+            seq_w = np.repeat(np.arange(s), counts)
+            w = (np.repeat(starts // rate, counts)
+                 + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+            span = 2 * rate if overlap else rate
+            first = (w - 1) * rate if overlap else w * rate
+            rows_pos = first[:, None] + np.arange(span)  # [NW, span]
+            rows_ok = rows_pos >= 0
+            closing = window_slot(np.broadcast_to(seq_w[:, None], rows_pos.shape), rows_pos,
+                                  rows_ok)
+            dest = ctable[seq_w, ((w + 1) * rate - 1) // bs] * spb + w % spb
+            num_entries = ends // rate
+            e_max = int(num_entries.max())
+            e = np.arange(e_max)
+            e_ok = e[None, :] < num_entries[:, None]
+            entry_slots = np.where(
+                e_ok, ctable[np.arange(s)[:, None],
+                             np.where(e_ok, ((e + 1) * rate - 1) // bs, 0)] * spb + e % spb, 0)
+            causal = e[None, None, :] < ((q_pos + 1) // rate)[:, :, None]  # [S, Lq, E]
+            comp[key] = _Compression(
+                _t(closing, dev), _t(rows_ok, dev), _t(dest, dev), _t(w * rate, dev),
+                _t(entry_slots, dev), _t(causal, dev))
+        q_valid = None
+        if s > 1 and lq > 1:
+            q_valid = _t(np.arange(lq)[None, :] < qlens[:, None], dev)
+        return _Step(s, lq, lq == 1, q_valid, positions, _t(write, dev), _t(window_slots, dev),
+                     _t(visible, dev), comp)
+
+    # -- the forward ------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [B] int64
+    ) -> torch.Tensor:  # [B, V] float32
+        be, eps = self.backend, self.config.rms_norm_eps
+        step = self._step(meta, positions)
+        n = self.v4.hc_mult
+        rope = {name: (cos.index_select(0, positions), sin.index_select(0, positions))
+                for name, (cos, sin) in self.rope.items()}
+        x = self.w.embed.index_select(0, input_ids)  # [T, hidden]
+        streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()  # [T, hc, hidden]
+        for i, layer in enumerate(self.w.layers):
+            h, post, comb = self._hc_pre(streams, layer.attn_hc)
+            h = self._attention(i, layer.attn, be.rms_norm(h, layer.attn_norm, eps),
+                                kv_caches[i], step, rope)
+            streams = _hc_post(streams, h, post, comb)
+            h, post, comb = self._hc_pre(streams, layer.ffn_hc)
+            h = self._moe(i, layer.mlp, be.rms_norm(h, layer.ffn_norm, eps), input_ids)
+            streams = _hc_post(streams, h, post, comb)
+        last = self._hc_head(streams.index_select(0, logits_rows))
+        return torch.mm(be.rms_norm(last, self.w.final_norm, eps), self.w.lm_head).float()
+
+    # -- hyper-connections ----------------------------------------------------------------
+    def _mixes(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:
+        flat = streams.reshape(streams.shape[0], -1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return torch.mm(flat, hc.fn)
+
+    def _hc_pre(self, streams: torch.Tensor, hc: HyperConnectionWeights
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Collapse the streams [T, n, hidden] into the block's input; return it with the
+        weights that expand the block's output (post [T, n]) and mix the streams (comb
+        [T, n, n], made doubly stochastic by Sinkhorn-Knopp)."""
+        n, eps = self.v4.hc_mult, self.v4.hc_eps
+        mixes = self._mixes(streams, hc)
+        pre = torch.sigmoid(mixes[:, :n] * hc.scale[0] + hc.base[:n]) + eps
+        post = 2 * torch.sigmoid(mixes[:, n:2 * n] * hc.scale[1] + hc.base[n:2 * n])
+        comb = torch.softmax(mixes[:, 2 * n:].view(-1, n, n) * hc.scale[2]
+                             + hc.base[2 * n:].view(n, n), dim=-1) + eps
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        for _ in range(self.v4.hc_sinkhorn_iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+        return collapsed, post, comb
+
+    def _hc_head(self, streams: torch.Tensor) -> torch.Tensor:
+        hc = self.w.hc_head
+        pre = torch.sigmoid(self._mixes(streams, hc) * hc.scale + hc.base) + self.v4.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+
+    # -- attention ----------------------------------------------------------------------
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary on the last rope_dim dims of x [T, N, D]."""
+        r = self.v4.rope_dim
+        return torch.cat((x[..., :-r], self.backend.rotary_embedding(x[..., -r:], cos, sin)),
+                         dim=-1)
+
+    def _attention(self, layer: int, w: V4AttentionWeights, x: torch.Tensor,
+                   cache: KVCache, step: _Step, rope: dict) -> torch.Tensor:
+        be, v4, cfg = self.backend, self.v4, self.config
+        eps = cfg.rms_norm_eps
+        t, h, d = x.shape[0], cfg.num_heads, v4.head_dim
+        kind = v4.layer_types[layer]
+        cos, sin = rope["main" if kind == SLIDING else "compress"]
+        parts = torch.mm(x, w.x_proj).split(w.splits, dim=-1)
+        q_res = be.rms_norm(parts[0], w.q_a_norm, eps)  # [T, q_lora]
+        q = torch.mm(q_res, w.q_b).view(t, h, d)
+        q = be.head_rms_norm(q, self._ones, eps)  # unweighted, per head
+        q = self._rotate(q, cos, sin)
+        kv = self._rotate(be.rms_norm(parts[1], w.kv_norm, eps).unsqueeze(1), cos, sin)
+        window = cache["window"]
+        be.write_cache(kv, window, step.write_slots)
+        keys = _gather(window, step.window_slots)  # [S, Lw, D]
+        visible = step.window_visible
+        if w.compressor is not None:
+            c = w.compressor
+            plan = step.compression[(c.rate, c.overlap)]
+            self._compress(c, parts[2], cache["state"], cache["entries"], plan, step)
+            entries = _gather(cache["entries"], plan.entry_slots)  # [S, E, D]
+            chosen = plan.causal
+            if w.index_compressor is not None:
+                ic = w.index_compressor
+                self._compress(ic, parts[3], cache["index_state"], cache["index_keys"],
+                               plan, step)
+                chosen = self._index(w, q_res, parts[4], cache["index_keys"], plan, step, rope)
+            if step.decode and w.index_compressor is not None:
+                # the chosen entries alone (index_topk of them), not every entry
+                ids, ok = chosen
+                entries = entries.gather(1, ids[:, 0].unsqueeze(-1).expand(-1, -1, d))
+                chosen = ok
+            elif w.index_compressor is not None:
+                ids, ok = chosen
+                picked = torch.zeros_like(plan.causal)
+                picked.scatter_(-1, ids, ok)
+                chosen = picked & plan.causal
+            keys = torch.cat((keys, entries), dim=1)
+            visible = torch.cat((visible, chosen), dim=-1)
+        o = be.sink_attention(self._pad(q, step), keys, visible, w.sinks, self.scale)
+        o = self._rotate(self._unpad(o, step), cos, -sin)  # undo K=V's rotation
+        g = v4.o_groups
+        o = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), w.o_a)  # [g, T, o_lora]
+        return torch.mm(o.transpose(0, 1).reshape(t, -1), w.o_b)
+
+    def _compress(self, c: CompressorWeights, proj: torch.Tensor, state: torch.Tensor,
+                  entries: torch.Tensor, plan: _Compression, step: _Step) -> None:
+        """Keep this step's compressor inputs (kv | gate + position bias, per token) and
+        write the entry of every window this step closes."""
+        be = self.backend
+        half = proj.shape[-1] // 2
+        rows = proj.float()
+        bias = c.ape.index_select(0, step.positions % c.rate)
+        rows = torch.cat((rows[:, :half], rows[:, half:] + bias), dim=-1)
+        flat = state.view(-1, state.shape[-1])
+        flat.index_copy_(0, step.write_slots, rows)
+        nw = plan.closing_dest.shape[0]
+        if not nw:
+            return
+        got = flat.index_select(0, plan.closing_slots.view(-1)).view(nw, -1, flat.shape[-1])
+        kv, gate = got[..., :half], got[..., half:]
+        d, m = c.dim, c.rate
+        if c.overlap:  # window w-1's first half, window w's second
+            kv = torch.cat((kv[:, :m, :d], kv[:, m:, d:]), dim=1)
+            gate = torch.cat((gate[:, :m, :d], gate[:, m:, d:]), dim=1)
+        gate = gate.masked_fill(~plan.closing_valid.unsqueeze(-1), float("-inf"))
+        entry = (kv * torch.softmax(gate, dim=1)).sum(1).to(self.dtype)  # [NW, d]
+        entry = be.rms_norm(entry, c.norm, self.config.rms_norm_eps).unsqueeze(1)
+        cos, sin = self.rope["compress"]
+        entry = self._rotate(entry, cos.index_select(0, plan.closing_pos),
+                             sin.index_select(0, plan.closing_pos))
+        be.write_cache(entry, entries, plan.closing_dest)
+
+    def _index(self, w: V4AttentionWeights, q_res: torch.Tensor, weights: torch.Tensor,
+               index_keys: torch.Tensor, plan: _Compression, step: _Step, rope: dict
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lightning indexer: each query's ``index_topk`` entries, scored
+        sum_h w_h * relu(q_h . k); -> (entry ids [S, Lq, k], chosen [S, Lq, k] bool)."""
+        v4 = self.v4
+        assert w.index_q is not None
+        t = q_res.shape[0]
+        cos, sin = rope["compress"]
+        q = self._rotate(torch.mm(q_res, w.index_q).view(t, v4.index_heads, -1), cos, sin)
+        keys = _gather(index_keys, plan.entry_slots).float()  # [S, E, I]
+        qp = self._pad(q, step).float()  # [S, nI, Lq, I]
+        wp = self._pad(weights.float().unsqueeze(-1), step)[..., 0]  # [S, nI, Lq]
+        scores = torch.relu(torch.matmul(qp, keys.transpose(1, 2).unsqueeze(1)))  # [S,nI,Lq,E]
+        scores = (scores * (wp * (v4.index_head_dim ** -0.5 * v4.index_heads ** -0.5)
+                            ).unsqueeze(-1)).sum(1)  # [S, Lq, E]
+        scores = scores.masked_fill(~plan.causal, float("-inf"))
+        # the k best, ties to the earlier entry: a stable sort, so a query's choice
+        # depends on its own visible entries only (top-k's tie order can change with
+        # how many masked entries follow - the chunking - and break causality)
+        k = min(v4.index_topk, scores.shape[-1])
+        ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        return ids, scores.gather(-1, ids) > float("-inf")
+
+    def _pad(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        """[T, N, D] -> [S, N, Lq, D], zeros in padded rows."""
+        if step.decode:
+            return x.unsqueeze(2)
+        if step.q_valid is None:
+            return x.transpose(0, 1).unsqueeze(0)
+        out = x.new_zeros((step.num_seqs, step.max_query, x.shape[1], x.shape[2]))
+        out[step.q_valid] = x
+        return out.transpose(1, 2)
+
+    def _unpad(self, out: torch.Tensor, step: _Step) -> torch.Tensor:
+        if step.decode:
+            return out[:, :, 0]
+        out = out.transpose(1, 2)
+        return out[0] if step.q_valid is None else out[step.q_valid]
+
+    # -- MoE ----------------------------------------------------------------------------
+    def route(self, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]): a hash layer's experts are its
+        table's for the token (its router only weighs them); the others' the best
+        scores plus the correction bias."""
+        moe = self.config.moe
+        assert moe is not None
+        logits = torch.mm(x, w.router)
+        if w.tid2eid is None:
+            return self.backend.moe_gating_grouped_topk(
+                logits, moe.top_k, 1, 1, w.correction_bias, moe.norm_topk_prob,
+                moe.routed_scaling, moe.scoring)
+        ids = w.tid2eid.index_select(0, input_ids)
+        weights = score_experts(logits, moe.scoring).gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling, ids
+
+    def _moe(self, layer: int, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
+             ) -> torch.Tensor:
+        be = self.backend
+        weights, ids = self.route(w, x, input_ids)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self._moe_index[layer], ids)
+        if self.ep is not None:
+            out = self.ep.moe(layer, x, weights, ids, be)
+        else:
+            out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids, self.limit)
+        shared = w.shared
+        assert isinstance(shared, DenseMLPWeights)
+        return out + torch.mm(be.silu_and_mul(torch.mm(x, shared.gate_up), self.limit),
+                              shared.down)
+
+
+def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+    """streams'[k] = post[k] * out + sum_j comb[j, k] * streams[j]."""
+    dtype = streams.dtype
+    return (post.to(dtype).unsqueeze(-1) * out.unsqueeze(1)
+            + torch.bmm(comb.to(dtype).transpose(1, 2), streams))
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of a paged cache [blocks, slots, 1, D] at flat slots [S, L] -> [S, L, D]."""
+    flat = cache.view(-1, cache.shape[-1])
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[-1])
+
+
+def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def meta_positions(starts: np.ndarray, qlens: np.ndarray) -> np.ndarray:
+    offsets = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens)
+    return np.repeat(starts, qlens) + offsets
