@@ -24,4 +24,9 @@ def packages() -> list[str]:
 BIND_SHIM = Extension("pdmesh.shared.infra._bindhost", ["shared/infra/bindhost.c"],
                       libraries=["dl"], optional=True)
 
-setup(packages=packages(), package_dir=FOLDERS, ext_modules=[BIND_SHIM])
+# Not a Python module either: small C kernels the cpu backend calls through ctypes
+# (shared/kernels/cpu.py). Optional too: without them it runs the same math as torch ops.
+CPU_OPS = Extension("pdmesh.shared.kernels._cpu_ops", ["shared/kernels/cpu_ops.c"],
+                    optional=True)
+
+setup(packages=packages(), package_dir=FOLDERS, ext_modules=[BIND_SHIM, CPU_OPS])

@@ -284,6 +284,17 @@ class KernelBackend(ABC):
         out.index_add_(0, token_of, ys)
         return out
 
+    # -- DeepSeek-V4 hyper-connections -------------------------------------------------
+    def hc_sinkhorn(self, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """Sinkhorn-Knopp on positive matrices comb [T, n, n] (float32): normalise the
+        columns, then ``iters - 1`` rounds of rows and columns, each x / (sum + eps).
+        May work in place; returns the result."""
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        return comb
+
     # -- DeepSeek-V4 attention -------------------------------------------------------
     def sink_attention(
         self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,

@@ -143,3 +143,19 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor,
                 for w, j in zip(weights, seen, strict=True):
                     out[s, h, i] += w / total * keys[j]
     return out.to(q.dtype)
+
+
+def hc_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp on each n x n matrix, element by element, float64: columns, then
+    ``iters - 1`` rounds of rows and columns, each x / (sum + eps)."""
+    out = comb.double().clone()
+    n = out.shape[-1]
+    for m in out:
+        for it in range(2 * iters - 1):
+            by_rows = it % 2 == 1
+            for i in range(n):
+                line = [(i, j) if by_rows else (j, i) for j in range(n)]
+                total = sum(float(m[a, b]) for a, b in line) + eps
+                for a, b in line:
+                    m[a, b] = float(m[a, b]) / total
+    return out

@@ -270,10 +270,7 @@ class DeepseekV4:
         post = 2 * torch.sigmoid(mixes[:, n:2 * n] * hc.scale[1] + hc.base[n:2 * n])
         comb = torch.softmax(mixes[:, 2 * n:].view(-1, n, n) * hc.scale[2]
                              + hc.base[2 * n:].view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-        for _ in range(self.v4.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        comb = self.backend.hc_sinkhorn(comb, self.v4.hc_sinkhorn_iters, eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         return collapsed, post, comb
 
@@ -310,23 +307,22 @@ class DeepseekV4:
             c = w.compressor
             plan = step.compression[(c.rate, c.overlap)]
             self._compress(c, parts[2], cache["state"], cache["entries"], plan, step)
-            entries = _gather(cache["entries"], plan.entry_slots)  # [S, E, D]
-            chosen = plan.causal
-            if w.index_compressor is not None:
+            if w.index_compressor is None:  # HCA: every entry the query has seen
+                entries = _gather(cache["entries"], plan.entry_slots)  # [S, E, D]
+                chosen = plan.causal
+            else:
                 ic = w.index_compressor
                 self._compress(ic, parts[3], cache["index_state"], cache["index_keys"],
                                plan, step)
-                chosen = self._index(w, q_res, parts[4], cache["index_keys"], plan, step, rope)
-            if step.decode and w.index_compressor is not None:
-                # the chosen entries alone (index_topk of them), not every entry
-                ids, ok = chosen
-                entries = entries.gather(1, ids[:, 0].unsqueeze(-1).expand(-1, -1, d))
-                chosen = ok
-            elif w.index_compressor is not None:
-                ids, ok = chosen
-                picked = torch.zeros_like(plan.causal)
-                picked.scatter_(-1, ids, ok)
-                chosen = picked & plan.causal
+                ids, ok = self._index(w, q_res, parts[4], cache["index_keys"], plan, step, rope)
+                if step.decode:  # the chosen entries alone (index_topk), not every entry
+                    entries = _gather(cache["entries"], plan.entry_slots.gather(1, ids[:, 0]))
+                    chosen = ok
+                else:
+                    entries = _gather(cache["entries"], plan.entry_slots)
+                    chosen = torch.zeros_like(plan.causal)
+                    chosen.scatter_(-1, ids, ok)
+                    chosen &= plan.causal
             keys = torch.cat((keys, entries), dim=1)
             visible = torch.cat((visible, chosen), dim=-1)
         o = be.sink_attention(self._pad(q, step), keys, visible, w.sinks, self.scale)

@@ -1,19 +1,17 @@
-"""`pdmesh bench kv-transfer`: how fast a prompt's KV moves through the Mooncake pool.
+"""`pdmesh bench kv-transfer`: what a prompt's KV costs to move through the Mooncake pool.
 
-Starts a private ``mooncake_master``, two pool clients (a producer and a consumer, as a
-prefill and a decode instance would be), fills a paged cache shaped like the model's,
-puts the prompt's blocks from it and gets them into another, checking every byte.
+Starts a private ``mooncake_master`` and two engines on the model, each with its own pool
+client, as a prefill and a decode instance have: the prefill engine computes a prompt
+and puts its blocks (every cache group the model has: K and V, MLA's latent, or
+DeepSeek-V4's compressed history and the tail of its sliding window); the decode engine
+gets them and continues from its first token. Reports bytes and rate each way, per
+prompt, and checks that decode's next token equals the prefill engine's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
-import torch
-
-from pdmesh.shared.models.config import ModelConfig, parse_dtype
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -25,59 +23,64 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    from pdmesh.shared.cli.bench.offline import workload
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.engine.engine import EngineCore
+    from pdmesh.shared.engine.sampling_params import SamplingParams
     from pdmesh.shared.infra.net import free_port
-    from pdmesh.shared.kvpool import CacheRegions
     from pdmesh.shared.kvpool.master import MasterPorts, MasterSupervisor
     from pdmesh.shared.kvpool.mooncake import MooncakePool
+    from pdmesh.shared.models.tokenizer import Tokenizer
 
-    cfg = ModelConfig.from_folder(a.model)
-    dtype = parse_dtype(a.dtype)
-    n = -(-a.tokens // a.block_size)
-    # the model's own cache layout (K and V, or MLA's latent), plus the null block
-    shape = (n + 1, a.block_size, cfg.kv_cache_heads, cfg.kv_cache_dim)
-    src = [tuple(torch.randn(shape).to(dtype) for _ in range(cfg.kv_cache_tensors))
-           for _ in range(cfg.num_layers)]
-    dst = [tuple(torch.zeros(shape, dtype=dtype) for _ in range(cfg.kv_cache_tensors))
-           for _ in range(cfg.num_layers)]
-    s_regions, d_regions = CacheRegions(src), CacheRegions(dst)
-    total = s_regions.value_bytes * n
+    prompts = workload(Tokenizer(a.model), a.runs, a.tokens)
+
+    def engine(pool: MooncakePool, save: bool) -> EngineCore:
+        return EngineCore(EngineConfig(model=a.model, device="cpu", dtype=a.dtype,
+                                       block_size=a.block_size, max_model_len=a.tokens + 64),
+                          kv_pool=pool, save_prompts=save)
+
     ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
     sup = MasterSupervisor(ports)
     sup.start()
-    puts, gets = [], []
+    rows = []
     try:
         producer = MooncakePool(ports.master_address, ports.metadata_url,
-                                segment_bytes=(a.runs + 1) * total + (64 << 20))
+                                segment_bytes=512 << 20)
         consumer = MooncakePool(ports.master_address, ports.metadata_url,
                                 segment_bytes=64 << 20)
         try:
-            for t in s_regions.tensors:
-                producer.register(t)
-            for t in d_regions.tensors:
-                consumer.register(t)
-            for r in range(a.runs):
-                keys = [f"bench{r}/{b}" for b in range(n)]
-                t0 = time.perf_counter()
-                ok_put = producer.put(keys, [s_regions.regions(b + 1) for b in range(n)])
-                t1 = time.perf_counter()
-                ok_get = consumer.get(keys, [d_regions.regions(b + 1) for b in range(n)])
-                t2 = time.perf_counter()
-                if not (all(ok_put) and all(ok_get)):
-                    raise RuntimeError(f"run {r}: the pool refused or lost blocks")
-                for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-                    if not (torch.equal(sk[1:], dk[1:]) and torch.equal(sv[1:], dv[1:])):
-                        raise RuntimeError(f"run {r}: blocks differ after the round trip")
-                    dk.zero_()
-                    dv.zero_()
-                puts.append(total / (t1 - t0) / 1e9)
-                gets.append(total / (t2 - t1) / 1e9)
+            prefill, decode = engine(producer, True), engine(consumer, False)
+            for r, prompt in enumerate(prompts):
+                two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+                p_req = prefill.add_request(prompt, two, request_id=f"p{r}")
+                while not p_req.is_finished:
+                    prefill.step()
+                first, second = p_req.output_token_ids
+                d_req = decode.add_request(prompt, two, request_id=f"d{r}",
+                                           output_token_ids=[first])
+                while not d_req.is_finished:
+                    decode.step()
+                if d_req.output_token_ids != [first, second]:
+                    raise RuntimeError(f"run {r}: decode continued with "
+                                       f"{d_req.output_token_ids[1:]}, prefill with {[second]}")
+                if not d_req.kv_get_bytes:
+                    raise RuntimeError(f"run {r}: decode loaded nothing from the pool")
+                put_s = p_req.kv_put_time[1] - p_req.kv_put_time[0]
+                get_s = d_req.kv_get_time[1] - d_req.kv_get_time[0]
+                rows.append((p_req.kv_put_bytes, put_s, d_req.kv_get_bytes, get_s))
+            per_token = prefill.kv_bytes_per_token
+            groups = [g.name for g in prefill.cache_spec.groups]
         finally:
             consumer.close()
             producer.close()
     finally:
         sup.stop()
-    print(f"{a.tokens} tokens = {n} blocks = {total / 1e6:.0f} MB of KV ({cfg.num_layers} "
-          f"layers, {str(dtype).removeprefix('torch.')}): put median "
-          f"{statistics.median(puts):.2f} GB/s {[round(x, 2) for x in puts]}, get median "
-          f"{statistics.median(gets):.2f} GB/s {[round(x, 2) for x in gets]}")
+    put_b, get_b = rows[-1][0], rows[-1][2]
+    print(f"{a.tokens}-token prompt, {a.dtype}, block size {a.block_size}, cache groups "
+          f"{', '.join(groups)}; KV bytes per token of history {per_token:,}")
+    print(f"  put {put_b:,} bytes ({put_b / a.tokens:,.0f} per prompt token), median "
+          f"{statistics.median(r[0] / r[1] for r in rows) / 1e9:.2f} GB/s")
+    print(f"  get {get_b:,} bytes ({get_b / a.tokens:,.0f} per prompt token), median "
+          f"{statistics.median(r[2] / r[3] for r in rows) / 1e9:.2f} GB/s; decode's next "
+          f"token equals prefill's in {len(rows)}/{len(rows)} runs")
     return 0

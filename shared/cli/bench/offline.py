@@ -91,15 +91,29 @@ def bench_pdmesh(a: Any, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def _weight_bytes(model: Any) -> int:
+    """Bytes a decode step reads: every weight the forward uses (walked through the
+    weights' dataclasses; MTP layers are not the forward's), less the embedding table
+    (one row of it)."""
     w = model.w
-    tensors = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
-    for layer in w.layers:
-        tensors += [t for t in vars(layer.attn).values() if isinstance(t, torch.Tensor)]
-        tensors += [t for t in vars(layer.mlp).values() if isinstance(t, torch.Tensor)]
-        tensors += [layer.input_norm, layer.post_attn_norm]
-    # a decode step reads every weight except the embedding table (one row of it)
-    return sum(t.numel() * t.element_size() for t in tensors) - w.embed.numel() * \
-        w.embed.element_size()
+    seen: dict[int, torch.Tensor] = {}
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            seen.setdefault(id(obj), obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                walk(item)
+        elif hasattr(obj, "__dataclass_fields__"):
+            for name in obj.__dataclass_fields__:
+                if name != "mtp":
+                    walk(getattr(obj, name))
+
+    walk(w)
+    return sum(t.numel() * t.element_size() for t in seen.values()
+               if t is not w.embed or w.lm_head is w.embed)
 
 
 def bench_transformers(a: Any, prompts: list[list[int]], dtype: torch.dtype

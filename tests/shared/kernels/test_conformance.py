@@ -287,6 +287,22 @@ def test_sink_attention(backend, dtype, seqs, queries, keys):
     close(out, want, dtype)
 
 
+@pytest.mark.parametrize(("tokens", "n", "iters"), [(1, 4, 20), (33, 4, 3), (7, 6, 1), (0, 4, 5)])
+def test_hc_sinkhorn(backend, tokens, n, iters):
+    """DeepSeek-V4's hyper-connection mixing matrices made (nearly) doubly stochastic:
+    columns first, then rows and columns, each x / (sum + eps)."""
+    g = torch.Generator().manual_seed(tokens * 10 + n)
+    comb = torch.softmax(3 * torch.randn(tokens, n, n, generator=g), dim=-1) + 1e-6
+    out = backend.hc_sinkhorn(comb.clone().to(backend.device), iters, 1e-6)
+    want = ref.hc_sinkhorn(comb, iters, 1e-6)
+    assert out.shape == comb.shape and out.dtype == torch.float32
+    close(out, want, torch.float32)
+    if tokens and iters >= 20:  # columns sum to one (the last step), rows nearly
+        ones = torch.ones(tokens, n, dtype=want.dtype)
+        torch.testing.assert_close(want.sum(-2), ones, atol=1e-5, rtol=0)
+        torch.testing.assert_close(want.sum(-1), ones, atol=1e-2, rtol=0)
+
+
 def test_grouped_matmul(backend):
     g = torch.Generator().manual_seed(5)
     sizes = [3, 0, 5, 1]
