@@ -188,6 +188,26 @@ class KernelBackend(ABC):
     ) -> torch.Tensor:
         """One new token per sequence; q [B, H, D] -> [B, H, D]."""
 
+    # -- MLA over the latent cache -------------------------------------------------------
+    def latent_attention_prefill(
+        self, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        """MLA, absorbed: q [T, H, L + R] (each head's query folded into the latent space,
+        and its rope dims) over one shared "head" per token, cache [blocks, bs, 1, L + R]
+        (the latent and the rope key; this step's ``entry`` [T, 1, L + R] already written).
+        The values are the latents, each entry's first ``value_dim`` (= L) dims.
+        -> [T, H, value_dim]. Causal, paged, as paged_attention_prefill."""
+        return self.paged_attention_prefill(q, entry, entry, cache, cache, meta,
+                                            scale)[..., :value_dim]
+
+    def latent_attention_decode(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        value_dim: int,
+    ) -> torch.Tensor:
+        """One new token per sequence: q [B, H, L + R] -> [B, H, value_dim]."""
+        return self.paged_attention_decode(q, cache, cache, meta, scale)[..., :value_dim]
+
     # -- MLP and MoE ------------------------------------------------------------------
     def silu_and_mul(self, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
         """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]. x is a temporary of the

@@ -204,12 +204,12 @@ class CausalLM:
         be.write_cache(entry, cache, meta.slot_mapping)
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk).transpose(0, 1)
         query = torch.cat((q_latent, rope[:, :h]), dim=-1)  # [T, H, L + R]
-        if meta.is_decode:
-            o = be.paged_attention_decode(query, cache, cache, meta, self.scale)
-        else:
-            o = be.paged_attention_prefill(query, entry, entry, cache, cache, meta, self.scale)
         # the values are the latents: their rope dims are not part of them
-        v = torch.bmm(o[:, :, :lat].transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]
+        if meta.is_decode:
+            o = be.latent_attention_decode(query, cache, meta, self.scale, lat)
+        else:
+            o = be.latent_attention_prefill(query, entry, cache, meta, self.scale, lat)
+        v = torch.bmm(o.transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]
         return torch.mm(v.reshape(t, h * m.v_head_dim), w.o)  # [T, hidden]
 
     def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int

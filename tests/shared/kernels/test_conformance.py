@@ -178,9 +178,9 @@ def test_paged_attention_consecutive_blocks(backend, dtype, ctx_lens, q_lens):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["decode", "chunked_prefill", "fresh_prefill", "mixed"])
 def test_latent_attention_over_one_cache(backend, dtype, case):
-    """MLA's shape: one latent "head" of kv_lora_rank + rope dims (80 here) per token,
-    written once and read as both keys and values (the same cache tensor), every query
-    head attending over it."""
+    """MLA's shape: one latent "head" of kv_lora_rank + rope dims (64 + 16 here) per
+    token, written once and read as the keys and, its latent dims, the values; every
+    query head attending over it."""
     ctx_lens, q_lens = {"decode": ([5, 40, 130], [1, 1, 1]),
                         "chunked_prefill": ([16, 3], [20, 9]),
                         "fresh_prefill": ([0, 0], [7, 33]),
@@ -196,12 +196,14 @@ def test_latent_attention_over_one_cache(backend, dtype, case):
         flat[slot] = k[row]
     close(cache_d, cache, dtype)
     backend.prepare_attention(dmeta)
+    latent = 64  # the values: each entry's latent, not its 16 rope dims
     if dmeta.is_decode:
-        out = backend.paged_attention_decode(q.to(dev), cache_d, cache_d, dmeta, 0.1)
+        out = backend.latent_attention_decode(q.to(dev), cache_d, dmeta, 0.1, latent)
     else:
-        out = backend.paged_attention_prefill(q.to(dev), k.to(dev), k.to(dev), cache_d,
-                                              cache_d, dmeta, 0.1)
-    close(out, ref.paged_attention(q, cache, cache, meta, 0.1), dtype)
+        out = backend.latent_attention_prefill(q.to(dev), k.to(dev), cache_d, dmeta, 0.1,
+                                               latent)
+    assert out.shape == (q.shape[0], q.shape[1], latent)
+    close(out, ref.paged_attention(q, cache, cache, meta, 0.1)[..., :latent], dtype)
 
 
 @pytest.mark.parametrize("scoring", ["sigmoid", "sqrtsoftplus", "softmax"])
