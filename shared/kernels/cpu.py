@@ -86,7 +86,6 @@ class CPUBackend(KernelBackend):
         state = meta.backend_state
         bs = meta.block_size
         seq_lens = np.asarray(meta.seq_lens_host)
-        key_pos = np.arange(meta.max_seq_len)
         tables = meta.block_tables_host
         if tables is None:
             tables = meta.block_tables.cpu().numpy()
@@ -101,42 +100,38 @@ class CPUBackend(KernelBackend):
                 if meta.is_decode:
                     self._mirror.invalidate()
                     return
-        ragged = bool(seq_lens.min() < meta.max_seq_len)
-        in_seq = key_pos < seq_lens[:, None]  # [B, Lk]
         if meta.is_decode:
+            ragged = bool(seq_lens.min() < meta.max_seq_len)
+            in_seq = np.arange(meta.max_seq_len) < seq_lens[:, None]  # [B, Lk]
             # [B, 1, 1, Lk] additive mask (faster than a boolean one in torch's CPU flash
             # attention); none at all when every sequence has the same length
             state["mask"] = _additive(in_seq[:, None, None, :], self.device) if ragged else None
             state["mirror"] = self._mirror.plan(tables, seq_lens, bs, meta.slot_mapping,
                                                 self.device)
             return
-        # Varlen rows -> padded [B, Lq] and back.
         qlens = np.asarray(meta.query_lens_host)
-        q_pos = np.arange(meta.max_query_len)
-        valid = q_pos < qlens[:, None]  # [B, Lq]
-        state["q_valid"] = torch.from_numpy(valid).to(self.device)
-        if meta.has_context:
-            ctx = np.asarray(meta.context_lens_host)
-            # key j visible to query i of sequence b iff j <= ctx_b + i and j < seq_len_b
-            visible = (key_pos[None, None, :] <= (ctx[:, None, None] + q_pos[None, :, None])
-                       ) & in_seq[:, None, :]
-            state["mask"] = _additive(visible[:, None], self.device)  # [B, 1, Lq, Lk]
-
-    def _pad(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[T, N, D] -> [B, N, Lq, D], zeros in padded rows."""
-        state = meta.backend_state
-        if meta.num_seqs == 1:
-            return x.transpose(0, 1).unsqueeze(0)
-        out = x.new_zeros((meta.num_seqs, meta.max_query_len, x.shape[1], x.shape[2]))
-        out[state["q_valid"]] = x
-        return out.transpose(1, 2)
-
-    def _unpad(self, out: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[B, N, Lq, D] -> [T, N, D]."""
-        out = out.transpose(1, 2)
-        if meta.num_seqs == 1:
-            return out[0]
-        return out[meta.backend_state["q_valid"]]
+        if not meta.has_context and bool((qlens == qlens[0]).all()):
+            return  # fresh prompts of one length: one batched causal call, nothing padded
+        # Anything else runs sequence by sequence (varlen): no padding to the longest,
+        # no [B, Lq, Lk] mask; a chunk after context gets its own [Lq, Lk] causal mask.
+        ctx = np.asarray(meta.context_lens_host)
+        starts = np.concatenate(([0], np.cumsum(qlens)[:-1]))
+        plan = []
+        for b in range(meta.num_seqs):
+            ql, c, sl = int(qlens[b]), int(ctx[b]), int(seq_lens[b])
+            used = tables[b, : -(-sl // bs)]
+            if used.size == 1 or bool((np.diff(used) == 1).all()):
+                keys: tuple[int, int] | torch.Tensor = (int(used[0]) * bs, sl)
+            else:
+                pos = np.arange(sl)
+                keys = torch.from_numpy(used[pos // bs].astype(np.int64) * bs
+                                        + pos % bs).to(self.device)
+            mask = None
+            if c and ql > 1:  # query i sees keys j <= c + i
+                mask = _additive(np.arange(sl)[None, :] <= c + np.arange(ql)[:, None],
+                                 self.device)
+            plan.append((int(starts[b]), ql, c, keys, mask))
+        state["varlen"] = plan
 
     def _key_slots(self, meta: AttentionMetadata) -> torch.Tensor:
         """[B, Lk] cache slot of every key of every sequence, built once per step."""
@@ -177,22 +172,41 @@ class CPUBackend(KernelBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        qp = self._pad(q, meta)  # [B, H, Lq, D]
-        if not meta.has_context:
-            # Fresh prompts: this step's k/v are the whole sequence. Right padding sits
-            # after every real query, so the causal mask already hides it.
-            out = F.scaled_dot_product_attention(
-                qp, self._pad(k, meta), self._pad(v, meta),
-                is_causal=True, scale=scale, enable_gqa=True,
-            )
-            return self._unpad(out, meta)
-        kp = self._gather(k_cache, meta)
-        vp = self._gather(v_cache, meta)
+        plan = meta.backend_state.get("varlen")
+        if plan is not None:
+            return self._varlen_prefill(q, k, v, k_cache, v_cache, plan, scale)
+        # fresh prompts of one length (prepare_attention plans every other step varlen):
+        # this step's k/v are the whole sequences, one batched causal call
+        b = meta.num_seqs
         out = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=meta.backend_state["mask"].to(q.dtype), scale=scale,
-            enable_gqa=True,
-        )
-        return self._unpad(out, meta)
+            *(x.view(b, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)),
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # [B, H, L, D]
+        return out.transpose(1, 2).reshape(q.shape)
+
+    def _varlen_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list,
+                        scale: float) -> torch.Tensor:
+        """Each sequence on its own: its queries [1, H, Lq, D] over its own keys only
+        (this step's k/v for a fresh prompt, else the cache's), causal."""
+        out = torch.empty_like(q)
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
+        for start, ql, ctx, keys, mask in plan:
+            qs = q[start:start + ql].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+            if not ctx:
+                ks, vs = k[start:start + ql], v[start:start + ql]
+            elif isinstance(keys, tuple):
+                lo, n = keys
+                ks, vs = k_flat[lo:lo + n], v_flat[lo:lo + n]
+            else:
+                ks, vs = k_flat.index_select(0, keys), v_flat.index_select(0, keys)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=None if mask is None else mask.to(q.dtype),
+                is_causal=not ctx and ql > 1, scale=scale, enable_gqa=True)
+            out[start:start + ql] = o[0].transpose(0, 1)
+        return out
 
     def paged_attention_decode(
         self,
