@@ -39,7 +39,8 @@ def run(a: ServeConfig) -> int:
                             a.registry_prefix, model_name=name)
     with ServiceHost(settings) as host:
         router = Router(Registry(a.redis_url, a.registry_prefix), name,
-                        offload_threshold=a.prefill_offload_threshold)
+                        offload_threshold=a.prefill_offload_threshold,
+                        decode_tpot_slo_ms=a.decode_tpot_slo_ms)
         router.start()
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered

@@ -16,6 +16,7 @@ on an instance stand in for the queue when they are more.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -29,6 +30,9 @@ from pdmesh.shared.infra.registry import Instance, Registry
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128  # for instances that do not publish theirs
+# --decode-tpot-slo-ms: a decode step that also computes an offloaded prompt stays under
+# this (DistServe's and Splitwise's chat SLOs put TPOT at 50-100 ms; the stricter end)
+DEFAULT_DECODE_TPOT_SLO_MS = 50.0
 
 
 def block_hashes(prompt: list[int], block_size: int) -> list[int]:
@@ -121,7 +125,8 @@ class Router:
     without it (tests, tools) a pick re-reads the registry when the copy is stale."""
 
     def __init__(self, registry: Registry, model: str | None = None, refresh_s: float = 0.25,
-                 offload_threshold: int = 0, costs: dict[str, RouteCost] | None = None):
+                 offload_threshold: int = 0, costs: dict[str, RouteCost] | None = None,
+                 decode_tpot_slo_ms: float = DEFAULT_DECODE_TPOT_SLO_MS):
         """``costs``: the cost policy per role (default: estimated TTFT for prefill and
         mixed instances, KV blocks in use for decode)."""
         self.registry = registry
@@ -129,8 +134,10 @@ class Router:
                                "decode": KVBlocksInUse()}
         self.model = model  # only instances serving this model (None: any)
         self.refresh_s = refresh_s
-        # prefill offload (0: off): see ``offload_target``
+        # prefill offload (0: off) and the decode step time it may never exceed: see
+        # ``offload_target``
         self.offload_threshold = offload_threshold
+        self.decode_tpot_slo_ms = decode_tpot_slo_ms
         self._cache: list[Instance] = []
         self._at = float("-inf")
         self._lock = threading.Lock()
@@ -214,16 +221,27 @@ class Router:
 
         Only while prefill is backed up: when even the least-loaded prefill instance has
         at least ``offload_threshold`` prompt tokens queued, a decode instance takes the
-        prompt if its own queue of prompts to prefill stays under half of that backlog.
+        prompt if its own queue of prompts to prefill stays under half of that backlog
+        and - decode protected by construction - if a step that computes the prompt (or
+        its first chunk) next to its decode rows stays within ``decode_tpot_slo_ms``, by
+        the step costs it publishes (one that has not measured them yet takes nothing).
         A burst is then prefilled by both kinds of instance at once and reaches decode
         sooner; at low load nothing changes (decode never computes a prompt, its steps
         stay short). Worth it where prefill and decode share hardware (``pdmesh up`` on
-        one box); on separate machines it trades decode step time for TTFT."""
+        one box); on separate machines it trades decode step time for TTFT, which the
+        budget bounds."""
         if not self.offload_threshold:
             return None
         prefill = self.instances("prefill")
-        decode = self.instances("decode")
-        if not prefill or not decode:
+        if not prefill:
+            return None
+        # a decode instance that never computed a prompt is priced at the prefill
+        # instances' cost per prompt token (same model; the dearest of them)
+        per_token_ns = max(i.load.get("prefill_ns_per_token", 0) for i in prefill)
+        decode = [i for i in self.instances("decode")
+                  if self.offloaded_step_ms(i, len(prompt), per_token_ns)
+                  <= self.decode_tpot_slo_ms]
+        if not decode:
             return None
         with self._lock:
             backlog = min(self.queued_tokens(i) for i in prefill)
@@ -233,6 +251,19 @@ class Router:
             if self._inflight.get(best.id, 0) + len(prompt) > backlog // 2:
                 return None
         return best
+
+    @staticmethod
+    def offloaded_step_ms(inst: Instance, prompt_tokens: int, fallback_ns_per_token: int = 0
+                          ) -> float:
+        """A decode instance's step time while it computes ``prompt_tokens`` (at most a
+        step's worth of them) beside its decode rows, by the costs it publishes (its
+        cost per prompt token, else ``fallback_ns_per_token``); inf with neither."""
+        per_token_ns = inst.load.get("prefill_ns_per_token", 0) or fallback_ns_per_token
+        if not per_token_ns:
+            return math.inf
+        chunk = inst.load.get("max_num_batched_tokens") or prompt_tokens
+        step_us = inst.load.get("decode_step_us", 0)  # 0: no decode step measured yet
+        return (step_us + min(prompt_tokens, chunk) * per_token_ns / 1e3) / 1e3
 
     def forget(self) -> None:
         """Re-read the registry soon (after an instance failed)."""

@@ -137,7 +137,9 @@ def run(cfg: ServeConfig) -> int:
                                  *to_words(cfg.flags, ["--port", "--api-key",
                                                        "--max-model-len"]),
                                  "--prefill-offload-threshold",
-                                 str(cfg.prefill_offload_threshold)], p.log_dir)
+                                 str(cfg.prefill_offload_threshold),
+                                 "--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms)],
+                     p.log_dir)
         started.append(gw)
         _wait_healthy(gw.info["http"])
         _say_ready(gw.info["http"], p.names[0])

@@ -187,6 +187,10 @@ FLAGS: list[Flag] = [
          {"gateway": 0, "*": 2048},
          "while every prefill instance has this many prompt tokens queued, a decode instance "
          "prefills new prompts itself; 0: never (up and serve: 2048, one box)"),
+    Flag("--decode-tpot-slo-ms", "float", {"gateway", "up", "serve"}, 50.0,
+         "a decode instance prefills an offloaded prompt only if its step, with the prompt's "
+         "first chunk beside its decode rows, stays under this many ms (by the step costs it "
+         "publishes)"),
     *_flags({"gateway"},
             ("--log-requests", "bool", False, "log every finished request"),
             ("--log-requests-level", "int", 2, "0 metadata, 1 + sampling parameters, 2 + the "

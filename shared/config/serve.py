@@ -125,6 +125,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
     _at_least(f, "max_queued_requests", 1)
     if config.command == "gateway" or config.command in ("up", "serve"):
         _at_least(f, "prefill_offload_threshold", 0)
+        _positive(f, "decode_tpot_slo_ms")
     if config.command == "eplb":
         _positive(f, "interval_s")
     if config.command == "kvstore":

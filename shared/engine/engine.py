@@ -31,6 +31,7 @@ from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.engine.scheduler import Scheduler
+from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
@@ -95,6 +96,7 @@ class EngineCore:
                 kv_pool, [CacheRegions(t) for t in caches], self.kv.hasher,
                 self.kv_fingerprint, save_prompts,
                 windows=[g.window for g in groups], names=[g.name for g in groups])
+        self.step_costs = StepCosts()
         self.scheduler = Scheduler(self.kv, policy_from_config(config),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector)
@@ -284,6 +286,7 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         handed_back = self._handed_back()
         if sched.is_empty:
@@ -313,6 +316,9 @@ class EngineCore:
                     req.kv_put_time = (t0, time.monotonic())
         tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)
+        decode_rows = sum(1 for n in sched.num_tokens if n == 1)
+        self.step_costs.record(time.perf_counter() - t_start,
+                               sched.total_tokens - decode_rows, decode_rows)
         for req in finished:
             self._requests.pop(req.request_id, None)
         done = {id(r) for r in finished}

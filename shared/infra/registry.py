@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway", "eplb")
 LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
                "queued_prefill_tokens", "block_size", "placement_version",
-               "expert_bytes_moved")
+               "expert_bytes_moved", "decode_step_us", "prefill_ns_per_token",
+               "max_num_batched_tokens")
 
 
 @dataclass

@@ -144,11 +144,14 @@ class EngineLoop:
         queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                      for r in (*s.running, *s.waiting))
         ep = self.engine.ep
+        costs = self.engine.step_costs
         return EngineLoad(len(s.running), len(s.waiting), self.engine.kv.num_free_blocks,
                           self.engine.kv.num_blocks, queued, self.engine.config.block_size,
                           ep.version if ep is not None else 0,
                           ep.bytes_moved if ep is not None else 0,
-                          self.draining, self.max_model_len)
+                          round(costs.decode_step_us), round(costs.prefill_ns_per_token),
+                          self.engine.max_num_batched_tokens, self.draining,
+                          self.max_model_len)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:

@@ -159,6 +159,11 @@ class EngineLoad(msgspec.Struct, tag=True):
     block_size: int = 0  # tokens per KV block (routers estimate prefix-cache hits with it)
     placement_version: int = 0  # the EPLB expert placement this rank runs
     expert_bytes_moved: int = 0  # expert weights this rank received in placement changes
+    # what a step costs here (0: not measured yet): routers keep offloaded prompts off a
+    # decode instance whose step they would push past the TPOT budget
+    decode_step_us: int = 0  # a decode-only step
+    prefill_ns_per_token: int = 0  # what each prompt token computed in a step adds
+    max_num_batched_tokens: int = 0  # the most prompt tokens one step computes
     draining: bool = False
     max_model_len: int = 0
 

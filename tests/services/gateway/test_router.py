@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.infra.registry import Instance, Registry
 
@@ -124,11 +126,16 @@ def test_prefix_estimate_keeps_at_most_the_instance_capacity():
     assert block_hashes([1, 2, 3], 4) == []  # no full block, nothing cacheable
 
 
+# step costs well within the default TPOT budget: 5 ms decode steps, 10 us per prompt token
+CHEAP = {"decode_step_us": 5000, "prefill_ns_per_token": 10_000,
+         "max_num_batched_tokens": 2048}
+
+
 def test_prefill_offload_only_while_prefill_is_backed_up(registry_prefix):
     reg = registry(registry_prefix + "-r9",
                    Instance("p1", "prefill", "a:1", load={"queued_prefill_tokens": 0}),
-                   Instance("d1", "decode", "b:1"),
-                   Instance("d2", "decode", "b:2"))
+                   Instance("d1", "decode", "b:1", load=CHEAP),
+                   Instance("d2", "decode", "b:2", load=CHEAP))
     prompt = list(range(100))
     assert Router(reg).offload_target(prompt) is None  # off by default
     r = Router(reg, offload_threshold=1000)
@@ -162,3 +169,46 @@ def test_no_offload_without_a_decode_or_prefill_instance(registry_prefix):
     reg = registry(registry_prefix + "-r11",
                    Instance("d1", "decode", "b:1"))
     assert Router(reg, offload_threshold=10).offload_target([1, 2, 3]) is None
+
+
+def test_offload_never_pushes_a_decode_step_past_the_tpot_budget(registry_prefix):
+    """Decode protected by construction: a decode instance takes an offloaded prompt only
+    if its step, with the prompt's first chunk beside its decode rows, stays within
+    --decode-tpot-slo-ms by its published step costs (else the prefill instances' cost
+    per prompt token); with no cost known anywhere it takes nothing."""
+    backed_up = {"queued_prefill_tokens": 100_000, "prefill_ns_per_token": 40_000}
+    reg = registry(registry_prefix + "-r12",
+                   Instance("p1", "prefill", "a:1", load=backed_up),
+                   # 20 ms steps, 40 us per prompt token, 512-token chunks: a step with
+                   # a prompt's chunk takes 20 + 0.04 x min(prompt, 512) ms
+                   Instance("d1", "decode", "b:1", load={
+                       "decode_step_us": 20_000, "prefill_ns_per_token": 40_000,
+                       "max_num_batched_tokens": 512}),
+                   # busy: 45 ms steps already
+                   Instance("d2", "decode", "b:2", load={
+                       "decode_step_us": 45_000, "prefill_ns_per_token": 40_000,
+                       "max_num_batched_tokens": 512}))
+    r = Router(reg, offload_threshold=1000, decode_tpot_slo_ms=50)
+    d1 = next(i for i in r.instances("decode") if i.id == "d1")
+    assert r.offloaded_step_ms(d1, 100) == pytest.approx(24.0)  # 20 + 100 x 0.04
+    assert r.offloaded_step_ms(d1, 5000) == pytest.approx(40.48)  # one 512-token chunk
+    short, long = list(range(100)), list(range(5000))
+    # d2 would step 49 ms with 100 prompt tokens: under budget, but it is the busier
+    assert r.offload_target(short).id in {"d1", "d2"}
+    picked = {r.offload_target(list(range(200))).id for _ in range(10)}
+    assert picked == {"d1"}  # d2: 45 + 8 = 53 ms > 50
+    strict = Router(reg, offload_threshold=1000, decode_tpot_slo_ms=30)
+    assert strict.offload_target(short).id == "d1"  # 24 ms
+    assert strict.offload_target(long) is None  # 40.48 ms: no instance within 30 ms
+    # a decode instance that never computed a prompt is priced at prefill's cost
+    reg2 = registry(registry_prefix + "-r13",
+                    Instance("p1", "prefill", "a:1", load=backed_up),
+                    Instance("d1", "decode", "b:1", load={"decode_step_us": 10_000}))
+    r2 = Router(reg2, offload_threshold=1000, decode_tpot_slo_ms=50)
+    assert r2.offload_target(list(range(500))).id == "d1"  # 10 + 20 ms
+    assert r2.offload_target(list(range(1500))) is None  # 10 + 60 ms
+    # nothing measured anywhere: no offload at all
+    reg3 = registry(registry_prefix + "-r14",
+                    Instance("p1", "prefill", "a:1", load={"queued_prefill_tokens": 100_000}),
+                    Instance("d1", "decode", "b:1"))
+    assert Router(reg3, offload_threshold=1000).offload_target(short) is None
