@@ -1,17 +1,20 @@
 """Prefill offload with real processes: a PD mesh (kvstore, prefill, decode, gateway
 with --prefill-offload-threshold 1). A burst backs prefill up, so the decode instance
-computes some prompts itself; every answer is still the offline greedy text, and a
-request on an idle mesh goes through prefill as usual."""
+computes some prompts itself (once the engines have published their step costs, which
+price each prompt against the decode TPOT budget); every answer is still the offline
+greedy text, and a request on an idle mesh goes through prefill as usual."""
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.registry import Registry
 from tests.mesh import MODEL, pd_mesh
 from tests.prometheus_text import sample
 
@@ -55,7 +58,23 @@ def test_idle_mesh_does_not_offload(mesh, expected):
     assert offloaded(mesh) == before, "offloaded on an idle mesh"
 
 
-def test_burst_offloads_some_prompts_to_decode_with_the_same_text(mesh, expected):
+def costs_published(prefix: str, timeout_s: float = 30.0) -> None:
+    """Wait for the prefill instance's heartbeat to carry its measured cost per prompt
+    token: until then the gateway cannot price a prompt on a decode instance, and
+    offloads nothing (decode protected by construction)."""
+    reg = Registry("redis://127.0.0.1:6379/0", prefix)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(i.load.get("prefill_ns_per_token") for i in reg.instances("prefill")):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the prefill instance never published its step costs")
+
+
+def test_burst_offloads_some_prompts_to_decode_with_the_same_text(mesh, expected,
+                                                                   registry_prefix):
+    costs_published(registry_prefix + "-offload")
+    time.sleep(0.5)  # the gateway's registry copy is refreshed every 0.25 s
     before = offloaded(mesh)
     go = threading.Barrier(len(PROMPTS))
 
