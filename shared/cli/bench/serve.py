@@ -1,10 +1,12 @@
 """`pdmesh bench serve`: load an OpenAI-compatible endpoint like `vllm bench serve`.
 
-Random dataset: each prompt is ``--input-len`` random token ids (seeded), each answer
-``--output-len`` tokens with EOS ignored, streamed. Requests arrive as a Poisson process
-at ``--request-rate`` (inf: all at once), at most ``--max-concurrency`` in flight.
-Reports output tok/s, request/s, TTFT, TPOT and ITL (median and p99, ms) and, with
-``--json``, writes them to a file.
+``--scenario`` picks who asks what and when (``scenarios.py``: short chat, long
+mixed-length prompts, bursts, shared prefixes, multi-turn chat, long outputs; ``random``:
+``--input-len`` random token ids in, ``--output-len`` out for every request). Token ids
+are seeded, answers stream with EOS ignored; sessions arrive as a Poisson process at
+``--request-rate`` (inf: all at once), at most ``--max-concurrency`` requests in flight.
+Reports output tok/s, request/s, TTFT, TPOT, ITL and end-to-end latency (median and
+p99, ms), goodput under ``--goodput`` SLOs, and with ``--json`` writes them to a file.
 """
 
 from __future__ import annotations
@@ -13,22 +15,37 @@ import argparse
 import asyncio
 import itertools
 import json
-import random
 import socket
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from pdmesh.shared.cli.bench.scenarios import (
+    SCENARIOS,
+    ScenarioArgs,
+    Session,
+    build,
+    parse_goodput,
+)
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the served model name")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--scenario", default="random", choices=SCENARIOS)
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="requests (multi-turn: conversations)")
+    p.add_argument("--input-len", type=int, default=128, help="random scenario")
+    p.add_argument("--output-len", type=int, default=128, help="random scenario")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="prompt + answer fit in this many tokens (the server's context)")
+    p.add_argument("--burst-size", type=int, default=16, help="burst scenario")
+    p.add_argument("--burst-interval-s", type=float, default=10.0, help="burst scenario")
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix scenario")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="SLOs a request must meet to count as good: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=4000, help="token ids drawn below this")
@@ -49,8 +66,9 @@ class Result:
     error: str = ""
 
 
-async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[int]) -> Result:
-    body = {"model": a.model, "prompt": prompt, "max_tokens": a.output_len, "temperature": 0,
+async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[int],
+               output_len: int) -> Result:
+    body = {"model": a.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -85,43 +103,51 @@ async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[in
     return res
 
 
+def scenario_args(a: argparse.Namespace) -> ScenarioArgs:
+    return ScenarioArgs(a.scenario, a.num_prompts, a.request_rate, a.input_len, a.output_len,
+                        a.max_context, a.vocab_size, a.seed, a.burst_size, a.burst_interval_s,
+                        a.num_prefixes)
+
+
 async def _run(a: argparse.Namespace) -> dict:
-    rng = random.Random(a.seed)
-    prompts = [[rng.randrange(10, a.vocab_size) for _ in range(a.input_len)]
-               for _ in range(a.num_prompts)]
+    sessions = build(scenario_args(a))
+    total = sum(len(s.turns) for s in sessions)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-    limits = httpx.Limits(max_connections=a.max_concurrency or a.num_prompts)
-    sem = asyncio.Semaphore(a.max_concurrency or a.num_prompts)
+    limits = httpx.Limits(max_connections=a.max_concurrency or total)
+    sem = asyncio.Semaphore(a.max_concurrency or total)
     # TCP_NODELAY: httpx writes a request's headers and body separately, and Nagle's
     # algorithm would hold the body for the server's delayed ACK (~40 ms of fake TTFT)
     transport = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    finished = itertools.count(1)
+
+    def progress(done: int) -> None:
+        if a.progress:
+            print(f"\rrequests done {done}/{total}", end="", file=sys.stderr, flush=True)
+
     async with httpx.AsyncClient(base_url=a.base_url, headers=headers, transport=transport,
                                  timeout=httpx.Timeout(600)) as client:
-
-        async def limited(p: list[int]) -> Result:
-            async with sem:
-                return await _one(client, a, p)
-
-        def progress(done: int) -> None:
-            print(f"\rrequests done {done}/{len(prompts)}", end="", file=sys.stderr,
-                  flush=True)
-
-        finished = itertools.count(1)
-        tasks = []
         t0 = time.perf_counter()
-        if a.progress:
-            progress(0)
-        for p in prompts:
-            tasks.append(asyncio.create_task(limited(p)))
-            if a.progress:
-                tasks[-1].add_done_callback(lambda _: progress(next(finished)))
-            if a.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(a.request_rate))
-        results = await asyncio.gather(*tasks)
+
+        async def session(s: Session) -> list[Result]:
+            await asyncio.sleep(max(0.0, t0 + s.start_s - time.perf_counter()))
+            out = []
+            for turn in s.turns:  # a conversation's next turn waits for this answer
+                async with sem:
+                    out.append(await _one(client, a, turn.prompt, turn.output_len))
+                progress(next(finished))
+                if not out[-1].ok:
+                    break  # the conversation ends with its failed turn
+            return out
+
+        progress(0)
+        per_session = await asyncio.gather(*(session(s) for s in sessions))
         duration = time.perf_counter() - t0
         if a.progress:
             print(file=sys.stderr)
+    results = [r for rs in per_session for r in rs]
+    results += [Result(ok=False, error="not sent: an earlier turn of its conversation failed")
+                for _ in range(total - len(results))]
     return summarize(results, duration, a)
 
 
@@ -138,6 +164,9 @@ def summarize(results: list[Result], duration: float, a: argparse.Namespace) -> 
     ttfts = [r.ttft for r in good]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
     itls = [x for r in good for x in r.itls]
+    e2els = [r.latency for r in good]
+    slo = parse_goodput(getattr(a, "goodput", []) or [])
+    meets = [r for r in good if _meets(r, slo)]
     return {
         "completed": len(good), "failed": len(results) - len(good),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -146,18 +175,38 @@ def summarize(results: list[Result], duration: float, a: argparse.Namespace) -> 
         "ttft_ms_median": _pct(ttfts, 50), "ttft_ms_p99": _pct(ttfts, 99),
         "tpot_ms_median": _pct(tpots, 50), "tpot_ms_p99": _pct(tpots, 99),
         "itl_ms_median": _pct(itls, 50), "itl_ms_p99": _pct(itls, 99),
-        "e2e_ms_median": statistics.median(r.latency for r in good) * 1e3 if good else 0.0,
+        "e2e_ms_median": _pct(e2els, 50), "e2e_ms_p99": _pct(e2els, 99),
+        "goodput_slo_ms": slo,
+        "goodput_request_s": len(meets) / duration if slo else None,
+        "goodput_fraction": len(meets) / len(results) if slo and results else None,
         "args": {k: v for k, v in vars(a).items() if k not in ("func", "api_key")},
     }
 
 
+def _meets(r: Result, slo: dict[str, float]) -> bool:
+    tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+    measured = {"ttft": r.ttft * 1e3, "tpot": tpot * 1e3, "e2el": r.latency * 1e3}
+    return all(measured[k] <= ms for k, ms in slo.items())
+
+
 def run(a: argparse.Namespace) -> int:
+    try:
+        build(scenario_args(a))  # bad arguments: a clear error before any request
+        parse_goodput(a.goodput)
+    except ValueError as e:
+        print(f"pdmesh bench serve: {e}", file=sys.stderr)
+        return 2
     res = asyncio.run(_run(a))
     print(f"completed {res['completed']}, failed {res['failed']} in {res['duration_s']:.2f}s | "
           f"output {res['output_tok_s']:.0f} tok/s, {res['request_s']:.2f} req/s\n"
           f"TTFT median {res['ttft_ms_median']:.2f} ms p99 {res['ttft_ms_p99']:.2f} | "
           f"TPOT median {res['tpot_ms_median']:.3f} ms p99 {res['tpot_ms_p99']:.3f} | "
-          f"ITL median {res['itl_ms_median']:.3f} ms p99 {res['itl_ms_p99']:.3f}")
+          f"ITL median {res['itl_ms_median']:.3f} ms p99 {res['itl_ms_p99']:.3f} | "
+          f"E2E median {res['e2e_ms_median']:.0f} ms p99 {res['e2e_ms_p99']:.0f}")
+    if res["goodput_request_s"] is not None:
+        slo = " ".join(f"{k}<={v:g}ms" for k, v in res["goodput_slo_ms"].items())
+        print(f"goodput ({slo}): {res['goodput_request_s']:.2f} req/s, "
+              f"{100 * res['goodput_fraction']:.0f}% of requests")
     for e in res["errors"]:
         print(f"error: {e}")
     if a.json:
