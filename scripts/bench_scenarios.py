@@ -1,0 +1,170 @@
+"""The serving scenarios side by side: the PD mesh (`pdmesh up`), the mixed instance
+(`pdmesh serve`) and, if given, vLLM's `vllm serve`, each started fresh on loopback,
+loaded by the same client (`pdmesh bench serve --scenario ...`), stopped by process
+group; systems interleaved within each round so a noisy machine hurts all alike.
+
+    .venv/bin/python scripts/bench_scenarios.py --model /tmp/bench/qwen3 \\
+        --scenarios long-mixed,shared-prefix --rounds 2 \\
+        --vllm "/tmp/anchor/venv-vllm/bin/python /tmp/anchor/vllm_cli.py serve" \\
+        --vllm-env /tmp/anchor/vllm_env.sh --out /tmp/scenarios.json
+
+Prints one markdown table per scenario (median over rounds; ratios to vLLM where run).
+The scenarios' sizes below keep a round of all of them to minutes on a 2-core box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from pdmesh.shared.infra.net import free_port
+
+# scenario -> extra `pdmesh bench serve` arguments (request counts and rates for 2 cores)
+SIZES = {
+    "short-chat": ["--num-prompts", "48", "--request-rate", "4"],
+    "long-mixed": ["--num-prompts", "24", "--request-rate", "0.5"],
+    "burst": ["--num-prompts", "32", "--burst-size", "16", "--burst-interval-s", "8"],
+    "shared-prefix": ["--num-prompts", "32", "--request-rate", "2", "--num-prefixes", "2"],
+    "multi-turn": ["--num-prompts", "12", "--request-rate", "0.5"],
+    "long-output": ["--num-prompts", "12", "--request-rate", "0.5"],
+    "random": ["--num-prompts", "64", "--request-rate", "inf"],
+}
+GOODPUT = ["ttft:2000", "tpot:100"]  # DistServe-style chat SLOs, loosened for a CPU
+FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),
+           ("ttft_ms_p99", "TTFT p99"), ("tpot_ms_median", "TPOT p50"),
+           ("itl_ms_p99", "ITL p99"), ("goodput_request_s", "goodput req/s")]
+
+
+def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Popen, str]:
+    """Start one system; (process, base URL) once it answers."""
+    if system == "vllm":
+        port = free_port()
+        env = _sourced(a.vllm_env) if a.vllm_env else dict(os.environ)
+        cmd = (f"{a.vllm} {a.model} --host 127.0.0.1 --port {port} --dtype float32 "
+               f"--max-model-len {a.max_context} --gpu-memory-utilization 0.1 "
+               f"--max-num-seqs 64 --seed 0 --served-model-name tiny")
+        proc = subprocess.Popen(cmd.split(), stdout=open(logs / "vllm.log", "w"),
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        stop(proc)
+        raise RuntimeError(f"vllm serve never came up (see {logs / 'vllm.log'})")
+    command = {"pd": "up", "mixed": "serve"}[system]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdmesh", command, a.model, "--port", "0", "--served-model-name",
+         "tiny", "--registry-prefix",
+         f"bench-{uuid.uuid4().hex[:8]}", "--log-dir", str(logs), "--engine-args",
+         "--device cpu --dtype float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if m := re.search(r"mesh ready: (http://\S+)/v1", line):
+            return proc, m.group(1)
+    stop(proc)
+    raise RuntimeError(f"pdmesh {command} never came up (logs in {logs})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _sourced(script: str) -> dict[str, str]:
+    """The environment after ``source script``."""
+    out = subprocess.run(["bash", "-c", f"source {script} >/dev/null && env -0"],
+                         capture_output=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def run_scenario(url: str, scenario: str, a: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdmesh", "bench", "serve", "--base-url", url, "--model",
+           "tiny", "--scenario", scenario, "--max-context", str(a.max_context), "--seed",
+           "0", "--goodput", *GOODPUT, "--json", str(out), "--no-progress",
+           *SIZES[scenario]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if not out.exists():
+        raise RuntimeError(f"bench serve failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--scenarios", default=",".join(s for s in SIZES if s != "random"))
+    p.add_argument("--systems", default="pd,mixed,vllm")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--vllm", default=None, help="the `vllm serve` command (without MODEL)")
+    p.add_argument("--vllm-env", default=None, help="a script to source for vLLM's env")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    scenarios = a.scenarios.split(",")
+    systems = [s for s in a.systems.split(",") if s != "vllm" or a.vllm]
+    results: dict[str, dict[str, list[dict]]] = {sc: {sy: [] for sy in systems}
+                                                  for sc in scenarios}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            for system in systems if r % 2 == 0 else systems[::-1]:
+                logs = Path(tmp) / f"{system}-{r}"
+                logs.mkdir()
+                proc, url = start(system, a, logs)
+                try:
+                    for sc in scenarios:
+                        res = run_scenario(url, sc, a, logs / f"{sc}.json")
+                        results[sc][system].append(res)
+                        print(f"round {r} {system:5s} {sc:13s} {res['output_tok_s']:7.1f} tok/s "
+                              f"TTFT p50 {res['ttft_ms_median']:7.0f} TPOT p50 "
+                              f"{res['tpot_ms_median']:6.1f} failed {res['failed']}",
+                              flush=True)
+                finally:
+                    stop(proc)
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=2))
+    for sc in scenarios:
+        print(f"\n### {sc} (median of {a.rounds} round(s); goodput SLO {' '.join(GOODPUT)})\n")
+        print("| system | " + " | ".join(label for _, label in FIGURES) + " |")
+        print("|---|" + "---|" * len(FIGURES))
+        med = {sy: {k: statistics.median(x[k] or 0 for x in runs) for k, _ in FIGURES}
+               for sy, runs in results[sc].items() if runs}
+        for sy, figs in med.items():
+            cells = []
+            for k, _ in FIGURES:
+                cell = f"{figs[k]:,.1f}"
+                if "vllm" in med and sy != "vllm" and med["vllm"][k]:
+                    cell += f" ({figs[k] / med['vllm'][k]:.2f}x)"
+                cells.append(cell)
+            print(f"| {sy} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
