@@ -237,10 +237,12 @@ class KVCacheManager:
         return PrefixHit(n, blocks)
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 cached: PrefixHit | None = None) -> bool:
+                 cached: PrefixHit | None = None, register: bool = True) -> bool:
         """Room for ``num_new_tokens`` beyond what the request has computed (plus the
         ``cached`` prefix hits it is about to adopt). False, changing nothing, if a pool
         cannot supply it. Blocks a sliding group's window has left behind go back first.
+        The full blocks it fills become findable by prefix now, or (``register``
+        False: their content is still on its way) at its next allocation.
         """
         held = self._held.get(request.request_id)
         num_cached = cached.num_blocks if cached else 0
@@ -278,7 +280,7 @@ class KVCacheManager:
                 new = pool.allocate(needed)
                 h.blocks.extend(new)
                 h.ids.extend(b.block_id for b in new)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and register:
             full = min(num_tokens, request.num_tokens) // self.block_size
             if any(h.registered < full for h in held):  # blocks this step fills: findable
                 hashes = self.hasher.update(request)

@@ -10,7 +10,10 @@ victim is preempted: its blocks are freed and it waits to be recomputed.
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pdmesh.shared.engine.block_manager import KVCacheManager, PrefixHit
@@ -18,6 +21,7 @@ from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.policy import SchedulingPolicy
 from pdmesh.shared.engine.request import Request, RequestStatus
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerOutput:
@@ -39,9 +43,16 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 connector: PoolConnector | None = None):
+                 connector: PoolConnector | None = None, async_kv_load: bool = False):
+        """``async_kv_load`` (decode instances): a request whose prompt comes from the
+        pool is loaded on a helper thread while the running requests keep stepping; it
+        joins the batch once its blocks are in (a step never waits for a pool read)."""
         self.kv = kv
         self.connector = connector
+        self.async_kv_load = async_kv_load and connector is not None
+        # id(request) -> (request, its load, prefix hit tokens, pooled tokens)
+        self.loading: dict[int, tuple[Request, Future, int, int]] = {}
+        self._loader: ThreadPoolExecutor | None = None
         self.waiting = policy
         self.running: list[Request] = []
         self.max_num_seqs = max_num_seqs
@@ -63,13 +74,15 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
+        if self.loading:
+            self._finish_loads()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         i = 0
@@ -90,7 +103,7 @@ class Scheduler:
             return out  # memory is tight: admit nothing new this step
         admit = self.admit_blocks
         while (len(self.waiting) and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting.peek()
             if admit is not None:  # the balancer's cap on what this rank takes on
                 need = -(-req.num_tokens // self.kv.block_size)
@@ -104,10 +117,18 @@ class Scheduler:
             pooled = (self.connector.loadable_tokens(req, hit_tokens)
                       if fresh and self.connector is not None else 0)
             n = min(req.num_tokens - req.num_computed_tokens - hit_tokens - pooled, budget)
-            if not self.kv.allocate(req, pooled + n, cached):
+            later = bool(pooled) and self.async_kv_load
+            # blocks still loading are made findable by prefix only once they are in
+            if not self.kv.allocate(req, pooled + n, cached, register=not later):
                 break
             self.waiting.pop()
             req.num_computed_tokens += hit_tokens
+            if fresh:
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += hit_tokens
+            if later:
+                self._start_load(req, hit_tokens, pooled)
+                continue  # it joins the batch when its blocks are in
             if pooled:
                 assert self.connector is not None
                 t0 = time.monotonic()
@@ -121,9 +142,6 @@ class Scheduler:
                     self.kv.forget_from(req, hit_tokens // self.kv.block_size)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
-            if fresh:
-                self.prefix_queries += req.num_tokens
-                self.prefix_hits += hit_tokens
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
             req.transition(RequestStatus.RUNNING)
@@ -131,7 +149,52 @@ class Scheduler:
             out.requests.append(req)
             out.num_tokens.append(n)
             budget -= n
+        if out.is_empty and self.loading:  # nothing to compute but loads: wait a little
+            futures.wait([f for _, f, _, _ in self.loading.values()], timeout=0.005,
+                         return_when=futures.FIRST_COMPLETED)
         return out
+
+    # -- pool loads off the step (async_kv_load) --------------------------------------------
+    def _start_load(self, req: Request, hit_tokens: int, pooled: int) -> None:
+        assert self.connector is not None
+        connector = self.connector
+        tables = [list(self.kv.block_ids(req, g)) for g in range(len(self.kv.groups))]
+
+        def load() -> bool:
+            t0 = time.monotonic()
+            try:
+                return connector.load(req, tables, hit_tokens, pooled)
+            finally:
+                req.kv_get_time = (t0, time.monotonic())
+
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self.loading[id(req)] = (req, self._loader.submit(load), hit_tokens, pooled)
+
+    def _finish_loads(self) -> None:
+        """Requests whose pool loads are done join the running (in the order they were
+        admitted); a failed load leaves the prompt to compute here, an aborted request's
+        blocks go back now that nothing writes them."""
+        for key, (req, fut, _, pooled) in list(self.loading.items()):
+            if not fut.done():
+                continue
+            del self.loading[key]
+            if req.is_finished:  # aborted while loading
+                self.kv.free(req)
+                continue
+            try:
+                loaded = fut.result()
+            except Exception:  # noqa: BLE001 (a failed load is a recompute, not a crash)
+                log.exception("request %s: pool load failed; recomputing", req.request_id)
+                loaded = False
+            if loaded:
+                req.num_computed_tokens += pooled
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            req.transition(RequestStatus.RUNNING)
+            self.running.append(req)
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput,
                    scheduled: set[int]) -> bool:
@@ -228,6 +291,9 @@ class Scheduler:
             self._unpause(req)
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
+            if id(req) in self.loading:  # its blocks go back once the load is done
+                req.transition(status)
+                return
             self.waiting.remove(req)
         req.transition(status)
         self.kv.free(req)

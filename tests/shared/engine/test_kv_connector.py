@@ -111,3 +111,64 @@ def test_prefill_then_decode_through_mooncake(qwen3_path, expected, mooncake_mas
     finally:
         for p in pools:
             p.close()
+
+
+class GatedPool(InProcessPool):
+    """The in-process pool whose reads wait until the test opens the gate (a slow pool
+    read, made deterministic); ``fail`` makes them come back empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.fail = False
+        self.reads = 0
+
+    def get(self, keys, regions):
+        self.reads += 1
+        assert self.gate.wait(30), "the test never opened the gate"
+        return [False] * len(keys) if self.fail else super().get(keys, regions)
+
+
+def test_decode_steps_never_wait_for_a_pool_read(qwen3_path, expected):
+    """A decode engine's pool read runs beside its steps: while one request's blocks are
+    on their way, the running requests keep producing tokens; it joins once they are in
+    and ends with the same tokens; an abort while loading or a failed load leaks nothing
+    (a failed load is computed here instead)."""
+    pool = GatedPool()
+    prefill, decode = engine(qwen3_path, pool, True), engine(qwen3_path, pool, False)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    pre = [prefill.add_request(p, first) for p in PROMPTS]
+    run(prefill, pre)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    pool.gate.set()
+    a = decode.add_request(PROMPTS[0], params, output_token_ids=pre[0].output_token_ids)
+    while not a.output_token_ids[1:]:  # a runs
+        decode.step()
+    pool.gate.clear()
+    b = decode.add_request(PROMPTS[2], params, output_token_ids=pre[2].output_token_ids)
+    before = len(a.output_token_ids)
+    for _ in range(3):  # b's read is held: a keeps decoding, b is not in the batch
+        outs = decode.step()
+        assert [o.request for o in outs] == [a]
+    assert len(a.output_token_ids) == before + 3 and b.num_computed_tokens < len(PROMPTS[2])
+    assert pool.reads == 2 and decode.scheduler.loading
+    pool.gate.set()
+    run(decode, [a, b])
+    assert a.output_token_ids == expected[0] and b.output_token_ids == expected[2]
+    assert b.kv_get_bytes > 0 and b.num_cached_tokens >= 32  # it loaded, not computed
+    # aborted while its read is held: its blocks go back once the read is done
+    pool.gate.clear()
+    c = decode.add_request(PROMPTS[1], params, output_token_ids=pre[1].output_token_ids)
+    decode.step()
+    assert decode.scheduler.loading
+    decode.abort(c.request_id)
+    pool.gate.set()
+    run(decode, [c])  # (checks that every block is free again)
+    assert c.is_finished and not decode.scheduler.loading
+    # a failed read: the prompt is computed here, with the same result
+    pool.fail = True
+    d = decode.add_request(PROMPTS[1], params, output_token_ids=pre[1].output_token_ids)
+    run(decode, [d])
+    assert d.output_token_ids == expected[1]
