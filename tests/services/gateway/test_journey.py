@@ -208,7 +208,10 @@ def test_hand_backs_are_bounded():
 
 
 def test_offload_lets_decode_compute_the_prompt_when_prefill_is_backed_up():
-    backed_up = [inst("p1", "prefill", queued_prefill_tokens=5000), inst("d1", "decode")]
+    # step costs published (prefill: 10 us per prompt token; decode: 5 ms steps), so the
+    # 40-token prompt fits the decode TPOT budget
+    backed_up = [inst("p1", "prefill", queued_prefill_tokens=5000, prefill_ns_per_token=10_000),
+                 inst("d1", "decode", decode_step_us=5000)]
     start, pre, dec, events = journey(backed_up, {"p1": []}, {"d1": [[5, 6, "length"]]},
                                       offload_threshold=1000)
     j = start()
