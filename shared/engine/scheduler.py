@@ -23,6 +23,7 @@ from pdmesh.shared.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class SchedulerOutput:
     """One step's work, in batch order."""
@@ -50,8 +51,8 @@ class Scheduler:
         self.kv = kv
         self.connector = connector
         self.async_kv_load = async_kv_load and connector is not None
-        # id(request) -> (request, its load, prefix hit tokens, pooled tokens)
-        self.loading: dict[int, tuple[Request, Future, int, int]] = {}
+        # id(request) -> (request, its load, the tokens it brings)
+        self.loading: dict[int, tuple[Request, Future, int]] = {}
         self._loader: ThreadPoolExecutor | None = None
         self.waiting = policy
         self.running: list[Request] = []
@@ -150,7 +151,7 @@ class Scheduler:
             out.num_tokens.append(n)
             budget -= n
         if out.is_empty and self.loading:  # nothing to compute but loads: wait a little
-            futures.wait([f for _, f, _, _ in self.loading.values()], timeout=0.005,
+            futures.wait([f for _, f, _ in self.loading.values()], timeout=0.005,
                          return_when=futures.FIRST_COMPLETED)
         return out
 
@@ -169,13 +170,13 @@ class Scheduler:
 
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
-        self.loading[id(req)] = (req, self._loader.submit(load), hit_tokens, pooled)
+        self.loading[id(req)] = (req, self._loader.submit(load), pooled)
 
     def _finish_loads(self) -> None:
         """Requests whose pool loads are done join the running (in the order they were
         admitted); a failed load leaves the prompt to compute here, an aborted request's
         blocks go back now that nothing writes them."""
-        for key, (req, fut, _, pooled) in list(self.loading.items()):
+        for key, (req, fut, pooled) in list(self.loading.items()):
             if not fut.done():
                 continue
             del self.loading[key]
