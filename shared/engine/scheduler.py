@@ -141,12 +141,7 @@ class Scheduler:
                     req.num_computed_tokens += pooled
                 else:  # recompute from the local hits; nothing unfilled stays findable
                     self.kv.forget_from(req, hit_tokens // self.kv.block_size)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            req.transition(RequestStatus.RUNNING)
-            self.running.append(req)
+            self._start_running(req)
             out.requests.append(req)
             out.num_tokens.append(n)
             budget -= n
@@ -190,12 +185,16 @@ class Scheduler:
                 loaded = False
             if loaded:
                 req.num_computed_tokens += pooled
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            req.transition(RequestStatus.RUNNING)
-            self.running.append(req)
+            self._start_running(req)
+
+    def _start_running(self, req: Request) -> None:
+        """An admitted request joins the running (what it brought counts as cached)."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
+        req.transition(RequestStatus.RUNNING)
+        self.running.append(req)
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput,
                    scheduled: set[int]) -> bool:
