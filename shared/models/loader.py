@@ -129,18 +129,20 @@ def _read_weights(
     else:
         lm_head = embed.t()
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
+    mtp = _read_mtp(ckpt, [f"model.layers.{cfg.num_layers + i}."
+                           for i in range(cfg.num_nextn_predict_layers)], dtype, dev)
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
-                        lm_head=lm_head, mtp=_read_mtp(cfg, ckpt, dtype, dev))
+                        lm_head=lm_head, mtp=mtp)
 
 
-def _read_mtp(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
+def _read_mtp(ckpt: CheckpointReader, prefixes: list[str], dtype: torch.dtype,
               dev: torch.device) -> list[dict[str, torch.Tensor]]:
-    """The multi-token-prediction layers a checkpoint carries after its decoder layers
-    (``model.layers.{num_hidden_layers + i}.*``: enorm, hnorm, eh_proj, shared_head and
-    a decoder layer), as they are; a checkpoint without them loads too."""
+    """The multi-token-prediction layers a checkpoint carries, one per name prefix
+    (DeepSeek-V3's ``model.layers.{num_hidden_layers + i}.``: enorm, hnorm, eh_proj,
+    shared_head and a decoder layer; DeepSeek-V4's ``mtp.{i}.``), as they are; a
+    checkpoint without them loads too."""
     layers = []
-    for i in range(cfg.num_nextn_predict_layers):
-        prefix = f"model.layers.{cfg.num_layers + i}."
+    for prefix in prefixes:
         names = [n for n in ckpt.names() if n.startswith(prefix)]
         if names:
             layers.append({n[len(prefix):]: ckpt.get(n, dtype, dev) for n in names})
@@ -300,12 +302,8 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
 
     layers = [_read_v4_layer(cfg, ckpt, i, dtype, dev, hc) for i in range(cfg.num_layers)]
     lm_head = ckpt.get("head.weight", dtype, dev)
-    mtp = []
-    for i in range(cfg.num_nextn_predict_layers):
-        prefix = f"mtp.{i}."
-        names = [n for n in ckpt.names() if n.startswith(prefix)]
-        if names:
-            mtp.append({n[len(prefix):]: ckpt.get(n, dtype, dev) for n in names})
+    mtp = _read_mtp(ckpt, [f"mtp.{i}." for i in range(cfg.num_nextn_predict_layers)],
+                    dtype, dev)
     return V4Weights(embed=ckpt.get("embed.weight", dtype, dev), layers=layers,
                      final_norm=ckpt.get("norm.weight", dtype, dev),
                      lm_head=_input_major(lm_head), hc_head=hc("hc_head"), mtp=mtp)

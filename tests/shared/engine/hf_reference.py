@@ -55,3 +55,22 @@ def hf_greedy_stepwise(path: Path, prompts: list[list[int]], new_tokens: int,
                                use_cache=True).logits[0, -1]
             outs.append(out)
     return outs
+
+
+def assert_greedy_twice(llm, prompts: list[list[int]], want: list[list[int]],
+                        new_tokens: int) -> list:
+    """Generate greedily twice (the second pass sees a warm prefix cache where it is on):
+    each time every prompt's tokens equal ``want`` and no block of any cache group is
+    left held. Returns the second pass's outputs."""
+    from pdmesh.shared.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for _ in range(2):
+        outs = llm.generate(prompts, params)
+        got = [o.outputs[0].token_ids for o in outs]
+        for i, (g, r) in enumerate(zip(got, want, strict=True)):
+            assert g == r, f"prompt {i} (len {len(prompts[i])}) diverged at " \
+                           f"{next(j for j in range(len(r)) if g[j] != r[j])}"
+        for name, (free, total) in llm.engine.kv.usage().items():
+            assert free == total, f"{name}: {total - free} blocks leaked"
+    return outs

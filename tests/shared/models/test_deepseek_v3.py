@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine import LLM
 from pdmesh.shared.kernels import get_backend
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.tiny import DeepSeekShape, make_tiny_model
-from tests.shared.engine.hf_reference import hf_greedy
+from tests.shared.engine.hf_reference import assert_greedy_twice, hf_greedy
 
 NEW_TOKENS = 24
 _g = torch.Generator().manual_seed(77)
@@ -57,14 +57,7 @@ def references(models):
 def test_greedy_matches_transformers(models, references, shape, variant):
     llm = LLM(str(models[shape]), device="cpu", dtype="float32", block_size=16,
               **VARIANTS[variant])
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for _ in range(2):  # the second pass sees a warm prefix cache (when it is on)
-        outs = llm.generate(PROMPTS, params)
-        got = [o.outputs[0].token_ids for o in outs]
-        for i, (g, r) in enumerate(zip(got, references[shape], strict=True)):
-            assert g == r, f"prompt {i} (len {len(PROMPTS[i])}) diverged at " \
-                           f"{next(j for j in range(len(r)) if g[j] != r[j])}"
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    outs = assert_greedy_twice(llm, PROMPTS, references[shape], NEW_TOKENS)
     if variant == "preemption":
         assert llm.engine.scheduler.preemptions > 0
     if variant == "default":

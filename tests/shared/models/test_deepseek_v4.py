@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine import LLM
 from pdmesh.shared.engine.kv_cache_spec import cache_spec
 from pdmesh.shared.engine.sampling_params import SamplingParams as Params
 from pdmesh.shared.models.config import CSA, HCA, SLIDING, ModelConfig
 from pdmesh.shared.models.tiny import DeepSeekV4Shape, make_tiny_model
-from tests.shared.engine.hf_reference import hf_greedy_stepwise
+from tests.shared.engine.hf_reference import assert_greedy_twice, hf_greedy_stepwise
 
 NEW_TOKENS = 24
 _g = torch.Generator().manual_seed(78)
@@ -68,24 +68,12 @@ def references(models):
     return {name: hf_greedy_stepwise(path, PROMPTS, NEW_TOKENS) for name, path in models.items()}
 
 
-def _first_difference(got: list[int], want: list[int]) -> int:
-    return next(j for j in range(len(want)) if got[j] != want[j])
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_matches_transformers(models, references, shape, variant):
     kwargs = {"block_size": 16, **VARIANTS[variant]}
     llm = LLM(str(models[shape]), device="cpu", dtype="float32", **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for _ in range(2):  # the second pass sees a warm prefix cache (when it is on)
-        outs = llm.generate(PROMPTS, params)
-        got = [o.outputs[0].token_ids for o in outs]
-        for i, (g, r) in enumerate(zip(got, references[shape], strict=True)):
-            assert g == r, f"prompt {i} (len {len(PROMPTS[i])}) diverged at " \
-                           f"{_first_difference(g, r)}"
-        for name, (free, total) in llm.engine.kv.usage().items():
-            assert free == total, f"{name}: {total - free} blocks leaked"
+    outs = assert_greedy_twice(llm, PROMPTS, references[shape], NEW_TOKENS)
     if variant == "preemption":
         assert llm.engine.scheduler.preemptions > 0
     if variant in ("default", "block_size_8"):
