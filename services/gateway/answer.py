@@ -80,6 +80,8 @@ class Answer:
         try:
             async for delta in self._deltas():
                 text = self._take(delta)
+                if not text and not delta.token_ids and not first:
+                    continue  # only the finish reason (sent below)
                 lps = list(zip(delta.token_ids, delta.logprobs, strict=False))
                 choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(lps),
                                           "finish_reason": None}

@@ -1,6 +1,7 @@
 """The gateway's calls to engine instances, behind two small interfaces.
 
-    PrefillClient.prefill(instance, call)   -> PrefillResult (the next token, pool keys)
+    PrefillClient.prefill(instance, call)   -> PrefillCall: first() the next token, then
+                                               stored() the pool keys once put
     DecodeClient.generate(instance, call)   -> TokenDelta stream (closing it early aborts)
 
 Both raise ``CallFailed`` with the gRPC code when an instance cannot answer. The journey
@@ -41,14 +42,30 @@ class Call:
 
 
 @dataclass
-class PrefillResult:
-    first: TokenDelta  # the next token; ``finish_reason`` if it already ends the request
+class Stored:
+    """The end of a prefill: the prompt's KV is in the pool under ``block_keys``."""
+
     block_keys: list[str]
+    finish_reason: str | None = None  # the first token already ended the request
+
+
+class PrefillCall(Protocol):
+    """One prefill under way. The first token comes as soon as it is sampled; the
+    prompt's put into the pool ends after it."""
+
+    async def first(self) -> TokenDelta:
+        """The next token (no ``finish_reason``: ``stored`` says whether it ended)."""
+
+    async def stored(self) -> Stored:
+        """The prompt's blocks are in the pool (a decode instance can load them)."""
+
+    def cancel(self) -> None:
+        """Give up on the call (the instance aborts the request)."""
 
 
 class PrefillClient(Protocol):
-    async def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillResult:
-        """The prompt (and ``call.carried``) computed, one more token sampled."""
+    def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillCall:
+        """Compute the prompt (and ``call.carried``), sample one more token."""
 
 
 class DecodeClient(Protocol):
@@ -71,21 +88,13 @@ class GrpcClients:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
         return ch
 
-    async def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillResult:
+    def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillCall:
         stub = prefill_pb2_grpc.PrefillStub(self.channel(inst.address))
-        try:
-            resp = await stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=call.request_id, prompt_token_ids=call.prompt,
-                sampling=sampling_to_proto(call.sampling), priority=call.priority,
-                output_token_ids=call.carried),
-                timeout=timeout_s, metadata=tuple(call.trace_context.items()) or None)
-        except grpc.aio.AioRpcError as e:
-            raise CallFailed(e.code(), e.details() or e.code().name) from e
-        lps = ([logprobs_from_proto(resp.first_logprobs)]
-               if resp.HasField("first_logprobs") else [])
-        first = TokenDelta(call.request_id, [resp.first_token], resp.num_cached_tokens, lps,
-                           resp.finish_reason or None)
-        return PrefillResult(first, list(resp.block_keys))
+        return GrpcPrefillCall(call.request_id, stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=call.request_id, prompt_token_ids=call.prompt,
+            sampling=sampling_to_proto(call.sampling), priority=call.priority,
+            output_token_ids=call.carried),
+            timeout=timeout_s, metadata=tuple(call.trace_context.items()) or None))
 
     def generate(self, inst: Instance, call: Call, idle_timeout_s: float
                  ) -> AsyncIterator[TokenDelta]:
@@ -107,6 +116,39 @@ class GrpcClients:
             await s.close()
         for ch in self._channels.values():
             await ch.close()
+
+
+class GrpcPrefillCall:
+    """``Prefill``'s answer stream: the first token's message, then the one that says the
+    prompt is stored (or both in one message)."""
+
+    def __init__(self, request_id: str, rpc: grpc.aio.UnaryStreamCall):
+        self._rid = request_id
+        self._rpc = rpc
+        self._end: prefill_pb2.PrefillResponse | None = None
+
+    async def _read(self) -> prefill_pb2.PrefillResponse:
+        try:
+            msg = await self._rpc.read()
+        except grpc.aio.AioRpcError as e:
+            raise CallFailed(e.code(), e.details() or e.code().name) from e
+        if msg is grpc.aio.EOF:
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE, "prefill answer ended early")
+        return msg
+
+    async def first(self) -> TokenDelta:
+        msg = await self._read()
+        if msg.kv_stored:
+            self._end = msg
+        lps = [logprobs_from_proto(msg.first_logprobs)] if msg.HasField("first_logprobs") else []
+        return TokenDelta(self._rid, [msg.first_token], msg.num_cached_tokens, lps)
+
+    async def stored(self) -> Stored:
+        msg = self._end or await self._read()
+        return Stored(list(msg.block_keys), msg.finish_reason or None)
+
+    def cancel(self) -> None:
+        self._rpc.cancel()
 
 
 class DecodeSession:

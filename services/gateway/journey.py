@@ -1,6 +1,8 @@
 """One request's way through the mesh, as explicit steps.
 
-    route ──▶ prefill (a prefill instance; others on failure, with backoff)
+    route ──▶ prefill (a prefill instance; others on failure, with backoff): the first
+          │   token goes to the client at once, decode starts once the prompt's KV
+          │   is in the pool
           └─▶ offload (prefill backed up: a decode instance computes the prompt itself)
     ──▶ decode session (a decode instance streams the rest)
           ├─ the instance fails mid-stream ──▶ migrate: another decode instance continues
@@ -30,7 +32,13 @@ from typing import Any
 
 import grpc
 
-from pdmesh.services.gateway.clients import Call, DecodeClient, PrefillClient
+from pdmesh.services.gateway.clients import (
+    Call,
+    DecodeClient,
+    PrefillCall,
+    PrefillClient,
+    Stored,
+)
 from pdmesh.services.gateway.errors import (
     RETRYABLE,
     CallFailed,
@@ -108,6 +116,16 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # the instance failed or refused: migrate to another
 
 
+@dataclass
+class _Storing:
+    """A prefill whose first token went out and whose prompt is still being put."""
+
+    inst: Instance
+    call: PrefillCall
+    prompt: list[int]
+    span: Any
+
+
 class Journey:
     """One request through the mesh: ``async for delta in Journey(...).run()``. The first
     delta carries the prompt's cached-token count; the last one ``finish_reason``."""
@@ -122,8 +140,20 @@ class Journey:
         self.codes: list[grpc.StatusCode] = []  # why each of them failed
         self.hand_backs = 0
         self.outcome = Outcome.FAILED  # how the last decode session ended
+        self._storing: _Storing | None = None
 
     async def run(self) -> AsyncIterator[TokenDelta]:
+        try:
+            async for delta in self._run():
+                yield delta
+        finally:
+            if self._storing is not None:  # the client left before the put ended
+                s, self._storing = self._storing, None
+                s.call.cancel()
+                self.mesh.router.answered(s.inst, s.prompt)
+                self.trace.end(s.span)
+
+    async def _run(self) -> AsyncIterator[TokenDelta]:
         router = self.mesh.router
         if not router.instances("prefill") and router.instances("mixed"):
             async with aclosing(self._mixed()) as deltas:
@@ -132,9 +162,10 @@ class Journey:
             return
         offload = router.offload_target(self.req.prompt)  # route
         if offload is None:
-            first = await self._prefill()
-            yield first
-            if first.finished:
+            yield await self._prefill()
+            end = await self._stored()
+            if end is not None:
+                yield end
                 return
         else:  # prefill is backed up: this decode instance computes the prompt itself
             self.mesh.events.offloaded.inc()
@@ -148,16 +179,18 @@ class Journey:
             if self.outcome is Outcome.FINISHED:
                 return
             if self.outcome is Outcome.HANDED_BACK:
-                first = await self._hand_back(inst)
-                yield first
-                if first.finished:
+                yield await self._hand_back(inst)
+                end = await self._stored()
+                if end is not None:
+                    yield end
                     return
 
     # -- steps ---------------------------------------------------------------------------
     async def _prefill(self, carried: list[int] | None = None, span: Any = None
                        ) -> TokenDelta:
         """The next token from a prefill instance, retrying elsewhere with backoff;
-        ``carried``: tokens generated before a decode instance handed the request back."""
+        ``carried``: tokens generated before a decode instance handed the request back.
+        ``_stored`` then waits for the prompt's put."""
         carried = carried or []
         prompt = self.req.prompt + carried
         tried: set[str] = set()
@@ -191,15 +224,40 @@ class Journey:
         router = self.mesh.router
         router.sent(inst, prompt)
         span = self.trace.child("prefill", inst, {"pdmesh.attempt": attempt}, parent)
+        call = self.mesh.prefill.prefill(inst, self._call(
+            call_id, carried, [], self.trace.carrier(span)), self.mesh.retry.timeout_s)
         try:
-            result = await self.mesh.prefill.prefill(inst, self._call(
-                call_id, carried, [], self.trace.carrier(span)), self.mesh.retry.timeout_s)
-        finally:
+            first = await call.first()
+        except BaseException:
+            call.cancel()
             router.answered(inst, prompt)
             self.trace.end(span)
-        self.block_keys = result.block_keys
-        self.tokens = carried + result.first.token_ids
-        return result.first
+            raise
+        self._storing = _Storing(inst, call, prompt, span)
+        self.tokens = carried + first.token_ids
+        return first
+
+    async def _stored(self) -> TokenDelta | None:
+        """Wait for the prefill's put into the pool; the request's last delta if its
+        first token already ended it. A prefill instance that fails now (its first token
+        already streamed) leaves decode to compute the prompt itself."""
+        s, self._storing = self._storing, None
+        assert s is not None
+        try:
+            stored = await s.call.stored()
+        except CallFailed as e:
+            log.warning("request %s: prefill %s failed after the first token (%s: %s); "
+                        "decode computes the prompt", self.req.request_id, s.inst.address,
+                        e.code.name, e.details)
+            self.mesh.router.forget()
+            stored = Stored([])
+        finally:
+            self.mesh.router.answered(s.inst, s.prompt)
+            self.trace.end(s.span)
+        self.block_keys = stored.block_keys
+        if stored.finish_reason:
+            return TokenDelta(self.req.request_id, finish_reason=stored.finish_reason)
+        return None
 
     def _next_decode_instance(self) -> Instance:
         """A decode instance that has not failed this request (migration picks again)."""

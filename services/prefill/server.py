@@ -3,8 +3,8 @@ life here:
 
     Prefill(prompt) -> the engine admits it (prompt blocks already in the pool are
     loaded, not computed) or refuses it -> chunked prefill -> first token sampled ->
-    prompt blocks (full ones and the partial tail) put in the pool -> answer {first
-    token, keys, cached tokens}.
+    answer {first token, cached tokens} -> prompt blocks (full ones and the partial
+    tail) put in the pool -> answer {keys, finish reason}.
 
 A refusal answers with its status (INVALID_ARGUMENT; RESOURCE_EXHAUSTED at
 --max-queued-requests, and the gateway tries another instance; UNAVAILABLE while
@@ -51,17 +51,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 "pdmesh.request_id": request.request_id,
                 "pdmesh.prompt_tokens": len(request.prompt_token_ids)})
         try:
-            delta = await self._first_token(request, context)
+            rid, stream = await self._submit(request, context)
+            delta = await self._next(rid, stream, context)
+            if not delta.finished:  # the first token, its prompt's put still under way
+                yield self._first(request, delta)
+                delta = await self._next(rid, stream, context)
+                yield self._stored(request, delta)
+            else:  # both at once
+                resp = self._first(request, delta)
+                resp.MergeFrom(self._stored(request, delta))
+                yield resp
             if span is not None:
                 self._record(span, delta)
-            return self._response(request, delta)
         finally:
             if span is not None:
                 span.end()
 
-    async def _first_token(self, request, context) -> TokenDelta:
-        """The request's one delta: this instance produces one token only (after any the
-        request carries, when a decode instance handed it back); decode does the rest."""
+    async def _submit(self, request, context) -> tuple[str, RequestStream]:
+        """This instance produces one token only (after any the request carries, when a
+        decode instance handed it back); decode does the rest."""
         rid = request.request_id or f"prefill-{uuid.uuid4().hex}"
         try:
             submit = submit_from_proto(request, rid)
@@ -71,6 +79,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             submit.sampling, max_tokens=len(submit.output_token_ids) + 1)
         stream = RequestStream()
         self.engine.submit(submit, stream)
+        return rid, stream
+
+    async def _next(self, rid: str, stream: RequestStream, context) -> TokenDelta:
+        """The request's next delta: its first token, then (or with it) the end of its
+        prompt's put."""
         try:
             delta = await asyncio.wait_for(stream.next(), self.timeout_s)
         except (asyncio.CancelledError, TimeoutError):
@@ -83,7 +96,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                 f"request {rid} aborted")
         return delta
 
-    def _response(self, request, delta: TokenDelta) -> prefill_pb2.PrefillResponse:
+    @staticmethod
+    def _first(request, delta: TokenDelta) -> prefill_pb2.PrefillResponse:
+        resp = prefill_pb2.PrefillResponse(
+            first_token=delta.token_ids[0], num_cached_tokens=delta.num_cached_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids))
+        if delta.logprobs:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(delta.logprobs[0]))
+        return resp
+
+    def _stored(self, request, delta: TokenDelta) -> prefill_pb2.PrefillResponse:
         # the token ends the request by itself when it is a stop token, the caller asked
         # for no more, or the context is full
         carried = len(request.output_token_ids)
@@ -91,13 +113,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finish = "stop" if delta.finish_reason == "stop" else (
             "length" if request.sampling.max_tokens == carried + 1
             or total >= self.engine.max_model_len else "")
-        resp = prefill_pb2.PrefillResponse(
-            first_token=delta.token_ids[0], block_keys=delta.kv_keys,
-            num_cached_tokens=delta.num_cached_tokens,
-            num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish)
-        if delta.logprobs:
-            resp.first_logprobs.CopyFrom(logprobs_to_proto(delta.logprobs[0]))
-        return resp
+        return prefill_pb2.PrefillResponse(block_keys=delta.kv_keys, finish_reason=finish,
+                                           kv_stored=True)
 
     def _record(self, span: Any, delta: TokenDelta) -> None:
         if not delta.timing:

@@ -316,6 +316,23 @@ class KVCacheManager:
                     pool.unregister(b)
             h.registered = min(h.registered, first_block)
 
+    def pin(self, request: Request) -> list[list[KVBlock]]:
+        """One more reference on each of the request's blocks, so they keep their content
+        after the request ends (a pool put still reading them); ``unpin`` gives it back."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return []
+        pinned = []
+        for pool, h in zip(self.pools, held, strict=True):
+            blocks = [b for b in h.blocks if b is not None]
+            pool.touch(blocks)
+            pinned.append(blocks)
+        return pinned
+
+    def unpin(self, pinned: list[list[KVBlock]]) -> None:
+        for pool, blocks in zip(self.pools, pinned, strict=False):
+            pool.free(blocks)
+
     def free(self, request: Request) -> None:
         held = self._held.pop(request.request_id, None)
         if held is not None:

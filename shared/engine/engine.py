@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.shared.engine.block_manager import GroupBlocks, KVCacheManager
+from pdmesh.shared.engine.block_manager import GroupBlocks, KVBlock, KVCacheManager
 from pdmesh.shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pdmesh.shared.engine.kv_cache_spec import (
     FULL,
@@ -38,6 +38,17 @@ from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model, model_fingerprint
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Save:
+    """A prompt waiting to be put into the pool: its block table per cache group, and
+    the blocks pinned until the put has read them."""
+
+    request: Request
+    tables: list[list[int]]
+    num_tokens: int  # the tokens they hold: the prompt (and tokens it came with)
+    pinned: list[list[KVBlock]]
 
 
 @dataclass
@@ -113,6 +124,7 @@ class EngineCore:
             log.warning("dyntra_lb_config: ranks that do not step in lockstep (no expert "
                         "parallelism) have no DP bubble to balance; DyntraLB is inactive")
         self._requests: dict[str, Request] = {}
+        self._saves: list[_Save] = []  # prompts to put into the pool (``finish_saves``)
         self._ids = itertools.count()
         window = self.cache_spec.window_bytes(self.dtype)
         log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens, "
@@ -284,16 +296,22 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._saves)
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One forward pass over what the scheduler picked. On a prefill instance a
+        request whose prompt this step completed comes out with its token but not yet
+        finished: its prompt's put into the pool follows in ``finish_saves`` (the caller
+        sends the tokens first, so the first token does not wait for the put), or at the
+        start of the next step."""
+        saved = self.finish_saves()
         t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         handed_back = self._handed_back()
         if sched.is_empty:
             self.idle_step()
-            return handed_back
+            return saved + handed_back
         try:
             logits, sample_idx = self.runner.execute(sched)
             if self.model.load_recorder is not None:
@@ -308,14 +326,16 @@ class EngineCore:
         for i, lp in zip(sample_idx, sampled.logprobs, strict=True):
             if lp is not None:
                 sched.requests[i].logprobs.append(lp)
+        saving: set[int] = set()
         if self.connector is not None and self.connector.save_prompts:
             for i in sample_idx:  # these computed their prompt's last token just now
                 req = sched.requests[i]
                 if not req.kv_keys:  # its prompt (and any tokens it came with) just done
-                    t0 = time.monotonic()
-                    req.kv_keys = self.connector.save(
-                        req, [self.kv.block_ids(req, g) for g in range(len(self.kv.groups))])
-                    req.kv_put_time = (t0, time.monotonic())
+                    # the put reads the blocks after the request may have ended: pin them
+                    self._saves.append(_Save(req, [self.kv.block_ids(req, g) for g in
+                                                   range(len(self.kv.groups))],
+                                             req.num_tokens, self.kv.pin(req)))
+                    saving.add(id(req))
         tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)
         decode_rows = sum(1 for n in sched.num_tokens if n == 1)
@@ -323,9 +343,30 @@ class EngineCore:
                                sched.total_tokens - decode_rows, decode_rows)
         for req in finished:
             self._requests.pop(req.request_id, None)
-        done = {id(r) for r in finished}
-        return [StepOutput(sched.requests[i], [tokens[i]], id(sched.requests[i]) in done)
-                for i in sample_idx] + handed_back
+        done = {id(r) for r in finished} - saving  # those saving finish with their put
+        return saved + [StepOutput(sched.requests[i], [tokens[i]],
+                                   id(sched.requests[i]) in done)
+                        for i in sample_idx] + handed_back
+
+    def finish_saves(self) -> list[StepOutput]:
+        """Put the prompts the last step completed into the pool; each request comes out
+        again (no new token) with its keys set, finished if it ended meanwhile."""
+        saves, self._saves = self._saves, []
+        out = []
+        try:
+            while saves:
+                s = saves.pop(0)
+                t0 = time.monotonic()
+                try:
+                    s.request.kv_keys = self.connector.save(s.request, s.tables, s.num_tokens)
+                finally:
+                    self.kv.unpin(s.pinned)
+                s.request.kv_put_time = (t0, time.monotonic())
+                out.append(StepOutput(s.request, [], s.request.is_finished))
+        finally:
+            for s in saves:  # a put raised: give the rest's blocks back all the same
+                self.kv.unpin(s.pinned)
+        return out
 
     def _handed_back(self) -> list[StepOutput]:
         """Requests the recompute scheduler gave up this step: finished, no new token."""

@@ -148,13 +148,15 @@ class PoolConnector:
             return False
         return True
 
-    def save(self, request: Request, block_ids: list[int] | list[list[int]]) -> list[str]:
+    def save(self, request: Request, block_ids: list[int] | list[list[int]],
+             num_tokens: int | None = None) -> list[str]:
         """Put the prompt's blocks in the pool (a sliding group's: those its window needs
         where the request continues); returns their keys (all of them, also those the
-        pool already had). ``block_ids``: the request's table, or one per cache group."""
+        pool already had). ``block_ids``: the request's table, or one per cache group;
+        ``num_tokens``: the tokens they hold (default: all the request's - the prompt,
+        and any output tokens it came with, a re-prefill)."""
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
-        # the prompt, and any output tokens the request came with (a re-prefill)
-        end = request.num_tokens
+        end = request.num_tokens if num_tokens is None else num_tokens
         keys, regions = self._plan(self.prompt_keys(request, end), tables, 0, end)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:

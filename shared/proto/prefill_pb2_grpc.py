@@ -35,7 +35,7 @@ class PrefillStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdmesh.v1.Prefill/Prefill',
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
@@ -65,7 +65,7 @@ class PrefillServicer:
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.SerializeToString,
@@ -97,7 +97,7 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdmesh.v1.Prefill/Prefill',

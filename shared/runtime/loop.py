@@ -220,7 +220,16 @@ class EngineLoop:
             self._fail_all(f"engine step failed: {e}")
             return
         self._emit_step(outputs)
-        self._flush()
+        self._flush()  # first tokens out before their prompts' puts into the pool
+        try:
+            saved = self.engine.finish_saves()
+        except Exception as e:  # noqa: BLE001
+            log.exception("pool save failed")
+            self._fail_all(f"pool save failed: {e}")
+            return
+        if saved:
+            self._emit_step(saved)
+            self._flush()
         self._publish()
 
     def _should_stop(self) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from pdmesh.services.gateway.clients import Call, PrefillResult
+from pdmesh.services.gateway.clients import Call, Stored
 from pdmesh.services.gateway.errors import CallFailed, MeshError
 from pdmesh.services.gateway.journey import Journey, Mesh, MeshRequest, RetryPolicy
 from pdmesh.services.gateway.router import Router
@@ -35,20 +35,52 @@ def inst(id_: str, role: str, **load: int) -> Instance:
 
 
 @dataclass
+class FakePrefillCall:
+    """A call's script: the first token (or a code it fails with first), then how its
+    put ends: None (stored), a finish reason, or a code it fails with."""
+
+    request_id: str
+    first_token: int | grpc.StatusCode
+    end: str | grpc.StatusCode | None
+    keys: list[str]
+    put_done: asyncio.Event | None = None  # the put waits for this, when given
+    cancelled: bool = False
+
+    async def first(self) -> TokenDelta:
+        if isinstance(self.first_token, grpc.StatusCode):
+            raise CallFailed(self.first_token, f"says {self.first_token.name}")
+        return TokenDelta(self.request_id, [self.first_token], num_cached_tokens=16)
+
+    async def stored(self) -> Stored:
+        if self.put_done is not None:
+            await self.put_done.wait()
+        if isinstance(self.end, grpc.StatusCode):
+            raise CallFailed(self.end, f"failed during the put: {self.end.name}")
+        return Stored(self.keys, self.end)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
 class FakePrefill:
-    """``script``: instance id -> what each call there does: a first token (int) or a
-    gRPC code to fail with."""
+    """``script``: instance id -> what each call there does: a first token (int), a gRPC
+    code to fail with, or (first token, how its put ends: a finish reason or a code)."""
 
-    script: dict[str, list[int | grpc.StatusCode]]
+    script: dict[str, list]
     calls: list[tuple[str, Call]] = field(default_factory=list)
+    answers: list[FakePrefillCall] = field(default_factory=list)
+    put_done: asyncio.Event | None = None
 
-    async def prefill(self, instance: Instance, call: Call, timeout_s: float) -> PrefillResult:
+    def prefill(self, instance: Instance, call: Call, timeout_s: float) -> FakePrefillCall:
         self.calls.append((instance.id, call))
         what = self.script[instance.id].pop(0)
-        if isinstance(what, grpc.StatusCode):
-            raise CallFailed(what, f"{instance.id} says {what.name}")
-        first = TokenDelta(call.request_id, [what], num_cached_tokens=16)
-        return PrefillResult(first, [f"key-{len(call.carried)}-{k}" for k in range(3)])
+        first, end = what if isinstance(what, tuple) else (what, None)
+        answer = FakePrefillCall(call.request_id, first, end,
+                                 [f"key-{len(call.carried)}-{k}" for k in range(3)],
+                                 self.put_done)
+        self.answers.append(answer)
+        return answer
 
 
 @dataclass
@@ -255,3 +287,54 @@ def test_a_client_that_leaves_closes_the_decode_stream():
 
     asyncio.run(asyncio.wait_for(leave_early(), 5))
     assert dec.closed_early == [dec.calls[0][1].request_id]
+
+
+def test_the_first_token_goes_out_before_the_prompts_put_ends():
+    start, pre, dec, _ = journey(PD, {"p1": [7], "p2": [7]}, {"d1": [[8, "length"]]})
+
+    async def watch() -> list[TokenDelta]:
+        pre.put_done = asyncio.Event()  # the put hangs until released
+        deltas = start().run()
+        first = await anext(deltas)
+        assert first.token_ids == [7] and not first.finished
+        assert not dec.calls  # decode waits for the pool
+        pre.put_done.set()
+        return [first] + [d async for d in deltas]
+
+    deltas = asyncio.run(asyncio.wait_for(watch(), 5))
+    assert tokens(deltas) == [7, 8]
+    assert dec.calls[0][1].block_keys == ["key-0-0", "key-0-1", "key-0-2"]
+
+
+def test_a_first_token_that_ends_the_request_skips_decode():
+    start, pre, dec, _ = journey(PD, {"p1": [(7, "stop")], "p2": [(7, "stop")]}, {})
+    deltas = run(start())
+    assert tokens(deltas) == [7] and deltas[-1].finish_reason == "stop"
+    assert not dec.calls
+
+
+def test_prefill_failing_during_the_put_leaves_the_prompt_to_decode():
+    gone = grpc.StatusCode.UNAVAILABLE
+    start, pre, dec, _ = journey(PD, {"p1": [(7, gone)], "p2": [(7, gone)]},
+                                 {"d1": [[8, 9, "length"]]})
+    j = start()
+    deltas = run(j)
+    assert tokens(deltas) == [7, 8, 9] and len(pre.calls) == 1  # the token stands
+    (_, call), = dec.calls
+    assert call.carried == [7] and call.block_keys == []  # decode computes the prompt
+    assert not j.mesh.router._inflight  # the prefill instance's queue is settled
+
+
+def test_a_client_that_leaves_during_the_put_cancels_the_prefill():
+    start, pre, dec, _ = journey(PD, {"p1": [7], "p2": [7]}, {"d1": [[8, "length"]]})
+    j = start()
+
+    async def leave() -> None:
+        pre.put_done = asyncio.Event()
+        deltas = j.run()
+        assert (await anext(deltas)).token_ids == [7]
+        await deltas.aclose()
+
+    asyncio.run(asyncio.wait_for(leave(), 5))
+    assert pre.answers[0].cancelled and not dec.calls
+    assert not j.mesh.router._inflight

@@ -49,3 +49,15 @@ class OneRequest:
 
     def cancel(self) -> None:
         self.call.cancel()
+
+
+def prefill(stub, request, timeout: float = 60):
+    """``Prefill``'s answer stream as one response: the first message holds the first
+    token, the last says the prompt is stored (they may be one)."""
+    msgs = list(stub.Prefill(request, timeout=timeout))
+    assert msgs and msgs[-1].kv_stored and len(msgs) <= 2
+    assert all(not m.kv_stored for m in msgs[:-1])
+    whole = type(msgs[0])()
+    for m in msgs:
+        whole.MergeFrom(m)
+    return whole

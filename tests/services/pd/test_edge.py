@@ -16,7 +16,7 @@ from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from pdmesh.shared.proto.convert import sampling_to_proto
 from tests.processes import alive
-from tests.services.pd.session import OneRequest
+from tests.services.pd.session import OneRequest, prefill
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16"]
 
@@ -135,11 +135,11 @@ def test_the_edge_on_a_thread_serves_the_same(qwen3_path, tmp_path, registry_pre
         else:
             stub = prefill_pb2_grpc.PrefillStub(channel)
             sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=4))
-            r = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", prompt_token_ids=list(
+            r = prefill(stub, prefill_pb2.PrefillRequest(request_id="a", prompt_token_ids=list(
                 range(40)), sampling=sp), timeout=60)
             assert r.num_prompt_tokens == 40 and len(r.block_keys) == 3
             with pytest.raises(grpc.RpcError) as e:
-                stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", prompt_token_ids=[
+                prefill(stub, prefill_pb2.PrefillRequest(request_id="b", prompt_token_ids=[
                     5, 99999999], sampling=sp), timeout=60)
             health = stub.Health(common_pb2.HealthRequest(), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -18,7 +18,7 @@ from pdmesh.shared.proto import (
     prefill_pb2_grpc,
 )
 from pdmesh.shared.proto.convert import sampling_to_proto
-from tests.services.pd.session import OneRequest
+from tests.services.pd.session import OneRequest, prefill
 
 PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
 NEW = 10
@@ -69,7 +69,7 @@ def test_prefill_then_decode_equals_offline(mesh, expected):
     pre, dec = stubs(mesh)
     sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     for i, prompt in enumerate(PROMPTS):
-        r = pre.Prefill(prefill_pb2.PrefillRequest(request_id=f"p{i}", prompt_token_ids=prompt,
+        r = prefill(pre, prefill_pb2.PrefillRequest(request_id=f"p{i}", prompt_token_ids=prompt,
                                                    sampling=sp), timeout=60)
         assert r.num_prompt_tokens == len(prompt) and len(r.block_keys) == -(-len(prompt) // 16)
         tokens = [r.first_token]
@@ -87,7 +87,7 @@ def test_bad_input_is_invalid_argument(mesh):
     pre, dec = stubs(mesh)
     sp = sampling_to_proto(SamplingParams(max_tokens=4))
     with pytest.raises(grpc.RpcError) as e:
-        pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=[1, 999999], sampling=sp),
+        prefill(pre, prefill_pb2.PrefillRequest(prompt_token_ids=[1, 999999], sampling=sp),
                     timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_token_ids" in e.value.details()
@@ -104,7 +104,7 @@ def test_bad_input_is_invalid_argument(mesh):
 def test_cancelled_stream_frees_its_blocks(mesh):
     pre, dec = stubs(mesh)
     sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
-    r = pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=PROMPTS[0], sampling=sp),
+    r = prefill(pre, prefill_pb2.PrefillRequest(prompt_token_ids=PROMPTS[0], sampling=sp),
                     timeout=60)
     call = OneRequest(dec, decode_pb2.GenerateRequest(
         request_id="long", prompt_token_ids=PROMPTS[0], output_token_ids=[r.first_token],
@@ -123,7 +123,7 @@ def test_cancelled_stream_frees_its_blocks(mesh):
 
 
 def _prefilled(pre, sp, prompts):
-    return [pre.Prefill(prefill_pb2.PrefillRequest(prompt_token_ids=p, sampling=sp), timeout=60)
+    return [prefill(pre, prefill_pb2.PrefillRequest(prompt_token_ids=p, sampling=sp), timeout=60)
             for p in prompts]
 
 

@@ -120,10 +120,11 @@ def _edges_scenario() -> None:
         try:
             ch = channels.channel(address)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await prefill_pb2_grpc.PrefillStub(ch).Prefill(
-                    prefill_pb2.PrefillRequest(request_id="p", prompt_token_ids=[1, 2],
-                                               sampling=SAMPLING),
-                    timeout=10)
+                async for _ in prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                        prefill_pb2.PrefillRequest(request_id="p", prompt_token_ids=[1, 2],
+                                                   sampling=SAMPLING),
+                        timeout=10):
+                    pass
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_queued_requests: 3" in info.value.details()
             session = channels.session(address)

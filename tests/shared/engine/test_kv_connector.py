@@ -3,6 +3,8 @@ engine doing everything, and the pool doubles as a cross-instance prefix cache."
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -172,3 +174,54 @@ def test_decode_steps_never_wait_for_a_pool_read(qwen3_path, expected):
     d = decode.add_request(PROMPTS[1], params, output_token_ids=pre[1].output_token_ids)
     run(decode, [d])
     assert d.output_token_ids == expected[1]
+
+
+class GatedPutPool(InProcessPool):
+    """The in-process pool whose puts wait until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.puts_started = threading.Event()
+        self.puts_done = 0
+
+    def put(self, keys, regions):
+        self.puts_started.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        stored = super().put(keys, regions)
+        self.puts_done += 1
+        return stored
+
+
+def test_a_prefill_instance_sends_the_first_token_before_the_prompts_put(qwen3_path):
+    """The first token leaves the engine loop while the prompt's put is still under way;
+    the request ends with its keys once the put is done, and its blocks (pinned for the
+    put after the request ended) all go back; a request aborted meanwhile leaks none."""
+    from tests.shared.runtime.driver import LoopDriver
+
+    pool = GatedPutPool()
+    loop = LoopDriver(engine(qwen3_path, pool, True))
+    try:
+        first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        s = loop.submit(PROMPTS[1], first)  # two full blocks: the token needs a third
+        head = s.get()
+        assert head.token_ids and not head.finished and not head.kv_keys
+        assert pool.puts_started.wait(30) and not pool.puts_done  # the put waits
+        aborted = loop.submit(PROMPTS[0], first)  # queued behind the put
+        loop.abort(aborted.request_id)
+        pool.gate.set()
+        tokens, last = s.drain()
+        assert tokens == [] and last.finish_reason == "length" and len(last.kv_keys) == 2
+        assert all(pool.exists(last.kv_keys))
+        assert aborted.drain()[1].finish_reason == "abort"
+        kv = loop.engine.kv
+        for _ in range(200):
+            if kv.num_free_blocks == kv.num_blocks and not loop.engine.has_unfinished():
+                break
+            time.sleep(0.05)
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        pool.gate.set()
+        loop.stop()
