@@ -44,7 +44,8 @@ SIZES = {
 GOODPUT = ["ttft:2000", "tpot:100"]  # DistServe-style chat SLOs, loosened for a CPU
 FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),
            ("ttft_ms_p99", "TTFT p99"), ("tpot_ms_median", "TPOT p50"),
-           ("itl_ms_p99", "ITL p99"), ("goodput_request_s", "goodput req/s")]
+           ("itl_ms_p99", "ITL p99"), ("goodput_request_s", "goodput req/s"),
+           ("prefix_hit_fraction", "prefix hits")]
 
 
 def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Popen, str]:
@@ -54,7 +55,8 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
         env = _sourced(a.vllm_env) if a.vllm_env else dict(os.environ)
         cmd = (f"{a.vllm} {a.model} --host 127.0.0.1 --port {port} --dtype float32 "
                f"--max-model-len {a.max_context} --gpu-memory-utilization 0.1 "
-               f"--max-num-seqs 64 --seed 0 --served-model-name tiny")
+               f"--max-num-seqs 64 --seed 0 --served-model-name tiny "
+               f"--enable-prompt-tokens-details")  # usage's cached_tokens, as pdmesh
         proc = subprocess.Popen(cmd.split(), stdout=open(logs / "vllm.log", "w"),
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -159,7 +161,7 @@ def main() -> None:
         for sy, figs in med.items():
             cells = []
             for k, _ in FIGURES:
-                cell = f"{figs[k]:,.1f}"
+                cell = f"{figs[k]:.0%}" if k.endswith("fraction") else f"{figs[k]:,.1f}"
                 if "vllm" in med and sy != "vllm" and med["vllm"][k]:
                     cell += f" ({figs[k] / med['vllm'][k]:.2f}x)"
                 cells.append(cell)

@@ -82,6 +82,28 @@ def build(a: ScenarioArgs) -> list[Session]:
     return [Session(t, build_one(a, rng)) for t in starts]
 
 
+def reusable_prefix_tokens(sessions: list[Session]) -> tuple[int, int]:
+    """(prompt tokens a perfect, unbounded prefix cache would serve, all prompt tokens):
+    for each prompt, the longest prefix it shares with a prompt sent before it (sessions
+    in start order, a session's turns in order), less the one token every prompt
+    computes. The ceiling for the prefix-cache hit rate the servers report."""
+    seen: set[int] = set()
+    reusable = total = 0
+    for s in sorted(sessions, key=lambda s: s.start_s):
+        for t in s.turns:
+            h, hit, matching = 0, 0, True
+            for i, tok in enumerate(t.prompt):
+                h = hash((h, tok))
+                if matching and h in seen:
+                    hit = i + 1
+                else:
+                    matching = False
+                    seen.add(h)
+            reusable += min(hit, len(t.prompt) - 1)
+            total += len(t.prompt)
+    return reusable, total
+
+
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 

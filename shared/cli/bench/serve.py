@@ -28,6 +28,7 @@ from pdmesh.shared.cli.bench.scenarios import (
     Session,
     build,
     parse_goodput,
+    reusable_prefix_tokens,
 )
 
 
@@ -63,6 +64,8 @@ class Result:
     itls: list[float] = field(default_factory=list)
     latency: float = 0.0
     output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details (None: not reported)
     error: str = ""
 
 
@@ -87,7 +90,11 @@ async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[in
                     res.error = event["error"]["message"]
                     return res
                 if event.get("usage"):
-                    res.output_tokens = event["usage"]["completion_tokens"]
+                    usage = event["usage"]
+                    res.output_tokens = usage["completion_tokens"]
+                    res.prompt_tokens = usage.get("prompt_tokens") or 0
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens")
                 if event.get("choices") and event["choices"][0].get("text"):
                     now = time.perf_counter()
                     if res.ttft == 0.0:
@@ -148,7 +155,10 @@ async def _run(a: argparse.Namespace) -> dict:
     results = [r for rs in per_session for r in rs]
     results += [Result(ok=False, error="not sent: an earlier turn of its conversation failed")
                 for _ in range(total - len(results))]
-    return summarize(results, duration, a)
+    res = summarize(results, duration, a)
+    reusable, prompt_tokens = reusable_prefix_tokens(sessions)
+    res["prefix_reusable_fraction"] = reusable / prompt_tokens
+    return res
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -167,6 +177,10 @@ def summarize(results: list[Result], duration: float, a: argparse.Namespace) -> 
     e2els = [r.latency for r in good]
     slo = parse_goodput(getattr(a, "goodput", []) or [])
     meets = [r for r in good if _meets(r, slo)]
+    # the servers' prefix caches (a mesh's: every instance's, and its pool) as the usage
+    # reports them: cached prompt tokens over the prompt tokens of requests that say
+    told = [r for r in good if r.cached_tokens is not None]
+    told_prompt = sum(r.prompt_tokens for r in told)
     return {
         "completed": len(good), "failed": len(results) - len(good),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -179,6 +193,8 @@ def summarize(results: list[Result], duration: float, a: argparse.Namespace) -> 
         "goodput_slo_ms": slo,
         "goodput_request_s": len(meets) / duration if slo else None,
         "goodput_fraction": len(meets) / len(results) if slo and results else None,
+        "prefix_hit_fraction": (sum(r.cached_tokens or 0 for r in told) / told_prompt
+                                if told_prompt else None),
         "args": {k: v for k, v in vars(a).items() if k not in ("func", "api_key")},
     }
 
@@ -207,6 +223,10 @@ def run(a: argparse.Namespace) -> int:
         slo = " ".join(f"{k}<={v:g}ms" for k, v in res["goodput_slo_ms"].items())
         print(f"goodput ({slo}): {res['goodput_request_s']:.2f} req/s, "
               f"{100 * res['goodput_fraction']:.0f}% of requests")
+    hit = res["prefix_hit_fraction"]
+    print(f"prefix cache: {'not reported' if hit is None else f'{100 * hit:.1f}%'} of "
+          f"prompt tokens cached (a perfect cache: "
+          f"{100 * res['prefix_reusable_fraction']:.1f}%)")
     for e in res["errors"]:
         print(f"error: {e}")
     if a.json:

@@ -10,7 +10,15 @@ import sys
 
 import pytest
 
-from pdmesh.shared.cli.bench.scenarios import SCENARIOS, ScenarioArgs, build, parse_goodput
+from pdmesh.shared.cli.bench.scenarios import (
+    SCENARIOS,
+    ScenarioArgs,
+    Session,
+    Turn,
+    build,
+    parse_goodput,
+    reusable_prefix_tokens,
+)
 from tests.shared.cli.test_up import launch, shut
 
 
@@ -58,6 +66,16 @@ def test_the_shapes_are_what_they_say():
     assert {s.start_s for s in build(ScenarioArgs("short-chat", 8, math.inf))} == {0.0}
 
 
+def test_the_reusable_prefix_is_what_a_perfect_cache_would_serve():
+    a, b = list(range(10, 30)), list(range(40, 50))
+    sessions = [Session(1.0, [Turn(a + [1, 2], 4)]),  # sent after the next: a reusable
+                Session(0.0, [Turn(a, 4), Turn(a + b, 4)]),  # nothing, then a
+                Session(2.0, [Turn(b, 4)])]  # b never started a prompt before
+    assert reusable_prefix_tokens(sessions) == (0 + 20 + 20 + 0, 20 + 30 + 22 + 10)
+    # a prompt sent again: all but its last token (every prompt computes one)
+    assert reusable_prefix_tokens([Session(0.0, [Turn(a, 4), Turn(a, 4)])]) == (19, 40)
+
+
 def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="scenario"):
         build(ScenarioArgs("nope"))
@@ -92,5 +110,9 @@ def test_a_multi_turn_run_against_pdmesh_serve(qwen3_path, tmp_path, registry_pr
         assert res["ttft_ms_median"] > 0 and res["e2e_ms_p99"] >= res["e2e_ms_median"]
         # a TPOT of at most 10 us is out of reach over HTTP: no request is good
         assert res["goodput_fraction"] == 0.0 and "goodput" in r.stdout
+        # later turns find the earlier ones' prompts in the prefix cache, never more than
+        # a perfect cache would
+        assert 0 < res["prefix_hit_fraction"] <= res["prefix_reusable_fraction"] < 1
+        assert "prompt tokens cached" in r.stdout
     finally:
         shut(proc, prefix)
