@@ -322,7 +322,8 @@ def test_prefill_failing_during_the_put_leaves_the_prompt_to_decode():
     assert tokens(deltas) == [7, 8, 9] and len(pre.calls) == 1  # the token stands
     (_, call), = dec.calls
     assert call.carried == [7] and call.block_keys == []  # decode computes the prompt
-    assert not j.mesh.router._inflight  # the prefill instance's queue is settled
+    # the prefill instance's queue, as the router counts it, is settled
+    assert [j.mesh.router.queued_tokens(i) for i in PD] == [0, 0, 0, 0]
 
 
 def test_a_client_that_leaves_during_the_put_cancels_the_prefill():
@@ -337,4 +338,4 @@ def test_a_client_that_leaves_during_the_put_cancels_the_prefill():
 
     asyncio.run(asyncio.wait_for(leave(), 5))
     assert pre.answers[0].cancelled and not dec.calls
-    assert not j.mesh.router._inflight
+    assert [j.mesh.router.queued_tokens(i) for i in PD] == [0, 0, 0, 0]
