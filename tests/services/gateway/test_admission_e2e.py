@@ -17,7 +17,10 @@ from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
 
 MODEL = "tiny"
-MAX_TOKENS = 48
+# long enough that the three requests the instance holds (one running, two waiting) keep
+# it full for seconds: the burst's last arrivals find it full even when a loaded machine
+# spreads the eight over a second or more
+MAX_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
