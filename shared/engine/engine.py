@@ -352,21 +352,15 @@ class EngineCore:
         """Put the prompts the last step completed into the pool; each request comes out
         again (no new token) with its keys set, finished if it ended meanwhile."""
         saves, self._saves = self._saves, []
-        out = []
         try:
-            while saves:
-                s = saves.pop(0)
+            for s in saves:
                 t0 = time.monotonic()
-                try:
-                    s.request.kv_keys = self.connector.save(s.request, s.tables, s.num_tokens)
-                finally:
-                    self.kv.unpin(s.pinned)
+                s.request.kv_keys = self.connector.save(s.request, s.tables, s.num_tokens)
                 s.request.kv_put_time = (t0, time.monotonic())
-                out.append(StepOutput(s.request, [], s.request.is_finished))
-        finally:
-            for s in saves:  # a put raised: give the rest's blocks back all the same
+        finally:  # (also when a put raised) the blocks go back
+            for s in saves:
                 self.kv.unpin(s.pinned)
-        return out
+        return [StepOutput(s.request, [], s.request.is_finished) for s in saves]
 
     def _handed_back(self) -> list[StepOutput]:
         """Requests the recompute scheduler gave up this step: finished, no new token."""
