@@ -153,7 +153,7 @@ def _run_attention(backend, ctx_lens, q_lens, block_size, dtype, consecutive=Fal
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("block_size", [16, 128, 256])  # 256: flash paged KV on cuda
 @pytest.mark.parametrize("case", ["decode", "decode_uniform", "decode_single", "fresh_prefill",
                                   "chunked_prefill", "uniform_chunks", "mixed"])
 def test_paged_attention(backend, dtype, block_size, case):
