@@ -27,6 +27,11 @@ class OptionSpec:
     le: float | None = None  # value <= le
     multiple_of: int | None = None
     suffix: str | None = None  # a path that must end this way, e.g. ".json"
+    # vLLM-Ascend reads the value through int() / float() / bool(): "256" and 256.7 are
+    # 256 there, 1 is true (accepted here too, with a warning naming what was read)
+    cast: bool = False
+    # vLLM-Ascend tests the raw value for truthiness: the string "false" is true there
+    truthy: bool = False
 
     def violation(self, value: object) -> str | None:
         """What ``value`` should have been, or None when it is allowed. ``None`` always is."""

@@ -1,9 +1,12 @@
 """Reads raw JSON values into the schema's frozen dataclasses, collecting every problem.
 
 A bad value is reported and replaced by its default so that reading goes on and one
-``ConfigError`` can list everything. The only leniency: a quoted boolean ("true",
-"False") is read as the boolean with a warning, because vLLM-Ascend's own DeepSeek-V4
-recipes write ``"enable_cpu_binding": "true"``; every other mismatch is an error.
+``ConfigError`` can list everything. The leniencies, each with a warning: a quoted
+boolean ("true", "False") is read as the boolean, because vLLM-Ascend's own DeepSeek-V4
+recipes write ``"enable_cpu_binding": "true"``; a key vLLM-Ascend reads through int() /
+float() / bool() (``OptionSpec.cast``) takes what that cast takes ("256", 256.7, 1); a
+null section is that section's defaults, as vLLM-Ascend reads ``section or {}``. Every
+other mismatch is an error.
 """
 
 from __future__ import annotations
@@ -66,10 +69,18 @@ def read_section(cls: type, raw: Mapping[str, Any], path: str, shown: str,
         child_shown = ctx.shown.get(child, f"{shown}.{f.name}" if shown else f.name)
         if track:
             ctx.explicit.add(child)
-        value = read_value(hints[f.name], raw[f.name], child, child_shown, ctx, track=track)
+        spec = spec_of(f)
+        given = raw[f.name]
+        if spec is not None and spec.cast:
+            given = _cast(hints[f.name], given, child_shown, ctx)
+        if spec is not None and spec.truthy and isinstance(given, str) and given.strip():
+            if given.strip().lower() == "false":
+                ctx.warnings.append(
+                    f"{child_shown}: vLLM-Ascend tests this value for truthiness, so the "
+                    f"string {_json(given)} turns it on there; pdmesh reads it as false")
+        value = read_value(hints[f.name], given, child, child_shown, ctx, track=track)
         if value is _INVALID:
             continue
-        spec = spec_of(f)
         expectation = spec.violation(value) if spec else None
         if expectation is not None:
             ctx.problem(child_shown, f"must be {expectation}, got {_json(raw[f.name])}")
@@ -103,6 +114,8 @@ def _convert(tp: Any, raw: Any, path: str, shown: str, ctx: ReadContext, track: 
         except _Mismatch as mismatch:
             raise _Mismatch(f"{mismatch.expected} or null") from None
     if is_dataclass(tp):
+        if raw is None:  # a null section: its defaults (vLLM-Ascend reads `x or {}`)
+            return read_section(tp, {}, path, shown, ctx, track=track)
         if not isinstance(raw, Mapping):
             raise _Mismatch("an object")
         return read_section(tp, raw, path, shown, ctx, track=track)
@@ -153,6 +166,32 @@ def _convert_scalar(tp: Any, raw: Any, shown: str, ctx: ReadContext) -> Any:
     else:
         raise TypeError(f"unsupported schema type {tp!r} at {shown}")
     raise _Mismatch(_NAMES[tp])
+
+
+def _cast(tp: Any, raw: Any, shown: str, ctx: ReadContext) -> Any:
+    """``raw`` as vLLM-Ascend's int() / float() / bool() reads it, where that differs
+    from the plain JSON reading and the cast succeeds (else ``raw``, for the usual
+    error). Booleans are never numbers here, and bool() takes only numbers: vLLM-Ascend's
+    bool("no") is true, which no one means."""
+    value: Any = raw
+    try:
+        if isinstance(raw, bool) or raw is None:
+            return raw
+        if tp is int and not isinstance(raw, int):
+            value = int(float(raw)) if isinstance(raw, float) else int(raw)
+        elif tp is float and isinstance(raw, str):
+            value = float(raw)
+        elif tp is bool and isinstance(raw, (int, float)):
+            value = bool(raw)
+        else:
+            return raw
+    except (TypeError, ValueError, OverflowError):
+        return raw
+    if tp is float and not math.isfinite(value):
+        return raw
+    ctx.warnings.append(f"{shown}: {_json(raw)} was read as {_json(value)}, as vLLM-Ascend "
+                        f"casts it; write {_json(value)}")
+    return value
 
 
 def _unknown_key_message(root: type, cls: type, key: str, path: str) -> str:

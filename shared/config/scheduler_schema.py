@@ -30,6 +30,10 @@ class DyntraLBConfig:
         700, "Dynamic mode: a new request above this many blocks activates balancing.", gt=0)
     dynamic_max_step: int = option(
         256, "Dynamic mode: stop after this many steps without another long request.", gt=0)
+    pdmesh_planner: str = option(
+        "vllm_ascend", "pdmesh's own key (vLLM-Ascend rejects it): \"vllm_ascend\" plans as "
+        "vLLM-Ascend does; \"level\" moves every rank toward one level instead.",
+        choices=("vllm_ascend", "level"))
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,12 @@ class ShortRequestFirstConfig:
     """``scheduler_config.short_request_first_config``: a waiting-queue policy that prefills
     short prompts first (FCFS scheduling, prefill or mixed nodes only)."""
 
-    enabled: bool = option(False, "Enable ShortRequestFirst scheduling.")
-    threshold: int = option(256, "Prompts with at most this many tokens count as short.", ge=0)
+    enabled: bool = option(False, "Enable ShortRequestFirst scheduling.", cast=True)
+    threshold: int = option(256, "Prompts with at most this many tokens count as short.", ge=0,
+                            cast=True)
     long_max_wait_ms: float = option(
         0.0, "Longest a long prefill waits behind short ones before promotion; 0 never "
-        "promotes.", ge=0)
+        "promotes.", ge=0, cast=True)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ class SchedulerConfig:
         False, "Balance scheduling across DP ranks (PD-mixed instances only).")
     recompute_scheduler_enable: bool = option(
         False, "Recompute scheduler: hand a request back for re-prefill when decode runs out "
-        "of KV memory (PD-disaggregated decode nodes only).")
+        "of KV memory (PD-disaggregated decode nodes only).", truthy=True)
     short_request_first_config: ShortRequestFirstConfig = section(
         ShortRequestFirstConfig, "ShortRequestFirst prefill scheduling.")
     profiling_chunk_config: ProfilingChunkConfig = section(

@@ -1,29 +1,39 @@
 """DyntraLB: keep the data-parallel "bubble" small on a decode instance whose ranks step in
 lockstep (vLLM-Ascend's ``scheduler_config.dyntra_lb_config``).
 
-Every rank waits for the busiest one each step, so time spent on a rank's KV blocks above
-the average is lost on every other rank: the bubble, max - mean of the ranks' active KV
-blocks (ceil(tokens / block_size) per running request), or (max - mean) / max when
-``bubble_threshold`` < 1. Each step the ranks share their active blocks and the size of
-their smallest running request (inside the lockstep all-reduce, so no extra
-collective) and each rank moves toward one level
+Every rank waits for the busiest one each step, so KV blocks a rank carries above the
+average are time lost on every other rank. The bubble is max - mean of the ranks'
+running KV blocks (ceil(tokens / block_size) per request), or (max - mean) / max when
+``bubble_threshold`` < 1.
 
-    level = max(mean + threshold / 2,       (blocks; for a ratio: + threshold / 2 * max)
-                the largest "smallest running request" of any rank: no rank can go
-                lower than the one request it keeps)
+The default planner is vLLM-Ascend's (``patch_dyntra_lb_core.py``, ``_balance_load``),
+run identically on every rank from the same all-gathered snapshot, each rank then
+taking its own moves:
 
-    above it   keep running requests, largest first, while they fit under the level, and
-               pause the rest (their KV stays); at least the smallest keeps running;
-               admit nothing
-    below it   resume paused requests first (oldest first) while they fit, then admit
-               waiting requests up to the level; a rank with nothing to resume or admit
-               simply stays frozen for admission
-    off        (outside [start_step, end_step), or in "dynamic" mode while no long
-               request, >= long_req_block_threshold blocks, was seen in the last
-               dynamic_max_step steps): every paused request resumes, admission is free
+    snapshot   per rank: its running requests' blocks (running order), then its
+               admission candidates' (schedule order), 2 x max_num_seqs entries at most
+    fill       every rank pulls waiting requests in, head first, up to max_num_seqs
+    loop       (while bubble >= threshold, at most 1000 rounds) swap a running request
+               for a larger waiting one on the lightest rank, and a running one for a
+               smaller waiting one on the heaviest, each only if it brings that rank
+               strictly closer to the mean; in a round with no swap, drop one running
+               request from the heaviest rank if a step-latency model of
+               20000 + 19.2 * (heaviest rank's blocks) says requests per unit of
+               time go up
+    result     per rank the block counts to pause ("out") and to admit ("in"), equal
+               out / in pairs cancelled; a rank left with nothing to admit is frozen
 
-No KV ever moves between ranks and no request is dropped: a paused request keeps its
-blocks and its place, and is resumed before anything new is admitted.
+A paused request leaves the running set with its KV kept (its seat is free, its blocks
+are not) and waits ahead of the queue; while a plan is in force a rank admits only the
+candidates it names. Planning happens between the engine steps of a busy period (a
+"wave"): from step ``start_step`` of each wave (counted from 1, restarting after every
+moment all ranks are idle) to ``end_step``; in "dynamic" mode only once a request longer
+than ``long_req_block_threshold`` blocks has been added on some rank, and until
+``dynamic_max_step`` planning steps passed without another.
+
+``pdmesh_planner: "level"`` selects pdmesh's own earlier planner instead (every rank
+toward one level, pausing the largest requests above it, resuming and admitting below
+it); it is not vLLM-Ascend's behaviour and is never the default.
 """
 
 from __future__ import annotations
@@ -33,13 +43,18 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
+# vLLM-Ascend's step-latency model: fixed overhead + per KV block of the heaviest rank
+STEP_FIXED = 20000
+STEP_PER_BLOCK = 19.2
+MAX_ROUNDS = 1000
+
 
 def blocks_of(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
 def bubble(levels: list[int], threshold: float) -> float:
-    """max - mean of the ranks' active blocks, or (max - mean) / max in ratio mode."""
+    """max - mean of the ranks' running blocks, or (max - mean) / max in ratio mode."""
     top = max(levels)
     gap = top - sum(levels) / len(levels)
     if threshold < 1:
@@ -47,7 +62,157 @@ def bubble(levels: list[int], threshold: float) -> float:
     return gap
 
 
+# -- vLLM-Ascend's planner -------------------------------------------------------------
+@dataclass
+class RankLoad:
+    """One rank in the snapshot: KV blocks per running request (running order) and per
+    admission candidate (schedule order)."""
+
+    running: list[int]
+    waiting: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RankMoves:
+    """What one rank does: pause a running request of each ``out`` size, admit a
+    candidate of each ``in`` size; a frozen rank admits nothing."""
+
+    out: list[int] = field(default_factory=list)
+    into: list[int] = field(default_factory=list)
+    freeze: bool = False
+
+
+@dataclass
+class _Item:
+    blocks: int
+    fresh: bool = False  # pulled in by the fill: dropping it means "do not admit it"
+
+
+class _Rank:
+    def __init__(self, index: int, load: RankLoad, slots: int):
+        self.index = index
+        run = load.running[:slots]
+        self.running = [_Item(b) for b in run]
+        self.waiting = [_Item(b) for b in load.waiting[:slots - len(run)]]
+        self.total = sum(run)
+        self.moves = RankMoves()
+
+    def pull_in(self, item: _Item) -> None:
+        item.fresh = True
+        self.moves.into.append(item.blocks)
+        self.total += item.blocks
+        self.waiting.remove(item)
+        self.running.append(item)
+
+    def swap(self, out: _Item, into: _Item) -> None:
+        self.moves.out.append(out.blocks)
+        self.moves.into.append(into.blocks)
+        self.total += into.blocks - out.blocks
+        self.running.remove(out)
+        self.waiting.remove(into)
+        self.running.append(into)
+        self.waiting.append(out)
+
+    def drop(self, item: _Item) -> None:
+        self.moves.out.append(item.blocks)
+        self.total -= item.blocks
+        self.running.remove(item)
+        self.waiting.append(item)
+
+
+def balance_load(loads: list[RankLoad], max_num_seqs: int, threshold: float,
+                 max_rounds: int = MAX_ROUNDS) -> list[RankMoves]:
+    """vLLM-Ascend's plan for every rank (index = DP rank) from one snapshot."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+    world = len(loads)
+    ranks = [_Rank(i, load, 2 * max_num_seqs) for i, load in enumerate(loads)]
+
+    def gap() -> float:
+        totals = [r.total for r in ranks]
+        top, mean = max(totals), sum(totals) / world
+        if threshold < 1:
+            return (top - mean) / top if top > 0 else 0.0
+        return top - mean
+
+    def best_swap(rank: _Rank, up: bool) -> tuple[_Item, _Item] | None:
+        """The swap that brings ``rank`` strictly closest to the mean, the waiting
+        request larger (``up``) or smaller; ties to the first, or to undoing a fill."""
+        mean = sum(r.total for r in ranks) / world
+        best, best_dist, best_fresh = None, abs(rank.total - mean), False
+        for out in rank.running:
+            for into in rank.waiting:
+                delta = into.blocks - out.blocks
+                if (delta <= 0) if up else (delta >= 0):
+                    continue
+                dist = abs(rank.total + delta - (mean + delta / world))
+                if dist < best_dist or (dist == best_dist and out.fresh and not best_fresh):
+                    best, best_dist, best_fresh = (out, into), dist, out.fresh
+        return best
+
+    def drop_for_throughput(heaviest: _Rank) -> bool:
+        """Drop the heaviest rank's request whose absence most raises requests per
+        modelled step time, if any does."""
+        requests = sum(len(r.running) for r in ranks)
+        if requests <= 1:
+            return False
+        top = heaviest.total
+        second = max([r.total for r in ranks if r.index != heaviest.index] + [0])
+        best, best_rate, best_fresh = None, requests / (STEP_FIXED + STEP_PER_BLOCK * top), False
+        for item in heaviest.running:
+            new_top = max(top - item.blocks, second)
+            rate = (requests - 1) / (STEP_FIXED + STEP_PER_BLOCK * new_top)
+            if rate > best_rate or (rate == best_rate and item.fresh and not best_fresh):
+                best, best_rate, best_fresh = item, rate, item.fresh
+        if best is None:
+            return False
+        heaviest.drop(best)
+        return True
+
+    for rank in ranks:  # fill free seats from the head of waiting
+        while len(rank.running) < max_num_seqs and rank.waiting:
+            rank.pull_in(rank.waiting[0])
+    order = list(ranks)
+    for _ in range(max_rounds):
+        order.sort(key=lambda r: r.total, reverse=True)  # stable: ties keep their order
+        if gap() < threshold:
+            break
+        swapped = False
+        swap = best_swap(order[-1], up=True)
+        if swap is not None:
+            order[-1].swap(*swap)
+            swapped = True
+            if gap() < threshold:
+                break
+            order.sort(key=lambda r: r.total, reverse=True)
+        swap = best_swap(order[0], up=False)
+        if swap is not None:
+            order[0].swap(*swap)
+            swapped = True
+        dropped = not swapped and drop_for_throughput(order[0])
+        if gap() < threshold or not (swapped or dropped):
+            break
+    return [_settle(r.moves) for r in ranks]
+
+
+def _settle(moves: RankMoves) -> RankMoves:
+    """Cancel equal out / in sizes (a swap undone, a fill dropped): each ``in`` takes the
+    first ``out`` of its size still standing. A rank with nothing to admit is frozen."""
+    standing = [True] * len(moves.out)
+    into = []
+    for b in moves.into:
+        j = next((j for j, o in enumerate(moves.out) if standing[j] and o == b), None)
+        if j is None:
+            into.append(b)
+        else:
+            standing[j] = False
+    out = [o for o, keep in zip(moves.out, standing, strict=True) if keep]
+    return RankMoves(out, into, freeze=not into)
+
+
+# -- pdmesh's level planner (opt-in: pdmesh_planner "level") ---------------------------
 def target_level(levels: list[int], floors: list[int], threshold: float) -> float:
+    """max(mean + threshold / 2, the largest "smallest running request" of any rank)."""
     mean = sum(levels) / len(levels)
     slack = threshold / 2 * max(levels) if threshold < 1 else threshold / 2
     return max(mean + slack, max(floors, default=0))
@@ -79,7 +244,9 @@ class RankPlan:
 
 
 def plan_rank(state: RankState, level: float) -> RankPlan:
-    """This rank's moves toward ``level`` (the same level on every rank)."""
+    """This rank's moves toward ``level`` (the same level on every rank): above it keep
+    the largest requests that fit and pause the rest (at least the smallest keeps
+    running), below it resume paused requests (oldest first) and admit up to it."""
     load = state.active_blocks
     out = RankPlan(admit_blocks=0)
     if load > level:
@@ -103,9 +270,8 @@ def plan_rank(state: RankState, level: float) -> RankPlan:
 
 
 def plan(states: list[RankState], threshold: float) -> list[RankPlan]:
-    """Every rank's moves for one step (what the runtime does, rank by rank): nothing
-    while the bubble is within the threshold (paused requests resume), else each rank
-    toward the common level."""
+    """The level planner for every rank: nothing while the bubble is within the
+    threshold (paused requests resume), else each rank toward the common level."""
     levels = [s.active_blocks for s in states]
     if not any(levels) or bubble(levels, threshold) <= threshold:
         return [RankPlan(resume=[rid for rid, _ in s.paused]) for s in states]
@@ -113,76 +279,9 @@ def plan(states: list[RankState], threshold: float) -> list[RankPlan]:
     return [plan_rank(s, level) for s in states]
 
 
-class DyntraLB:
-    """One rank's side: decides when balancing is on and applies its rank's plan to the
-    scheduler. ``config``: the parsed ``dyntra_lb_config``."""
-
-    def __init__(self, config, rank: int, world: int, block_size: int):
-        self.cfg = config
-        self.rank, self.world = rank, world
-        self.block_size = block_size
-        self.step = 0
-        self._long_until = -1  # dynamic mode: balancing stays on until this step
-        self.pauses = 0
-        self.resumes = 0
-        self.frozen_steps = 0  # steps this rank admitted nothing new (its cap was 0)
-        self.last_bubble = 0.0
-        self.active = False
-
-    # what this rank contributes to the lockstep all-reduce
-    def local_summary(self, scheduler) -> tuple[int, int, int]:
-        """(active KV blocks, 1 if a long request is running or waiting here, blocks of
-        the smallest active request)."""
-        bs = self.block_size
-        sizes = [blocks_of(r.num_tokens, bs) for r in scheduler.running
-                 if not scheduler.is_paused(r)]
-        longest = max((blocks_of(r.num_tokens, bs)
-                       for r in (*scheduler.running, *scheduler.waiting)), default=0)
-        return (sum(sizes), int(longest >= self.cfg.long_req_block_threshold),
-                min(sizes, default=0))
-
-    def on_step(self, scheduler, levels: list[int], long_seen: bool,
-                floors: list[int] | None = None) -> None:
-        """Between two steps, with every rank's active blocks (and smallest running
-        request): pause / resume / limit admission."""
-        cfg = self.cfg
-        self.step += 1
-        in_window = self.step >= cfg.start_step and (cfg.end_step < 0 or
-                                                      self.step < cfg.end_step)
-        if cfg.mode == "dynamic" and long_seen:
-            self._long_until = self.step + cfg.dynamic_max_step
-        active = in_window and (cfg.mode == "static" or self.step < self._long_until)
-        self.active = active
-        self.last_bubble = bubble(levels, cfg.bubble_threshold) if any(levels) else 0.0
-        if not active or self.last_bubble <= cfg.bubble_threshold:
-            resumed = scheduler.resume_all()
-            self.resumes += resumed
-            scheduler.admit_blocks = None
-            return
-        bs = self.block_size
-        state = RankState(
-            running=[(r.request_id, blocks_of(r.num_tokens, bs)) for r in scheduler.running
-                     if not scheduler.is_paused(r)],
-            paused=[(r.request_id, blocks_of(r.num_tokens, bs)) for r in scheduler.paused])
-        level = target_level(levels, floors or [0], cfg.bubble_threshold)
-        rank_plan = plan_rank(state, level)
-        for rid in rank_plan.pause:
-            scheduler.pause(rid)
-        for rid in rank_plan.resume:
-            scheduler.resume(rid)
-        scheduler.admit_blocks = rank_plan.admit_blocks
-        self.frozen_steps += rank_plan.admit_blocks == 0
-        self.pauses += len(rank_plan.pause)
-        self.resumes += len(rank_plan.resume)
-        if cfg.enable_diagnostics:
-            log.info("dyntralb rank %d step %d: bubble %.1f levels %s pause %d resume %d "
-                     "admit<=%s", self.rank, self.step, self.last_bubble, levels,
-                     len(rank_plan.pause), len(rank_plan.resume), rank_plan.admit_blocks)
-
-
 def apply(states: list[RankState], plans: list[RankPlan]) -> list[RankState]:
-    """The states after each rank carried out its plan and admitted waiting requests in
-    order while they fit its admission cap (what the scheduler does)."""
+    """The states after each rank carried out its level plan and admitted waiting
+    requests in order while they fit its admission cap (what the scheduler does)."""
     out = []
     for s, p in zip(states, plans, strict=True):
         running = [rb for rb in s.running if rb[0] not in p.pause]
@@ -198,3 +297,155 @@ def apply(states: list[RankState], plans: list[RankPlan]) -> list[RankState]:
                 cap -= rb[1]
         out.append(RankState(running, paused, waiting))
     return out
+
+
+# -- one rank's side ---------------------------------------------------------------------
+class DyntraLB:
+    """One rank's DyntraLB: when to plan (wave steps, dynamic arming), its snapshot for
+    the all-gather, and its moves applied to the scheduler. ``config``: the parsed
+    ``dyntra_lb_config``."""
+
+    def __init__(self, config, rank: int, world: int, block_size: int, max_num_seqs: int):
+        self.cfg = config
+        self.rank, self.world = rank, world
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.level_mode = getattr(config, "pdmesh_planner", "vllm_ascend") == "level"
+        self.wave_steps = 0  # busy steps since all ranks were last idle
+        self.armed = False  # dynamic mode: a long request was added
+        self.armed_steps = 0  # planning steps since the last long request
+        self._pending_long = 0  # blocks of the longest request added since last told
+        self.active = False
+        self.plans = 0
+        self.frozen_steps = 0  # planning steps this rank was frozen for admission
+        self.last_bubble = 0.0
+        if config.enable_diagnostics and rank == 0:
+            for key in ("enabled", "enable_diagnostics", "mode", "start_step", "end_step",
+                        "bubble_threshold", "long_req_block_threshold", "dynamic_max_step"):
+                log.info("[dyntra_lb] dyntra_lb_config.%s = %s", key, getattr(config, key))
+
+    @property
+    def snapshot_size(self) -> int:
+        """Ints per rank in the all-gather: 2 x max_num_seqs request sizes + the split."""
+        return 2 * self.max_num_seqs + 1
+
+    def note_added(self, num_tokens: int) -> None:
+        """A request reached this rank (dynamic mode arms on one above the threshold)."""
+        if self.cfg.mode != "dynamic":
+            return
+        blocks = blocks_of(num_tokens, self.block_size)
+        if blocks > self.cfg.long_req_block_threshold:
+            self._pending_long = max(self._pending_long, blocks)
+
+    def pending_long(self) -> int:
+        """Blocks of a long request added here and not yet counted (0: none)."""
+        return self._pending_long
+
+    def begin_step(self, long_added: int) -> bool:
+        """Before a busy step, with the largest long request any rank added since it was
+        last counted (0: none): whether this step plans. The same answer on every rank."""
+        cfg = self.cfg
+        self.wave_steps += 1
+        steps = self.wave_steps - 1  # steps completed in this wave, as vLLM-Ascend counts
+        activated = False
+        if cfg.mode == "dynamic" and not self.armed:
+            if long_added:
+                self.armed, self.armed_steps, activated = True, 0, True
+                self._say(f"Dynamic LB enabled by long request: blk_num={long_added}, "
+                          f"threshold={cfg.long_req_block_threshold}, step_counter={steps}")
+            self._pending_long = 0
+        in_window = steps >= max(1, cfg.start_step) and (cfg.end_step < 0
+                                                          or steps < cfg.end_step)
+        self.active = (cfg.mode == "static" or self.armed) and in_window
+        if not self.active:
+            return False
+        self._pending_long = 0
+        if cfg.mode == "dynamic":
+            if activated or long_added:
+                self.armed_steps = 0
+            else:
+                self.armed_steps += 1
+                if self.armed_steps >= cfg.dynamic_max_step:
+                    self.armed = False  # this step still plans
+                    self._say(f"Dynamic LB disabled after {cfg.dynamic_max_step} steps "
+                              f"without long request: step_counter={steps}")
+        return True
+
+    def skip_step(self, scheduler) -> None:
+        """A busy step that does not plan: no plan in force (the level planner also
+        resumes what it paused)."""
+        if self.level_mode:
+            scheduler.resume_all()
+        scheduler.set_lb_plan(None)
+
+    def end_wave(self, scheduler) -> None:
+        """Every rank is idle: the step count restarts, no plan stays in force."""
+        self.wave_steps = 0
+        self.active = False
+        scheduler.set_lb_plan(None)
+        self._say("no engines running, step_counter set to 0")
+
+    def snapshot(self, scheduler) -> list[int]:
+        """This rank's entry of the all-gather: running blocks, then candidates' blocks
+        (2 x max_num_seqs at most, zero padded), then how many were running."""
+        bs, slots = self.block_size, 2 * self.max_num_seqs
+        running = [blocks_of(r.num_tokens, bs) for r in scheduler.running][:slots]
+        candidates = scheduler.lb_candidates()
+        scheduler.lb_snapshot = candidates[:slots - len(running)]
+        waiting = [blocks_of(r.num_tokens, bs) for r in scheduler.lb_snapshot]
+        row = running + waiting
+        return row + [0] * (slots - len(row)) + [len(running)]
+
+    def plan_step(self, scheduler, gathered: list[list[int]]) -> RankMoves | None:
+        """Every rank's snapshot in: plan, and hand this rank's moves to the scheduler."""
+        slots = 2 * self.max_num_seqs
+        loads = []
+        for row in gathered:
+            split, sizes = row[slots], row[:slots]
+            end = sizes.index(0) if 0 in sizes else slots
+            loads.append(RankLoad(sizes[:min(split, end)], sizes[split:end]))
+        self.plans += 1
+        self.last_bubble = bubble([sum(load.running) for load in loads],
+                                  self.cfg.bubble_threshold)
+        if self.level_mode:
+            self._plan_levels(scheduler, loads)
+            return None
+        moves = balance_load(loads, self.max_num_seqs, self.cfg.bubble_threshold)
+        mine = moves[self.rank]
+        scheduler.set_lb_plan(mine)
+        self.frozen_steps += mine.freeze
+        if self.cfg.enable_diagnostics and self.rank == 0:
+            log.info("[dyntra_lb] requests_by_rank (DP Workload Status):\n%s\n"
+                     "[dyntra_lb] modifications:\n%s",
+                     "\n".join(f" DP{i} | Run({len(load.running)}): {load.running} | "
+                               f"Wait({len(load.waiting)}): {load.waiting}"
+                               for i, load in enumerate(loads)),
+                     "\n".join(f" DP{i} | Out: {m.out} | In: {m.into} | Freeze: {m.freeze}"
+                               for i, m in enumerate(moves)))
+        return mine
+
+    def _plan_levels(self, scheduler, loads: list[RankLoad]) -> None:
+        """pdmesh's level planner: toward one level across the ranks."""
+        levels = [sum(load.running) for load in loads]
+        floors = [min(load.running, default=0) for load in loads]
+        threshold = self.cfg.bubble_threshold
+        bs = self.block_size
+        if not any(levels) or bubble(levels, threshold) <= threshold:
+            scheduler.resume_all()
+            scheduler.set_lb_plan(None)
+            return
+        state = RankState(
+            running=[(r.request_id, blocks_of(r.num_tokens, bs)) for r in scheduler.running],
+            paused=[(r.request_id, blocks_of(r.num_tokens, bs)) for r in scheduler.paused])
+        rank_plan = plan_rank(state, target_level(levels, floors, threshold))
+        for rid in rank_plan.pause:
+            scheduler.pause(rid)
+        for rid in rank_plan.resume:
+            scheduler.resume(rid)
+        scheduler.set_lb_plan(None, admit_blocks=rank_plan.admit_blocks)
+        self.frozen_steps += rank_plan.admit_blocks == 0
+
+    def _say(self, message: str) -> None:
+        """Diagnostics, from rank 0 only (as vLLM-Ascend's ``_print_rank_0``)."""
+        if self.cfg.enable_diagnostics and self.rank == 0:
+            log.info("[dyntra_lb] %s", message)

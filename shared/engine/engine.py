@@ -119,8 +119,11 @@ class EngineCore:
             from pdmesh.shared.engine.dyntralb import DyntraLB
 
             self.dyntralb = DyntraLB(config.dyntra_lb, config.data_parallel_rank,
-                                     config.data_parallel_size, config.block_size)
+                                     config.data_parallel_size, config.block_size,
+                                     config.max_num_seqs)
         elif config.dyntra_lb is not None:
+            # vLLM-Ascend plans only on DP ranks that step together (MoE models); a dense
+            # model keeps its scheduler class there and never plans either
             log.warning("dyntra_lb_config: ranks that do not step in lockstep (no expert "
                         "parallelism) have no DP bubble to balance; DyntraLB is inactive")
         self._requests: dict[str, Request] = {}
@@ -259,6 +262,8 @@ class EngineCore:
         req.num_carried_outputs = len(done)
         self._requests[rid] = req
         self.scheduler.add(req)
+        if self.dyntralb is not None:
+            self.dyntralb.note_added(req.num_tokens)
         return req
 
     def validate_request(self, prompt: list[int], params: SamplingParams,

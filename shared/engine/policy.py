@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -18,6 +19,8 @@ from collections.abc import Callable, Iterator
 
 from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 
 class SchedulingPolicy(ABC):
@@ -143,7 +146,14 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
     A long request's wait counts from when it joined the queue. ``pop`` removes what the
     last ``peek`` returned, even if the long head aged in between. The preempted request
     is FCFS's: the latest admitted.
+
+    As vLLM-Ascend's queue does, it warns once when three long requests in a row were
+    promoted by age ahead of waiting short ones (the threshold is probably too low), and
+    logs its lane sizes and counters at most every 5 s, on queue events.
     """
+
+    STATS_INTERVAL_S = 5.0
+    AGED_STREAK_WARNING = 3
 
     def __init__(self, threshold: int = 256, long_max_wait_ms: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -156,6 +166,29 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
         self._long: deque[Request] = deque()
         self._joined: dict[Request, float] = {}  # long lane: when each request joined
         self._pinned: deque[Request] | None = None  # the lane ``peek`` answered from
+        self._streak = 0  # consecutive aged long promotions
+        self._warned = False
+        self._stats_at = clock()
+        self.prepends = {"immediate": 0, "short": 0, "long": 0}
+        self.dispatches = {"immediate": 0, "short": 0, "long": 0}
+        log.info("ShortRequestFirst waiting queue installed: threshold=%d, "
+                 "long_max_wait_ms=%.3f", threshold, long_max_wait_ms)
+
+    def _name(self, lane: deque[Request]) -> str:
+        return ("immediate" if lane is self._immediate
+                else "short" if lane is self._short else "long")
+
+    def _log_stats(self) -> None:
+        now = self.clock()
+        if now - self._stats_at < self.STATS_INTERVAL_S:
+            return
+        self._stats_at = now
+        log.info("ShortRequestFirst stats: threshold=%d long_max_wait_ms=%.3f sizes=("
+                 "immediate=%d short=%d long=%d) prepends=%s dispatches=%s "
+                 "aged_long_promotions=%d consecutive_aged_long_promotions=%d",
+                 self.threshold, self.long_max_wait_ms, len(self._immediate),
+                 len(self._short), len(self._long), self.prepends, self.dispatches,
+                 self.aged_promotions, self._streak)
 
     def _lane_for(self, r: Request) -> deque[Request]:
         if has_progress(r):
@@ -179,10 +212,13 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
         lane.append(request)
         if lane is self._long:
             self._joined.setdefault(request, self.clock())
+        self._log_stats()
 
     def readd(self, request: Request) -> None:
         self._pinned = None
         self._immediate.appendleft(request)
+        self.prepends["immediate"] += 1
+        self._log_stats()
 
     def peek(self) -> Request:
         self._pinned = self._next_lane()
@@ -191,10 +227,29 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
     def pop(self) -> Request:
         lane = self._pinned or self._next_lane()
         self._pinned = None
-        if lane is self._long and self._short:
-            self.aged_promotions += 1
         request = lane.popleft()
-        self._joined.pop(request, None)
+        joined = self._joined.pop(request, None)
+        self.dispatches[self._name(lane)] += 1
+        if lane is self._short:
+            self._streak = 0
+        elif lane is self._long:
+            aged = (self.long_max_wait_ms > 0 and joined is not None
+                    and (self.clock() - joined) * 1000.0 >= self.long_max_wait_ms)
+            if aged and self._short:
+                self.aged_promotions += 1
+                self._streak += 1
+                if self._streak >= self.AGED_STREAK_WARNING and not self._warned:
+                    self._warned = True
+                    log.warning("ShortRequestFirst scheduling is repeatedly promoting long "
+                                "requests ahead of waiting short requests and may degrade "
+                                "toward long-request priority. Consider increasing the "
+                                "short-request threshold or disabling this waiting-queue "
+                                "policy.")
+            elif not self._short:
+                self._streak = 0
+        if not self._short:
+            self._streak = 0
+        self._log_stats()
         return request
 
     def remove(self, request: Request) -> None:
@@ -203,6 +258,9 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
             if request in lane:
                 lane.remove(request)
                 self._joined.pop(request, None)
+                if not self._short:
+                    self._streak = 0
+                self._log_stats()
                 return
         raise ValueError(f"request {request.request_id} is not waiting")
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PAUSED = "paused"  # taken out of the running set by DyntraLB, its KV kept
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -41,7 +42,8 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_RECOMPUTED}
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
-    RequestStatus.RUNNING: {RequestStatus.WAITING, *_FINISHED},
+    RequestStatus.RUNNING: {RequestStatus.WAITING, RequestStatus.PAUSED, *_FINISHED},
+    RequestStatus.PAUSED: {RequestStatus.RUNNING, RequestStatus.WAITING, *_FINISHED},
 }
 
 

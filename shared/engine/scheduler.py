@@ -6,6 +6,11 @@ There are no prefill or decode phases: each request has ``num_computed_tokens`` 
 ones while seats (``max_num_seqs``) and blocks last. A long prompt simply takes several
 steps (chunked prefill). When a running request cannot get a block, the policy's
 victim is preempted: its blocks are freed and it waits to be recomputed.
+
+A DP balancer (DyntraLB) may pause running requests: a paused request leaves the
+running set with its blocks kept (its seat is free) and is admitted again ahead of the
+waiting queue; while the balancer's plan is in force only the candidates it names are
+admitted.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdmesh.shared.engine.block_manager import KVCacheManager, PrefixHit
 from pdmesh.shared.engine.kv_connector import PoolConnector
@@ -60,10 +66,15 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemptions = 0  # since start, for metrics and tests
-        # A DP balancer (DyntraLB) may pause running requests (they keep their blocks
-        # and are skipped until resumed) and cap the blocks admitted per step.
-        self.paused: list[Request] = []  # oldest first
+        # DyntraLB: paused requests (out of ``running``, blocks kept; oldest first), the
+        # candidates its last snapshot listed, the plan to apply at the next schedule,
+        # and what that plan lets in (request ids, or at most this many blocks).
+        self.paused: list[Request] = []
+        self.lb_snapshot: list[Request] = []
+        self._lb_plan: tuple[Any, int | None] | None = None
+        self._lb_admit: set[int] | None = None
         self.admit_blocks: int | None = None
+        self.pauses = self.resumes = 0  # since start, for metrics and tests
         # vLLM-Ascend's recompute scheduler (decode instances): a request that must give
         # its blocks up is handed back (FINISHED_RECOMPUTED, collected in ``handed_back``
         # until the engine reports it) instead of waiting here to be recomputed.
@@ -75,7 +86,8 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
+        return (bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
+                or bool(self.paused))
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -84,14 +96,13 @@ class Scheduler:
         out = SchedulerOutput([], [])
         if self.loading:
             self._finish_loads()
+        if self._lb_plan is not None:
+            self._apply_lb_plan()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self.paused and self.is_paused(req):
-                i += 1
-                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, n) and not self._make_room(req, n, out, scheduled):
                 continue  # req itself was preempted; self.running[i] is the next one
@@ -103,10 +114,14 @@ class Scheduler:
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
         admit = self.admit_blocks
-        while (len(self.waiting) and budget > 0
-               and len(self.running) + len(self.loading) < self.max_num_seqs):
-            req = self.waiting.peek()
-            if admit is not None:  # the balancer's cap on what this rank takes on
+        if admit is None:  # (the level planner resumes its paused requests itself)
+            budget = self._resume_paused(out, budget)
+        chosen = self._lb_admit
+        picks = None if chosen is None else [r for r in self.waiting if id(r) in chosen]
+        while (budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs
+               and (len(self.waiting) if picks is None else picks)):
+            req = self.waiting.peek() if picks is None else picks[0]
+            if admit is not None:  # the level planner's cap on what this rank takes on
                 need = -(-req.num_tokens // self.kv.block_size)
                 if need > admit:
                     break
@@ -122,7 +137,11 @@ class Scheduler:
             # blocks still loading are made findable by prefix only once they are in
             if not self.kv.allocate(req, pooled + n, cached, register=not later):
                 break
-            self.waiting.pop()
+            if picks is None:
+                self.waiting.pop()
+            else:
+                picks.pop(0)
+                self.waiting.remove(req)
             req.num_computed_tokens += hit_tokens
             if fresh:
                 self.prefix_queries += req.num_tokens
@@ -208,32 +227,95 @@ class Scheduler:
                 return False
         return True
 
-    # -- pausing (a DP balancer's tool) ---------------------------------------------------
+    # -- pausing and plans (DyntraLB) ---------------------------------------------------
+    def lb_candidates(self) -> list[Request]:
+        """What this rank could admit, in the order it would: paused requests (their KV
+        is here), then the waiting queue."""
+        return [*self.paused, *self.waiting]
+
+    def set_lb_plan(self, moves: Any, admit_blocks: int | None = None) -> None:
+        """The balancer's moves for the next step (None: no plan, admission is free):
+        ``moves.out`` sizes to pause, ``moves.into`` sizes to admit, ``moves.freeze``."""
+        self._lb_plan = (moves, admit_blocks)
+
+    def _apply_lb_plan(self) -> None:
+        """Pause the earliest running request of each ``out`` size; admit, of the
+        candidates the snapshot listed, the first of each ``in`` size (none if frozen)."""
+        assert self._lb_plan is not None
+        moves, self.admit_blocks = self._lb_plan
+        self._lb_plan = None
+        if moves is None:
+            self._lb_admit = None
+            return
+        bs = self.kv.block_size
+        out = list(moves.out)
+        for req in list(self.running):
+            size = -(-req.num_tokens // bs)
+            if size in out:
+                out.remove(size)
+                self.pause(req.request_id)
+        into = [] if moves.freeze else list(moves.into)
+        chosen = set()
+        for req in self.lb_snapshot:
+            size = -(-req.num_tokens // bs)
+            if size in into and req.status in (RequestStatus.WAITING, RequestStatus.PAUSED):
+                into.remove(size)
+                chosen.add(id(req))
+        self._lb_admit = chosen
+
+    def _resume_paused(self, out: SchedulerOutput, budget: int) -> int:
+        """Paused requests first (oldest first): a seat and their next tokens' blocks."""
+        chosen = self._lb_admit
+        for req in list(self.paused):
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
+                break
+            if chosen is not None and id(req) not in chosen:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req, n):
+                if not self.running and not self.loading:
+                    self._preempt(req)  # nothing else could ever free the blocks
+                    out.preempted.append(req)
+                break
+            self._back_to_running(req)
+            out.requests.append(req)
+            out.num_tokens.append(n)
+            budget -= n
+        return budget
+
     def is_paused(self, req: Request) -> bool:
-        return any(p is req for p in self.paused)
+        return req.status is RequestStatus.PAUSED
 
     def pause(self, request_id: str) -> bool:
+        """Take a running request out of the running set, its blocks kept."""
         req = next((r for r in self.running if r.request_id == request_id), None)
-        if req is None or self.is_paused(req):
+        if req is None:
             return False
+        self.running.remove(req)
+        req.transition(RequestStatus.PAUSED)
         self.paused.append(req)
+        self.pauses += 1
         return True
 
     def resume(self, request_id: str) -> bool:
-        for i, req in enumerate(self.paused):
-            if req.request_id == request_id:
-                del self.paused[i]
-                return True
-        return False
+        """Straight back into the running set (the level planner's resume)."""
+        req = next((r for r in self.paused if r.request_id == request_id), None)
+        if req is None:
+            return False
+        self._back_to_running(req)
+        return True
 
     def resume_all(self) -> int:
         n = len(self.paused)
-        self.paused.clear()
+        for req in list(self.paused):
+            self._back_to_running(req)
         return n
 
-    def _unpause(self, req: Request) -> None:
-        if self.paused:
-            self.paused = [p for p in self.paused if p is not req]
+    def _back_to_running(self, req: Request) -> None:
+        self.paused.remove(req)
+        req.transition(RequestStatus.RUNNING)
+        self.running.append(req)
+        self.resumes += 1
 
     def _preempt(self, req: Request) -> None:
         if self.recompute_elsewhere:
@@ -242,8 +324,10 @@ class Scheduler:
             self.recomputed += 1
             self.handed_back.append(req)
             return
-        self._unpause(req)
-        self.running.remove(req)
+        if req.status is RequestStatus.PAUSED:
+            self.paused.remove(req)
+        else:
+            self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -288,8 +372,9 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Stop a request wherever it is and give its blocks back."""
         if req.status is RequestStatus.RUNNING:
-            self._unpause(req)
             self.running.remove(req)
+        elif req.status is RequestStatus.PAUSED:
+            self.paused.remove(req)
         elif req.status is RequestStatus.WAITING:
             if id(req) in self.loading:  # its blocks go back once the load is done
                 req.transition(status)

@@ -213,9 +213,9 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
             yield gauge("pdmesh_dyntralb_active", "1 while DyntraLB balances.", labels,
                         int(lb.active))
             yield counter("pdmesh_dyntralb_pauses", "Running requests DyntraLB paused.",
-                          labels, lb.pauses)
-            yield counter("pdmesh_dyntralb_resumes", "Paused requests DyntraLB resumed.",
-                          labels, lb.resumes)
+                          labels, sched.pauses)
+            yield counter("pdmesh_dyntralb_resumes", "Paused requests that ran again.",
+                          labels, sched.resumes)
             yield counter("pdmesh_dyntralb_frozen_steps", "Steps this rank was frozen for "
                           "admission by DyntraLB.", labels, lb.frozen_steps)
         ep = loop.engine.ep

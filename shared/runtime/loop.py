@@ -179,13 +179,12 @@ class EngineLoop:
         import torch.distributed as dist
 
         # [any work, stop, newest placement version, -oldest placement version, then per
-        # rank: active KV blocks, long request seen, smallest active request] - each rank
-        # fills its own slots, so the MAX all-reduce doubles as the all-gather DyntraLB
-        # needs (one collective)
+        # rank: blocks of a long request DyntraLB has not counted yet] - each rank fills
+        # its own slot, so the MAX all-reduce doubles as an all-gather of those
         world = dist.get_world_size()
         rank = dist.get_rank()
         lb = self.engine.dyntralb
-        flags = torch.zeros(4 + 3 * world, dtype=torch.int64)
+        flags = torch.zeros(4 + world, dtype=torch.int64)
         while True:
             self._take_messages()
             version = self.eplb.known_version() if self.eplb is not None else 0
@@ -194,23 +193,35 @@ class EngineLoop:
             flags[1] = -int(self._should_stop())  # MAX of -stop: every rank wants to stop
             flags[2], flags[3] = version, -version
             if lb is not None:
-                active, long_seen, floor = lb.local_summary(self.engine.scheduler)
-                flags[4 + rank] = active
-                flags[4 + world + rank] = long_seen
-                flags[4 + 2 * world + rank] = floor
+                flags[4 + rank] = lb.pending_long()
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[1] < 0:  # ranks stop together, once all are done (or told to)
                 return
             if self.eplb is not None:
                 self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
             if not flags[0]:
+                if lb is not None and lb.wave_steps:
+                    lb.end_wave(self.engine.scheduler)
                 self._idle(0.005)
                 continue
-            if lb is not None:  # counts engine steps, not idle turns
-                lb.on_step(self.engine.scheduler, flags[4:4 + world].tolist(),
-                           bool(flags[4 + world:4 + 2 * world].any()),
-                           flags[4 + 2 * world:].tolist())
+            if lb is not None:
+                self._balance(lb, int(flags[4:].max()), world)
             self._step()
+
+    def _balance(self, lb, long_added: int, world: int) -> None:
+        """DyntraLB between two lockstep steps: every rank's snapshot (an all-gather,
+        only on steps that plan), the same plan on every rank, this rank's moves."""
+        import torch
+        import torch.distributed as dist
+
+        scheduler = self.engine.scheduler
+        if not lb.begin_step(long_added):
+            lb.skip_step(scheduler)
+            return
+        mine = torch.tensor(lb.snapshot(scheduler), dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        lb.plan_step(scheduler, [r.tolist() for r in rows])
 
     def _step(self) -> None:
         try:

@@ -238,3 +238,68 @@ def test_quoted_booleans_are_read_with_a_warning() -> None:
 
 def test_unknown_device_is_rejected() -> None:
     assert problems_of("{}", device="auto").keys == ("device",)
+
+
+# ---- what vLLM-Ascend accepts beyond plain JSON types --------------------------------
+
+
+@pytest.mark.parametrize("raw", [
+    {"scheduler_config": None},
+    {"scheduler_config": {"dyntra_lb_config": None}},
+    {"scheduler_config": {"short_request_first_config": None, "dyntra_lb_config": None}},
+])
+def test_a_null_section_is_its_defaults(raw) -> None:
+    config = parse(raw)
+    assert config.scheduler_config == AdditionalConfig().scheduler_config
+    assert not config.warnings
+
+
+@pytest.mark.parametrize("given,read", [
+    ({"threshold": "256"}, {"threshold": 256}),
+    ({"threshold": 256.7}, {"threshold": 256}),  # int() truncates, as vLLM-Ascend's does
+    ({"enabled": 1}, {"enabled": True}),
+    ({"enabled": 0}, {"enabled": False}),
+    ({"long_max_wait_ms": "12.5"}, {"long_max_wait_ms": 12.5}),
+])
+def test_short_request_first_takes_what_vllm_ascends_casts_take(given, read) -> None:
+    srf = {"short_request_first_config": given}
+    config = parse({"scheduler_config": srf}, engine=EngineArgs(kv_role=None))
+    got = config.scheduler_config.short_request_first_config
+    assert {k: getattr(got, k) for k in read} == read
+    (key,) = given
+    assert any(f"short_request_first_config.{key}" in w and "vLLM-Ascend casts" in w
+               for w in config.warnings)
+
+
+@pytest.mark.parametrize("given", [{"threshold": "256.7"}, {"threshold": True},
+                                   {"enabled": "yes"}, {"long_max_wait_ms": "soon"},
+                                   {"threshold": None}])
+def test_short_request_first_refuses_what_the_casts_refuse(given) -> None:
+    (key,) = given
+    error = problems_of({"scheduler_config": {"short_request_first_config": given}})
+    assert error.keys == (f"scheduler_config.short_request_first_config.{key}",)
+
+
+@pytest.mark.parametrize("given", [{"start_step": "256"}, {"start_step": 256.7},
+                                   {"enabled": 1}, {"bubble_threshold": "5"}])
+def test_dyntra_lb_stays_as_strict_as_vllm_ascends(given) -> None:
+    (key,) = given
+    error = problems_of({"scheduler_config": {"dyntra_lb_config": given}})
+    assert error.keys == (f"scheduler_config.dyntra_lb_config.{key}",)
+
+
+def test_recompute_false_as_a_string_stays_off_and_says_vllm_ascend_differs() -> None:
+    config = parse({"scheduler_config": {"recompute_scheduler_enable": "false"}},
+                   engine=EngineArgs(kv_role="kv_consumer"))
+    assert config.scheduler_config.recompute_scheduler_enable is False
+    assert any("recompute_scheduler_enable" in w and "turns it on there" in w
+               for w in config.warnings)
+
+
+def test_the_level_planner_is_pdmeshs_own_opt_in() -> None:
+    assert AdditionalConfig().scheduler_config.dyntra_lb_config.pdmesh_planner == "vllm_ascend"
+    lb = {"dyntra_lb_config": {"pdmesh_planner": "level"}}
+    assert parse({"scheduler_config": lb}).scheduler_config.dyntra_lb_config.pdmesh_planner \
+        == "level"
+    error = problems_of({"scheduler_config": {"dyntra_lb_config": {"pdmesh_planner": "x"}}})
+    assert error.keys == ("scheduler_config.dyntra_lb_config.pdmesh_planner",)

@@ -109,6 +109,59 @@ def test_aged_long_request_goes_before_short_ones_but_after_immediate():
     assert drain(p) == ["L2", "s1", "s2"]
 
 
+def test_three_aged_promotions_in_a_row_warn_once(caplog):
+    clock = Clock()
+    p = srf(100.0, clock)
+    for i in range(5):
+        p.add(req(f"L{i}", 40))
+    p.add(req("s", 2))
+    clock.now += 1.0  # every long request has aged; a short one waits behind them
+    with caplog.at_level("WARNING", logger="pdmesh.shared.engine.policy"):
+        assert [p.pop().request_id for _ in range(2)] == ["L0", "L1"]
+        assert "degrade toward long-request priority" not in caplog.text
+        assert p.pop().request_id == "L2"
+        assert caplog.text.count("degrade toward long-request priority") == 1
+        p.pop()
+        assert caplog.text.count("degrade toward long-request priority") == 1  # once
+    assert p.aged_promotions == 4
+
+
+def test_a_short_dispatch_breaks_the_aged_streak(caplog):
+    clock = Clock()
+    p = srf(100.0, clock)
+    for rid, n in [("L0", 40), ("L1", 40), ("s0", 2)]:
+        p.add(req(rid, n))
+    clock.now += 1.0
+    with caplog.at_level("WARNING", logger="pdmesh.shared.engine.policy"):
+        assert [p.pop().request_id for _ in range(2)] == ["L0", "L1"]  # a streak of two
+        p.add(req("L2", 40))
+        assert p.pop().request_id == "s0"  # L2 has not aged: the short one, streak over
+        clock.now += 1.0
+        p.add(req("s1", 2))
+        assert p.pop().request_id == "L2"  # aged ahead of s1: a streak of one
+        assert "degrade" not in caplog.text
+    assert p.aged_promotions == 3
+
+
+def test_stats_are_logged_on_queue_events_at_most_every_five_seconds(caplog):
+    clock = Clock()
+    with caplog.at_level("INFO", logger="pdmesh.shared.engine.policy"):
+        p = srf(0.0, clock)
+        assert "ShortRequestFirst waiting queue installed: threshold=8" in caplog.text
+        p.add(req("a", 2))
+        clock.now += 4.9
+        p.add(req("b", 40))
+        assert "ShortRequestFirst stats" not in caplog.text
+        clock.now += 0.2
+        p.pop()
+        assert caplog.text.count("ShortRequestFirst stats") == 1
+        assert "sizes=(immediate=0 short=0 long=1)" in caplog.text
+        assert "dispatches={'immediate': 0, 'short': 1, 'long': 0}" in caplog.text
+        clock.now += 1.0
+        p.pop()
+        assert caplog.text.count("ShortRequestFirst stats") == 1
+
+
 def test_pop_takes_what_peek_returned_even_if_aging_flips():
     clock = Clock()
     p = srf(100.0, clock)

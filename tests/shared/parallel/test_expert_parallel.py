@@ -193,7 +193,8 @@ def test_bench_eplb_rebalances_a_skewed_model(tmp_path, bpe_tokenizer):
 
 
 def loop_rank_main(rank: int, world: int, address: str, model: str,
-                   prompts: list[list[int]], barrier, out: mp.Queue) -> None:
+                   prompts: list[list[int]], barrier, out: mp.Queue, planner: str,
+                   max_num_seqs: int) -> None:
     """One rank served by the real lockstep EngineLoop with DyntraLB on."""
     try:
         import threading
@@ -204,9 +205,11 @@ def loop_rank_main(rank: int, world: int, address: str, model: str,
         from pdmesh.shared.engine.engine import EngineCore
         from tests.shared.runtime.driver import LoopDriver
 
-        lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
+        lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0,
+                            pdmesh_planner=planner)
         eng = EngineCore(EngineConfig(
             model=model, device="cpu", dtype="float32", block_size=16,
+            max_num_seqs=max_num_seqs,
             data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
             enable_expert_parallel=True, dyntra_lb=lb))
         driver = LoopDriver(eng, start=False)  # the loop runs in this (main) thread
@@ -230,17 +233,22 @@ def loop_rank_main(rank: int, world: int, address: str, model: str,
         t.start()
         loop.run()
         t.join()
-        out.put((rank, tokens, eng.dyntralb.pauses, 0, None))
+        out.put((rank, tokens, eng.scheduler.pauses, 0, None))
     except Exception as e:  # noqa: BLE001
         import traceback
 
         out.put((rank, None, 0, 0, traceback.format_exc() + repr(e)))
 
 
-def test_dyntralb_pauses_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_models):
-    """Rank 0 holds five long prompts, rank 1 one short one: DyntraLB pauses requests on
-    rank 0 to shrink the bubble, and every answer still equals the single-process one."""
-    heavy = [list(range(100 + 50 * i, 260 + 50 * i)) for i in range(5)]
+@pytest.mark.parametrize(("planner", "max_num_seqs"), [("vllm_ascend", 2), ("level", 8)])
+def test_dyntralb_pauses_on_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_models,
+                                                                  planner, max_num_seqs):
+    """Rank 0 holds two long prompts and three short ones, rank 1 one short one:
+    DyntraLB pauses requests on rank 0 to shrink the bubble (vLLM-Ascend's planner swaps
+    a running long request for a waiting short one; the level planner pauses the
+    largest), and every answer still equals the single-process one."""
+    heavy = [list(range(100 + 50 * i, 400 + 50 * i)) for i in range(2)]
+    heavy += [list(range(20 + 7 * i, 40 + 7 * i)) for i in range(3)]
     light = [[3, 4, 5, 6]]
     llm = LLM(moe_path, device="cpu", dtype="float32", block_size=16)
     want = [o.outputs[0].token_ids for o in llm.generate(
@@ -250,7 +258,7 @@ def test_dyntralb_pauses_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_mo
     barrier = ctx.Barrier(2)
     address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=loop_rank_main, args=(r, 2, address, moe_path, share,
-                                                      barrier, out))
+                                                      barrier, out, planner, max_num_seqs))
              for r, share in enumerate([heavy, light])]
     for p in procs:
         p.start()
