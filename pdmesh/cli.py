@@ -43,7 +43,7 @@ COMMANDS = [
     Command(("bench", "eplb"), "pdmesh.shared.cli.bench.eplb",
             "expert-parallel decode with EPLB off vs on, skewed vs balanced", False),
     Command(("bench", "dyntralb"), "pdmesh.shared.cli.bench.dyntralb",
-            "lockstep DP decode with DyntraLB off, vLLM-Ascend's planner, the level one",
+            "lockstep DP decode with DyntraLB off vs on (vLLM-Ascend's planner)",
             False),
     Command(("bench", "kv-transfer"), "pdmesh.shared.cli.bench.kv_transfer",
             "KV put/get throughput through the pool", False),

@@ -30,10 +30,6 @@ class DyntraLBConfig:
         700, "Dynamic mode: a new request above this many blocks activates balancing.", gt=0)
     dynamic_max_step: int = option(
         256, "Dynamic mode: stop after this many steps without another long request.", gt=0)
-    pdmesh_planner: str = option(
-        "vllm_ascend", "pdmesh's own key (vLLM-Ascend rejects it): \"vllm_ascend\" plans as "
-        "vLLM-Ascend does; \"level\" moves every rank toward one level instead.",
-        choices=("vllm_ascend", "level"))
 
 
 @dataclass(frozen=True)

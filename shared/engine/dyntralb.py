@@ -31,9 +31,8 @@ moment all ranks are idle) to ``end_step``; in "dynamic" mode only once a reques
 than ``long_req_block_threshold`` blocks has been added on some rank, and until
 ``dynamic_max_step`` planning steps passed without another.
 
-``pdmesh_planner: "level"`` selects pdmesh's own earlier planner instead (every rank
-toward one level, pausing the largest requests above it, resuming and admitting below
-it); it is not vLLM-Ascend's behaviour and is never the default.
+(pdmesh's earlier planner, which moved every rank toward one level, measured worse on
+every workload tried - docs/benchmarks.md, issue 14 - and is gone.)
 """
 
 from __future__ import annotations
@@ -210,95 +209,6 @@ def _settle(moves: RankMoves) -> RankMoves:
     return RankMoves(out, into, freeze=not into)
 
 
-# -- pdmesh's level planner (opt-in: pdmesh_planner "level") ---------------------------
-def target_level(levels: list[int], floors: list[int], threshold: float) -> float:
-    """max(mean + threshold / 2, the largest "smallest running request" of any rank)."""
-    mean = sum(levels) / len(levels)
-    slack = threshold / 2 * max(levels) if threshold < 1 else threshold / 2
-    return max(mean + slack, max(floors, default=0))
-
-
-@dataclass
-class RankState:
-    """One rank's requests, as (request id, KV blocks) pairs, in queue order."""
-
-    running: list[tuple[str, int]]  # active (not paused)
-    paused: list[tuple[str, int]] = field(default_factory=list)  # oldest first
-    waiting: list[tuple[str, int]] = field(default_factory=list)  # admission order
-
-    @property
-    def active_blocks(self) -> int:
-        return sum(b for _, b in self.running)
-
-    @property
-    def floor(self) -> int:
-        """The least this rank can run: its smallest running request (0 if none)."""
-        return min((b for _, b in self.running), default=0)
-
-
-@dataclass
-class RankPlan:
-    pause: list[str] = field(default_factory=list)
-    resume: list[str] = field(default_factory=list)
-    admit_blocks: int | None = None  # blocks this rank may admit this step (None: any)
-
-
-def plan_rank(state: RankState, level: float) -> RankPlan:
-    """This rank's moves toward ``level`` (the same level on every rank): above it keep
-    the largest requests that fit and pause the rest (at least the smallest keeps
-    running), below it resume paused requests (oldest first) and admit up to it."""
-    load = state.active_blocks
-    out = RankPlan(admit_blocks=0)
-    if load > level:
-        kept = 0
-        smallest = min(state.running, key=lambda rb: rb[1])
-        for rid, b in sorted(state.running, key=lambda rb: -rb[1]):
-            if kept + b <= level:
-                kept += b
-            elif (rid, b) != smallest or kept:
-                out.pause.append(rid)
-        if len(out.pause) == len(state.running):  # keep one running: the smallest
-            out.pause.remove(smallest[0])
-        return out
-    for rid, b in state.paused:
-        if load + b > level:
-            break
-        out.resume.append(rid)
-        load += b
-    out.admit_blocks = max(0, int(level - load))
-    return out
-
-
-def plan(states: list[RankState], threshold: float) -> list[RankPlan]:
-    """The level planner for every rank: nothing while the bubble is within the
-    threshold (paused requests resume), else each rank toward the common level."""
-    levels = [s.active_blocks for s in states]
-    if not any(levels) or bubble(levels, threshold) <= threshold:
-        return [RankPlan(resume=[rid for rid, _ in s.paused]) for s in states]
-    level = target_level(levels, [s.floor for s in states], threshold)
-    return [plan_rank(s, level) for s in states]
-
-
-def apply(states: list[RankState], plans: list[RankPlan]) -> list[RankState]:
-    """The states after each rank carried out its level plan and admitted waiting
-    requests in order while they fit its admission cap (what the scheduler does)."""
-    out = []
-    for s, p in zip(states, plans, strict=True):
-        running = [rb for rb in s.running if rb[0] not in p.pause]
-        paused = [rb for rb in s.paused if rb[0] not in p.resume]
-        paused += [rb for rb in s.running if rb[0] in p.pause]
-        running += [rb for rb in s.paused if rb[0] in p.resume]
-        waiting = list(s.waiting)
-        cap = p.admit_blocks
-        while waiting and (cap is None or waiting[0][1] <= cap):
-            rb = waiting.pop(0)
-            running.append(rb)
-            if cap is not None:
-                cap -= rb[1]
-        out.append(RankState(running, paused, waiting))
-    return out
-
-
 # -- one rank's side ---------------------------------------------------------------------
 class DyntraLB:
     """One rank's DyntraLB: when to plan (wave steps, dynamic arming), its snapshot for
@@ -310,7 +220,6 @@ class DyntraLB:
         self.rank, self.world = rank, world
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.level_mode = getattr(config, "pdmesh_planner", "vllm_ascend") == "level"
         self.wave_steps = 0  # busy steps since all ranks were last idle
         self.armed = False  # dynamic mode: a long request was added
         self.armed_steps = 0  # planning steps since the last long request
@@ -372,10 +281,7 @@ class DyntraLB:
         return True
 
     def skip_step(self, scheduler) -> None:
-        """A busy step that does not plan: no plan in force (the level planner also
-        resumes what it paused)."""
-        if self.level_mode:
-            scheduler.resume_all()
+        """A busy step that does not plan: no plan in force."""
         scheduler.set_lb_plan(None)
 
     def end_wave(self, scheduler) -> None:
@@ -387,8 +293,11 @@ class DyntraLB:
 
     def snapshot(self, scheduler) -> list[int]:
         """This rank's entry of the all-gather: running blocks, then candidates' blocks
-        (2 x max_num_seqs at most, zero padded), then how many were running."""
+        (2 x max_num_seqs at most, zero padded), then how many were running. First the
+        pool reads of up to 2 x max_num_seqs - running waiting requests start (only
+        requests whose KV is here are candidates)."""
         bs, slots = self.block_size, 2 * self.max_num_seqs
+        scheduler.prefetch_kv(slots - len(scheduler.running))
         running = [blocks_of(r.num_tokens, bs) for r in scheduler.running][:slots]
         candidates = scheduler.lb_candidates()
         scheduler.lb_snapshot = candidates[:slots - len(running)]
@@ -396,7 +305,7 @@ class DyntraLB:
         row = running + waiting
         return row + [0] * (slots - len(row)) + [len(running)]
 
-    def plan_step(self, scheduler, gathered: list[list[int]]) -> RankMoves | None:
+    def plan_step(self, scheduler, gathered: list[list[int]]) -> RankMoves:
         """Every rank's snapshot in: plan, and hand this rank's moves to the scheduler."""
         slots = 2 * self.max_num_seqs
         loads = []
@@ -407,9 +316,6 @@ class DyntraLB:
         self.plans += 1
         self.last_bubble = bubble([sum(load.running) for load in loads],
                                   self.cfg.bubble_threshold)
-        if self.level_mode:
-            self._plan_levels(scheduler, loads)
-            return None
         moves = balance_load(loads, self.max_num_seqs, self.cfg.bubble_threshold)
         mine = moves[self.rank]
         scheduler.set_lb_plan(mine)
@@ -423,27 +329,6 @@ class DyntraLB:
                      "\n".join(f" DP{i} | Out: {m.out} | In: {m.into} | Freeze: {m.freeze}"
                                for i, m in enumerate(moves)))
         return mine
-
-    def _plan_levels(self, scheduler, loads: list[RankLoad]) -> None:
-        """pdmesh's level planner: toward one level across the ranks."""
-        levels = [sum(load.running) for load in loads]
-        floors = [min(load.running, default=0) for load in loads]
-        threshold = self.cfg.bubble_threshold
-        bs = self.block_size
-        if not any(levels) or bubble(levels, threshold) <= threshold:
-            scheduler.resume_all()
-            scheduler.set_lb_plan(None)
-            return
-        state = RankState(
-            running=[(r.request_id, blocks_of(r.num_tokens, bs)) for r in scheduler.running],
-            paused=[(r.request_id, blocks_of(r.num_tokens, bs)) for r in scheduler.paused])
-        rank_plan = plan_rank(state, target_level(levels, floors, threshold))
-        for rid in rank_plan.pause:
-            scheduler.pause(rid)
-        for rid in rank_plan.resume:
-            scheduler.resume(rid)
-        scheduler.set_lb_plan(None, admit_blocks=rank_plan.admit_blocks)
-        self.frozen_steps += rank_plan.admit_blocks == 0
 
     def _say(self, message: str) -> None:
         """Diagnostics, from rank 0 only (as vLLM-Ascend's ``_print_rank_0``)."""

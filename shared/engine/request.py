@@ -41,7 +41,8 @@ class RequestStatus(enum.Enum):
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_RECOMPUTED}
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
+                            RequestStatus.FINISHED_RECOMPUTED},  # (a prefetched one)
     RequestStatus.RUNNING: {RequestStatus.WAITING, RequestStatus.PAUSED, *_FINISHED},
     RequestStatus.PAUSED: {RequestStatus.RUNNING, RequestStatus.WAITING, *_FINISHED},
 }

@@ -57,8 +57,9 @@ class Scheduler:
         self.kv = kv
         self.connector = connector
         self.async_kv_load = async_kv_load and connector is not None
-        # id(request) -> (request, its load, the tokens it brings)
-        self.loading: dict[int, tuple[Request, Future, int]] = {}
+        # id(request) -> (request, its load, the tokens it brings, whether it holds a
+        # seat: a DyntraLB prefetch does not until the plan admits it)
+        self.loading: dict[int, tuple[Request, Future, int, bool]] = {}
         self._loader: ThreadPoolExecutor | None = None
         self.waiting = policy
         self.running: list[Request] = []
@@ -68,12 +69,14 @@ class Scheduler:
         self.preemptions = 0  # since start, for metrics and tests
         # DyntraLB: paused requests (out of ``running``, blocks kept; oldest first), the
         # candidates its last snapshot listed, the plan to apply at the next schedule,
-        # and what that plan lets in (request ids, or at most this many blocks).
+        # and the requests that plan lets in (None: any).
         self.paused: list[Request] = []
+        self.ready: list[Request] = []  # prefetched from the pool, waiting for a seat
+        self._not_ready: set[int] = set()  # beyond this step's prefetch limit
         self.lb_snapshot: list[Request] = []
-        self._lb_plan: tuple[Any, int | None] | None = None
+        self._lb_plan: Any = None
+        self._lb_planned = False
         self._lb_admit: set[int] | None = None
-        self.admit_blocks: int | None = None
         self.pauses = self.resumes = 0  # since start, for metrics and tests
         # vLLM-Ascend's recompute scheduler (decode instances): a request that must give
         # its blocks up is handed back (FINISHED_RECOMPUTED, collected in ``handed_back``
@@ -87,7 +90,11 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return (bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
-                or bool(self.paused))
+                or bool(self.paused) or bool(self.ready))
+
+    @property
+    def _seats_taken(self) -> int:
+        return len(self.running) + sum(seat for *_, seat in self.loading.values())
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -96,7 +103,7 @@ class Scheduler:
         out = SchedulerOutput([], [])
         if self.loading:
             self._finish_loads()
-        if self._lb_plan is not None:
+        if self._lb_planned:
             self._apply_lb_plan()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -113,19 +120,12 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
-        admit = self.admit_blocks
-        if admit is None:  # (the level planner resumes its paused requests itself)
-            budget = self._resume_paused(out, budget)
+        budget = self._resume_paused(out, budget)
         chosen = self._lb_admit
         picks = None if chosen is None else [r for r in self.waiting if id(r) in chosen]
-        while (budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs
+        while (budget > 0 and self._seats_taken < self.max_num_seqs
                and (len(self.waiting) if picks is None else picks)):
             req = self.waiting.peek() if picks is None else picks[0]
-            if admit is not None:  # the level planner's cap on what this rank takes on
-                need = -(-req.num_tokens // self.kv.block_size)
-                if need > admit:
-                    break
-                admit -= need
             fresh = req.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(req) if fresh else PrefixHit()
             hit_tokens = cached.num_blocks * self.kv.block_size
@@ -165,12 +165,13 @@ class Scheduler:
             out.num_tokens.append(n)
             budget -= n
         if out.is_empty and self.loading:  # nothing to compute but loads: wait a little
-            futures.wait([f for _, f, _ in self.loading.values()], timeout=0.005,
+            futures.wait([f for _, f, *_ in self.loading.values()], timeout=0.005,
                          return_when=futures.FIRST_COMPLETED)
         return out
 
     # -- pool loads off the step (async_kv_load) --------------------------------------------
-    def _start_load(self, req: Request, hit_tokens: int, pooled: int) -> None:
+    def _start_load(self, req: Request, hit_tokens: int, pooled: int,
+                    seated: bool = True) -> None:
         assert self.connector is not None
         connector = self.connector
         tables = [list(self.kv.block_ids(req, g)) for g in range(len(self.kv.groups))]
@@ -184,13 +185,14 @@ class Scheduler:
 
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
-        self.loading[id(req)] = (req, self._loader.submit(load), pooled)
+        self.loading[id(req)] = (req, self._loader.submit(load), pooled, seated)
 
     def _finish_loads(self) -> None:
         """Requests whose pool loads are done join the running (in the order they were
-        admitted); a failed load leaves the prompt to compute here, an aborted request's
-        blocks go back now that nothing writes them."""
-        for key, (req, fut, pooled) in list(self.loading.items()):
+        admitted; a prefetch waits in ``ready`` for the plan to admit it); a failed load
+        leaves the prompt to compute here, an aborted request's blocks go back now that
+        nothing writes them."""
+        for key, (req, fut, pooled, seated) in list(self.loading.items()):
             if not fut.done():
                 continue
             del self.loading[key]
@@ -204,7 +206,10 @@ class Scheduler:
                 loaded = False
             if loaded:
                 req.num_computed_tokens += pooled
-            self._start_running(req)
+            if seated:
+                self._start_running(req)
+            else:
+                self.ready.append(req)
 
     def _start_running(self, req: Request) -> None:
         """An admitted request joins the running (what it brought counts as cached)."""
@@ -229,21 +234,52 @@ class Scheduler:
 
     # -- pausing and plans (DyntraLB) ---------------------------------------------------
     def lb_candidates(self) -> list[Request]:
-        """What this rank could admit, in the order it would: paused requests (their KV
-        is here), then the waiting queue."""
-        return [*self.paused, *self.waiting]
+        """What this rank could admit, in the order it would: paused and prefetched
+        requests (their KV is here), then the waiting queue, less the requests past the
+        prefetch limit (``prefetch_kv``)."""
+        return [*self.paused, *self.ready,
+                *(r for r in self.waiting if id(r) not in self._not_ready)]
 
-    def set_lb_plan(self, moves: Any, admit_blocks: int | None = None) -> None:
+    def prefetch_kv(self, limit: int) -> None:
+        """vLLM-Ascend's DyntraLB prefetch: start the pool reads of up to ``limit`` fresh
+        waiting requests, without seats; they become candidates once their KV is in.
+        Fresh requests past the limit are not candidates this step (only requests whose
+        KV is ready are admitted while a plan is in force)."""
+        self._not_ready = set()
+        if not (self.async_kv_load and self.connector is not None):
+            return
+        looked = 0
+        for req in list(self.waiting):
+            if req.num_computed_tokens:
+                continue  # its KV is here already
+            if looked >= limit:
+                self._not_ready.add(id(req))
+                continue
+            looked += 1
+            cached = self.kv.find_cached_prefix(req)
+            hit_tokens = cached.num_blocks * self.kv.block_size
+            pooled = self.connector.loadable_tokens(req, hit_tokens)
+            if not pooled:
+                continue  # nothing to read: a candidate as it is
+            if not self.kv.allocate(req, pooled, cached, register=False):
+                self._not_ready.add(id(req))
+                continue
+            self.waiting.remove(req)
+            req.num_computed_tokens += hit_tokens
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += hit_tokens
+            self._start_load(req, hit_tokens, pooled, seated=False)
+
+    def set_lb_plan(self, moves: Any) -> None:
         """The balancer's moves for the next step (None: no plan, admission is free):
         ``moves.out`` sizes to pause, ``moves.into`` sizes to admit, ``moves.freeze``."""
-        self._lb_plan = (moves, admit_blocks)
+        self._lb_plan = moves
+        self._lb_planned = True
 
     def _apply_lb_plan(self) -> None:
         """Pause the earliest running request of each ``out`` size; admit, of the
         candidates the snapshot listed, the first of each ``in`` size (none if frozen)."""
-        assert self._lb_plan is not None
-        moves, self.admit_blocks = self._lb_plan
-        self._lb_plan = None
+        moves, self._lb_plan, self._lb_planned = self._lb_plan, None, False
         if moves is None:
             self._lb_admit = None
             return
@@ -264,10 +300,11 @@ class Scheduler:
         self._lb_admit = chosen
 
     def _resume_paused(self, out: SchedulerOutput, budget: int) -> int:
-        """Paused requests first (oldest first): a seat and their next tokens' blocks."""
+        """Requests whose KV is here first, paused (oldest first) then prefetched: a
+        seat and their next tokens' blocks."""
         chosen = self._lb_admit
-        for req in list(self.paused):
-            if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
+        for req in [*self.paused, *self.ready]:
+            if budget <= 0 or self._seats_taken >= self.max_num_seqs:
                 break
             if chosen is not None and id(req) not in chosen:
                 continue
@@ -277,7 +314,11 @@ class Scheduler:
                     self._preempt(req)  # nothing else could ever free the blocks
                     out.preempted.append(req)
                 break
-            self._back_to_running(req)
+            if req.status is RequestStatus.PAUSED:
+                self._back_to_running(req)
+            else:
+                self.ready.remove(req)
+                self._start_running(req)
             out.requests.append(req)
             out.num_tokens.append(n)
             budget -= n
@@ -297,20 +338,6 @@ class Scheduler:
         self.pauses += 1
         return True
 
-    def resume(self, request_id: str) -> bool:
-        """Straight back into the running set (the level planner's resume)."""
-        req = next((r for r in self.paused if r.request_id == request_id), None)
-        if req is None:
-            return False
-        self._back_to_running(req)
-        return True
-
-    def resume_all(self) -> int:
-        n = len(self.paused)
-        for req in list(self.paused):
-            self._back_to_running(req)
-        return n
-
     def _back_to_running(self, req: Request) -> None:
         self.paused.remove(req)
         req.transition(RequestStatus.RUNNING)
@@ -326,13 +353,16 @@ class Scheduler:
             return
         if req.status is RequestStatus.PAUSED:
             self.paused.remove(req)
+        elif req.status is RequestStatus.WAITING:  # prefetched
+            self.ready.remove(req)
         else:
             self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.preemptions += 1
-        req.transition(RequestStatus.WAITING)
+        if req.status is not RequestStatus.WAITING:
+            req.transition(RequestStatus.WAITING)
         self.waiting.readd(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
@@ -379,6 +409,9 @@ class Scheduler:
             if id(req) in self.loading:  # its blocks go back once the load is done
                 req.transition(status)
                 return
-            self.waiting.remove(req)
+            if any(r is req for r in self.ready):
+                self.ready.remove(req)
+            else:
+                self.waiting.remove(req)
         req.transition(status)
         self.kv.free(req)

@@ -3,8 +3,8 @@ DyntraLB wins back.
 
 Two expert-parallel DP ranks (gloo on loopback, each the real ``EngineLoop`` as a
 `--data-parallel-size 2 --enable-expert-parallel` decode instance runs it) serve the
-same long-tailed workload in three passes, one run: DyntraLB off, vLLM-Ascend's
-planner, pdmesh's level planner. Every request gets a short random prompt; output
+same long-tailed workload in two passes, one run: DyntraLB off, and on (vLLM-Ascend's
+planner, static mode from ``--start-step``). Every request gets a short random prompt; output
 lengths follow a Pareto tail, and rank 0 collects the long ones (``--skew`` times the
 others' mean), so its KV grows while the other rank's stays small: the bubble.
 
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import random
-import socket
 import statistics
 import threading
 import time
 from typing import Any
 
-PASSES = ("off", "vllm_ascend", "level")
+from pdmesh.shared.cli.bench.ranks import barrier, run_ranks
+
+PASSES = ("off", "vllm_ascend")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -79,29 +79,8 @@ def workload(a: argparse.Namespace, rank: int, vocab: int) -> list[tuple[list[in
 
 
 def _pass(a: argparse.Namespace, planner: str) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    barrier = ctx.Barrier(2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
     opts = {k: v for k, v in vars(a).items() if k != "func"}
-    procs = [ctx.Process(target=_rank, args=(r, 2, address, opts, planner, barrier, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, result, err = out.get(timeout=3600)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            got[rank] = result
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank_body, 2, opts, planner, barrier(2))
     tpots = sorted(got[0]["tpots"] + got[1]["tpots"])
     steps = sorted(got[0]["steps"])
     n = min(len(got[0]["blocks"]), len(got[1]["blocks"]))
@@ -119,19 +98,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def _rank(rank: int, world: int, address: str, opts: dict[str, Any], planner: str,
-          barrier, out: mp.Queue) -> None:
-    try:
-        out.put((rank, _rank_body(rank, world, address, argparse.Namespace(**opts), planner,
-                                  barrier), None))
-    except Exception:  # noqa: BLE001 (reported to the parent)
-        import traceback
-
-        out.put((rank, None, traceback.format_exc()))
-
-
-def _rank_body(rank: int, world: int, address: str, a: argparse.Namespace, planner: str,
-               barrier) -> dict[str, Any]:
+def _rank_body(rank: int, world: int, address: str, opts: dict[str, Any], planner: str,
+               everyone) -> dict[str, Any]:
     import torch
 
     from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
@@ -141,10 +109,11 @@ def _rank_body(rank: int, world: int, address: str, a: argparse.Namespace, plann
     from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
     from pdmesh.shared.runtime.protocol import SubmitRequest
 
+    a = argparse.Namespace(**opts)
     torch.set_num_threads(a.threads)
     lb = None if planner == "off" else DyntraLBConfig(
         enabled=True, mode="static", start_step=a.start_step,
-        bubble_threshold=a.bubble_threshold, pdmesh_planner=planner)
+        bubble_threshold=a.bubble_threshold)
     eng = EngineCore(EngineConfig(
         model=a.model, device="cpu", dtype="float32", block_size=a.block_size,
         max_num_seqs=a.max_num_seqs, data_parallel_size=world, data_parallel_rank=rank,
@@ -187,7 +156,7 @@ def _rank_body(rank: int, world: int, address: str, a: argparse.Namespace, plann
             port.put(SubmitRequest(f"r{rank}-{i}", prompt, SamplingParams(
                 temperature=0, max_tokens=n, ignore_eos=True), 0, []))
         done.wait(3600)
-        barrier.wait(3600)  # every rank done: now all may stop together
+        everyone.wait(3600)  # every rank done: now all may stop together
         loop.stop()
 
     t0 = time.perf_counter()

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import socket
 import statistics
 import time
 from typing import Any
 
 import torch
+
+from pdmesh.shared.cli.bench.ranks import run_ranks
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -68,40 +68,9 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace, model: str, rebalance: bool) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
     opts = {k: getattr(a, k) for k in ("num_prompts", "input_len", "output_len",
                                        "num_redundant_experts", "threads")}
-    procs = [ctx.Process(target=_rank, args=(r, 2, address, model, opts, rebalance, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, result, err = out.get(timeout=1800)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            got[rank] = result
-        return got[0]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-
-
-def _rank(rank: int, world: int, address: str, model: str, opts: dict[str, Any],
-          rebalance: bool, out: mp.Queue) -> None:
-    try:
-        out.put((rank, _rank_body(rank, world, address, model, opts, rebalance), None))
-    except Exception:  # noqa: BLE001 (reported to the parent)
-        import traceback
-
-        out.put((rank, None, traceback.format_exc()))
+    return run_ranks(_rank_body, 2, model, opts, rebalance, timeout_s=1800)[0]
 
 
 def _rank_body(rank: int, world: int, address: str, model: str, opts: dict[str, Any],

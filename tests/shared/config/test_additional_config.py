@@ -294,12 +294,3 @@ def test_recompute_false_as_a_string_stays_off_and_says_vllm_ascend_differs() ->
     assert config.scheduler_config.recompute_scheduler_enable is False
     assert any("recompute_scheduler_enable" in w and "turns it on there" in w
                for w in config.warnings)
-
-
-def test_the_level_planner_is_pdmeshs_own_opt_in() -> None:
-    assert AdditionalConfig().scheduler_config.dyntra_lb_config.pdmesh_planner == "vllm_ascend"
-    lb = {"dyntra_lb_config": {"pdmesh_planner": "level"}}
-    assert parse({"scheduler_config": lb}).scheduler_config.dyntra_lb_config.pdmesh_planner \
-        == "level"
-    error = problems_of({"scheduler_config": {"dyntra_lb_config": {"pdmesh_planner": "x"}}})
-    assert error.keys == ("scheduler_config.dyntra_lb_config.pdmesh_planner",)

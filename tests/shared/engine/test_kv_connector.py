@@ -225,3 +225,49 @@ def test_a_prefill_instance_sends_the_first_token_before_the_prompts_put(qwen3_p
     finally:
         pool.gate.set()
         loop.stop()
+
+
+def test_dyntralb_prefetch_reads_kv_without_seats_and_the_plan_admits_it(qwen3_path,
+                                                                        expected):
+    """vLLM-Ascend's DyntraLB prefetch on a decode engine: pool reads start for up to
+    ``limit`` fresh waiting requests (past it: not candidates this step; nothing to
+    read: a candidate as it is); their KV in, they wait in ``ready`` without seats; a
+    plan admits the size it names; every answer equals one engine's, and an aborted
+    prefetched request gives its blocks back."""
+    from pdmesh.shared.engine.dyntralb import RankMoves
+    from pdmesh.shared.engine.request import RequestStatus
+
+    pool = InProcessPool()
+    prefill, decode = engine(qwen3_path, pool, True), engine(qwen3_path, pool, False)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    pre = [prefill.add_request(p, first) for p in PROMPTS]
+    run(prefill, pre)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    order = [3, 1, 0]  # 4 tokens (1 block), 33 (3 blocks), 48 (3 blocks)
+    tiny, two, three = (decode.add_request(PROMPTS[i], params,
+                                           output_token_ids=pre[i].output_token_ids)
+                        for i in order)
+    s = decode.scheduler
+    s.prefetch_kv(1)
+    assert list(s.loading.values())[0][0] is tiny
+    assert s.lb_candidates() == []  # tiny is loading, the rest past the limit
+    s.prefetch_kv(3)
+    assert len(s.loading) == 3 and s._seats_taken == 0
+    deadline = time.monotonic() + 30
+    while len(s.ready) < 3 and time.monotonic() < deadline:
+        s._finish_loads()
+        time.sleep(0.005)
+    assert s.ready == [tiny, two, three] and not s.running
+    assert two.num_computed_tokens == 32 and three.num_computed_tokens == 47
+    s.lb_snapshot = s.lb_candidates()
+    assert s.lb_snapshot == [tiny, two, three]
+    s.set_lb_plan(RankMoves([], [3]))  # the first candidate of 3 blocks: past tiny
+    decode.step()
+    assert s.running == [two] and s.ready == [tiny, three]
+    decode.abort(tiny.request_id)
+    assert tiny.status is RequestStatus.FINISHED_ABORTED and s.ready == [three]
+    s.set_lb_plan(None)
+    while decode.has_unfinished():
+        decode.step()
+    assert [two.output_token_ids, three.output_token_ids] == [expected[1], expected[0]]
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks
