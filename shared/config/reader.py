@@ -73,11 +73,11 @@ def read_section(cls: type, raw: Mapping[str, Any], path: str, shown: str,
         given = raw[f.name]
         if spec is not None and spec.cast:
             given = _cast(hints[f.name], given, child_shown, ctx)
-        if spec is not None and spec.truthy and isinstance(given, str) and given.strip():
-            if given.strip().lower() == "false":
-                ctx.warnings.append(
-                    f"{child_shown}: vLLM-Ascend tests this value for truthiness, so the "
-                    f"string {_json(given)} turns it on there; pdmesh reads it as false")
+        if (spec is not None and spec.truthy and isinstance(given, str)
+                and given.strip().lower() == "false"):
+            ctx.warnings.append(
+                f"{child_shown}: vLLM-Ascend tests this value for truthiness, so the "
+                f"string {_json(given)} turns it on there; pdmesh reads it as false")
         value = read_value(hints[f.name], given, child, child_shown, ctx, track=track)
         if value is _INVALID:
             continue
@@ -178,7 +178,7 @@ def _cast(tp: Any, raw: Any, shown: str, ctx: ReadContext) -> Any:
         if isinstance(raw, bool) or raw is None:
             return raw
         if tp is int and not isinstance(raw, int):
-            value = int(float(raw)) if isinstance(raw, float) else int(raw)
+            value = int(raw)  # "256" -> 256, 256.7 -> 256; "256.7" is refused
         elif tp is float and isinstance(raw, str):
             value = float(raw)
         elif tp is bool and isinstance(raw, (int, float)):

@@ -6,8 +6,8 @@ average are time lost on every other rank. The bubble is max - mean of the ranks
 running KV blocks (ceil(tokens / block_size) per request), or (max - mean) / max when
 ``bubble_threshold`` < 1.
 
-The default planner is vLLM-Ascend's (``patch_dyntra_lb_core.py``, ``_balance_load``),
-run identically on every rank from the same all-gathered snapshot, each rank then
+The planner is vLLM-Ascend's (``patch_dyntra_lb_core.py``, ``_balance_load``), run
+identically on every rank from the same all-gathered snapshot, each rank then
 taking its own moves:
 
     snapshot   per rank: its running requests' blocks (running order), then its
@@ -25,11 +25,17 @@ taking its own moves:
 
 A paused request leaves the running set with its KV kept (its seat is free, its blocks
 are not) and waits ahead of the queue; while a plan is in force a rank admits only the
-candidates it names. Planning happens between the engine steps of a busy period (a
-"wave"): from step ``start_step`` of each wave (counted from 1, restarting after every
-moment all ranks are idle) to ``end_step``; in "dynamic" mode only once a request longer
-than ``long_req_block_threshold`` blocks has been added on some rank, and until
-``dynamic_max_step`` planning steps passed without another.
+candidates it names, and candidates are only requests whose KV is here: paused ones,
+prefetched ones (a planning step starts the pool reads of up to 2 x max_num_seqs -
+running waiting requests, without seats), and those with nothing to read.
+
+Planning happens between the engine steps of a busy period (a "wave"): from step
+``start_step`` of each wave (counted from 1, restarting after every moment all ranks
+are idle) to ``end_step``; in "dynamic" mode only once a request longer than
+``long_req_block_threshold`` blocks has been added on some rank, and until
+``dynamic_max_step`` planning steps passed without another. vLLM-Ascend snapshots after
+a step and applies the plan in the next; pdmesh snapshots just before that next step
+(the same state plus the requests that arrived in between), one collective later.
 
 (pdmesh's earlier planner, which moved every rank toward one level, measured worse on
 every workload tried - docs/benchmarks.md, issue 14 - and is gone.)

@@ -245,9 +245,7 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
                                 "toward long-request priority. Consider increasing the "
                                 "short-request threshold or disabling this waiting-queue "
                                 "policy.")
-            elif not self._short:
-                self._streak = 0
-        if not self._short:
+        if not self._short:  # no short request jumped: the streak is over
             self._streak = 0
         self._log_stats()
         return request
