@@ -134,11 +134,7 @@ def balance_load(loads: list[RankLoad], max_num_seqs: int, threshold: float,
     ranks = [_Rank(i, load, 2 * max_num_seqs) for i, load in enumerate(loads)]
 
     def gap() -> float:
-        totals = [r.total for r in ranks]
-        top, mean = max(totals), sum(totals) / world
-        if threshold < 1:
-            return (top - mean) / top if top > 0 else 0.0
-        return top - mean
+        return bubble([r.total for r in ranks], threshold)
 
     def best_swap(rank: _Rank, up: bool) -> tuple[_Item, _Item] | None:
         """The swap that brings ``rank`` strictly closest to the mean, the waiting
@@ -231,18 +227,12 @@ class DyntraLB:
         self.armed_steps = 0  # planning steps since the last long request
         self._pending_long = 0  # blocks of the longest request added since last told
         self.active = False
-        self.plans = 0
         self.frozen_steps = 0  # planning steps this rank was frozen for admission
         self.last_bubble = 0.0
         if config.enable_diagnostics and rank == 0:
             for key in ("enabled", "enable_diagnostics", "mode", "start_step", "end_step",
                         "bubble_threshold", "long_req_block_threshold", "dynamic_max_step"):
                 log.info("[dyntra_lb] dyntra_lb_config.%s = %s", key, getattr(config, key))
-
-    @property
-    def snapshot_size(self) -> int:
-        """Ints per rank in the all-gather: 2 x max_num_seqs request sizes + the split."""
-        return 2 * self.max_num_seqs + 1
 
     def note_added(self, num_tokens: int) -> None:
         """A request reached this rank (dynamic mode arms on one above the threshold)."""
@@ -319,7 +309,6 @@ class DyntraLB:
             split, sizes = row[slots], row[:slots]
             end = sizes.index(0) if 0 in sizes else slots
             loads.append(RankLoad(sizes[:min(split, end)], sizes[split:end]))
-        self.plans += 1
         self.last_bubble = bubble([sum(load.running) for load in loads],
                                   self.cfg.bubble_threshold)
         moves = balance_load(loads, self.max_num_seqs, self.cfg.bubble_threshold)

@@ -283,17 +283,16 @@ class Scheduler:
         if moves is None:
             self._lb_admit = None
             return
-        bs = self.kv.block_size
         out = list(moves.out)
         for req in list(self.running):
-            size = -(-req.num_tokens // bs)
+            size = self.kv.blocks_for(req.num_tokens)
             if size in out:
                 out.remove(size)
                 self.pause(req.request_id)
         into = [] if moves.freeze else list(moves.into)
         chosen = set()
         for req in self.lb_snapshot:
-            size = -(-req.num_tokens // bs)
+            size = self.kv.blocks_for(req.num_tokens)
             if size in into and req.status in (RequestStatus.WAITING, RequestStatus.PAUSED):
                 into.remove(size)
                 chosen.add(id(req))
@@ -323,9 +322,6 @@ class Scheduler:
             out.num_tokens.append(n)
             budget -= n
         return budget
-
-    def is_paused(self, req: Request) -> bool:
-        return req.status is RequestStatus.PAUSED
 
     def pause(self, request_id: str) -> bool:
         """Take a running request out of the running set, its blocks kept."""
