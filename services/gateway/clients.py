@@ -35,7 +35,7 @@ class Call:
     request_id: str  # unique per attempt: the instance keys its request by it
     prompt: list[int]
     sampling: SamplingParams
-    priority: int = 0
+    priority: int | None = None
     carried: list[int] = field(default_factory=list)  # tokens generated before this call
     block_keys: list[str] = field(default_factory=list)  # where the prompt's KV waits
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C, when tracing

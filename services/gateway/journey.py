@@ -105,7 +105,7 @@ class MeshRequest:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-    priority: int = 0
+    priority: int | None = None
 
 
 class Outcome(enum.Enum):

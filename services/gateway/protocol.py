@@ -38,7 +38,8 @@ class _Base(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    # None: the engine's --default-priority-value (0 unless set); int32 on the wire
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -40,7 +40,7 @@ def run(config: ServeConfig) -> int:
     if config.accepted_without_effect:
         print(f"accepted without effect: {' '.join(config.accepted_without_effect)}",
               file=sys.stderr)
-    for w in config.warnings:
+    for w in (*config.flag_warnings, *config.warnings):
         print(f"warning: {w}", file=sys.stderr)
     if config.additional_config.inactive_keys:
         print(f"inactive on {config.device}: "

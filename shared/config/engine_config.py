@@ -94,6 +94,9 @@ def scheduling_settings(cfg: Any) -> dict[str, Any]:
     srf = cfg.additional_config.scheduler_config.short_request_first_config
     fields = {"scheduling_policy": cfg.engine_args.scheduling_policy,
               "priority_low_values_first": cfg.priority_low_values_first,
+              "priority_preemption_threshold": cfg.priority_preemption_threshold,
+              "default_priority": cfg.default_priority,
+              "abort_on_priority_when_disabled": f.abort_on_priority_when_disabled,
               "max_queued_requests": f.max_queued_requests}
     if srf.enabled:
         fields.update(scheduling_policy="short_request_first",

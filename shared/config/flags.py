@@ -175,7 +175,20 @@ FLAGS: list[Flag] = [
             ("--enable-priority-scheduling", "bool", False, "schedule by priority, larger "
              "values first (SGLang's order)"),
             ("--schedule-low-priority-values-first", "bool", False, "with "
-             "--enable-priority-scheduling: lower values first")),
+             "--enable-priority-scheduling: lower values first"),
+            ("--priority-scheduling-preemption-threshold", "int", 10, "with "
+             "--enable-priority-scheduling: a waiting request that finds no seat or KV "
+             "blocks preempts running requests whose priority is worse than its own by "
+             "more than this"),
+            ("--disable-priority-preemption", "bool", False, "with "
+             "--enable-priority-scheduling: never preempt a running request for a waiting "
+             "one"),
+            ("--default-priority-value", "int", None, "the priority of a request that gives "
+             "none (default: with --enable-priority-scheduling the lowest there is, as "
+             "SGLang; otherwise 0)"),
+            ("--abort-on-priority-when-disabled", "bool", False, "refuse a request that "
+             "gives a priority when the engine does not schedule by priority (otherwise it "
+             "runs, its priority ignored, with a warning)")),
     Flag("--max-queued-requests", "int", ENGINE_LINE | {"gateway"}, None,
          "refuse requests while this many wait (engine: gRPC RESOURCE_EXHAUSTED; gateway: "
          "429 with Retry-After while this many are in flight); default: no limit"),

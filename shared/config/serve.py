@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdmesh.shared.config.command_line import Flags, parse_command_line
 from pdmesh.shared.config.engine_args import EngineArgs
@@ -45,10 +46,13 @@ class ServeConfig:
     additional_config: AdditionalConfig = field(default_factory=AdditionalConfig)
     engine_args: EngineArgs = field(default_factory=EngineArgs)
     priority_low_values_first: bool = True
+    priority_preemption_threshold: int | None = None  # None: no priority preemption
+    default_priority: int = 0  # of a request that gives none
     device: str | None = None  # resolved (engine roles)
     engine: Any = None  # the EngineConfig it runs (engine roles, resolved)
     env: Mapping[str, str] = field(default_factory=dict)  # a vllm line's NAME=VALUE words
-    warnings: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # --additional-config's
+    flag_warnings: tuple[str, ...] = ()  # flags given that act only with others
     accepted_without_effect: tuple[str, ...] = ()
 
     def __getattr__(self, name: str) -> Any:
@@ -71,6 +75,8 @@ class ServeConfig:
         if self.accepted_without_effect:
             log.warning("accepted for vLLM compatibility, without effect: %s",
                         ", ".join(self.accepted_without_effect))
+        for w in self.flag_warnings:
+            log.warning("%s", w)
         for w in self.warnings:
             log.warning("--additional-config: %s", w)
         if self.additional_config.inactive_keys:
@@ -101,7 +107,8 @@ def read_config(flags: Flags, *, device: str | None = None,
                          f"instance (expected {ROLE_KV[role]!r})")
     if flags.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size: must be >= 1, got {flags.data_parallel_size}")
-    policy, low_first = priority_scheduling(flags)
+    prio = priority_scheduling(flags)
+    policy = prio.policy
     engine_args = EngineArgs(
         kv_role=kv_role, data_parallel_size=flags.data_parallel_size,
         data_parallel_size_local=flags.data_parallel_size_local,
@@ -115,8 +122,10 @@ def read_config(flags: Flags, *, device: str | None = None,
     additional = parse_additional_config(flags.additional_config, env=env, device=device,
                                          engine_args=engine_args)
     return ServeConfig(flags.command, flags, role, kv_role, kv_transfer, additional,
-                       engine_args, low_first, device, env=dict(env or {}),
-                       warnings=tuple(additional.warnings), accepted_without_effect=compat)
+                       engine_args, prio.low_values_first, prio.preemption_threshold,
+                       prio.default_priority, device, env=dict(env or {}),
+                       warnings=tuple(additional.warnings),
+                       flag_warnings=prio.warnings, accepted_without_effect=compat)
 
 
 def resolve(config: ServeConfig) -> ServeConfig:
@@ -164,14 +173,26 @@ def _fixed_role(flags: Flags) -> bool:
     return flags.command in ENGINES or bool(getattr(flags, "role", None))
 
 
-def priority_scheduling(f: Any) -> tuple[str, bool]:
-    """The scheduling policy and, for "priority", whether lower values go first.
+class PrioritySettings(NamedTuple):
+    policy: str
+    low_values_first: bool
+    preemption_threshold: int | None  # None: a waiting request never preempts
+    default_priority: int
+    warnings: tuple[str, ...]
+
+
+def priority_scheduling(f: Any) -> PrioritySettings:
+    """The scheduling policy and, for "priority", its order, preemption and default.
 
     Two flag families ask for priority scheduling, each with its own default order:
     vLLM's ``--scheduling-policy priority`` serves lower values first; SGLang's
     ``--enable-priority-scheduling`` serves larger values first, lower ones with
     ``--schedule-low-priority-values-first``. Given together they must agree on lower
-    first. ValueError naming the flag otherwise.
+    first. SGLang's family also brings its preemption (a waiting request preempts
+    running ones it outranks by more than ``--priority-scheduling-preemption-threshold``,
+    unless ``--disable-priority-preemption``) and its default for a request that gives
+    no priority (the lowest there is, unless ``--default-priority-value``); vLLM's has
+    neither (requests without one get 0). ValueError naming the flag otherwise.
     """
     sglang, low_first = f.enable_priority_scheduling, f.schedule_low_priority_values_first
     vllm = f.scheduling_policy == "priority"
@@ -182,9 +203,26 @@ def priority_scheduling(f: Any) -> tuple[str, bool]:
         raise ValueError("--enable-priority-scheduling: serves larger priority values first, "
                          "--scheduling-policy priority lower ones; give one of them, or add "
                          "--schedule-low-priority-values-first")
-    if sglang:
-        return "priority", low_first
-    return f.scheduling_policy, True
+    threshold = f.priority_scheduling_preemption_threshold
+    if threshold < 0:
+        raise ValueError(f"--priority-scheduling-preemption-threshold: must be >= 0, got "
+                         f"{threshold}")
+    given = set(getattr(f, "given", ()))
+    warnings = ()
+    if not sglang:
+        idle = [name for name in ("--priority-scheduling-preemption-threshold",
+                                  "--disable-priority-preemption") if name in given]
+        if idle:
+            warnings = (f"{', '.join(idle)}: without effect (priority preemption comes with "
+                        f"--enable-priority-scheduling)",)
+    default = f.default_priority_value
+    if default is None:
+        default = (sys.maxsize if low_first else -sys.maxsize - 1) if sglang else 0
+    if not (sglang or vllm):
+        return PrioritySettings(f.scheduling_policy, True, None, default, warnings)
+    preempt = sglang and not f.disable_priority_preemption
+    return PrioritySettings("priority", low_first or not sglang,
+                            threshold if preempt else None, default, warnings)
 
 
 def _device(device: str) -> str:

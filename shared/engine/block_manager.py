@@ -292,6 +292,34 @@ class KVCacheManager:
                     h.registered = max(h.registered, full)
         return True
 
+    def shortfall(self, request: Request, num_new_tokens: int,
+                  cached: PrefixHit | None = None) -> list[int]:
+        """Per group, the blocks ``allocate`` would lack for the same arguments (all
+        zero: it would succeed); changes nothing."""
+        held = self._held.get(request.request_id)
+        num_cached = cached.num_blocks if cached else 0
+        start = request.num_computed_tokens + num_cached * self.block_size
+        last = self.blocks_for(start + num_new_tokens)
+        out = []
+        for g, pool in enumerate(self.pools):
+            h = held[g] if held is not None else None
+            first = self._first_needed(g, start)
+            hits = cached.blocks[g] if cached and cached.num_blocks else []
+            trimmed = (sum(1 for b in h.blocks[:first] if b is not None and b.ref_cnt == 1)
+                       if h is not None else 0)
+            have = max((len(h.blocks) if h is not None else 0) + len(hits), first)
+            reclaimed = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
+            out.append(max(0, max(0, last - have) - (pool.num_free - reclaimed + trimmed)))
+        return out
+
+    def releasable(self, request: Request) -> list[int]:
+        """Per group, the blocks freeing the request would give back (those no other
+        request shares)."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return [0] * len(self.pools)
+        return [sum(1 for b in h.blocks if b is not None and b.ref_cnt == 1) for h in held]
+
     @staticmethod
     def _trim(h: _Held, pool: BlockPool, first: int) -> None:
         """Give back a sliding group's blocks before ``first`` (newest first, so the

@@ -25,6 +25,15 @@ class EngineConfig:
     # values first (SGLang's --enable-priority-scheduling without
     # --schedule-low-priority-values-first)
     priority_low_values_first: bool = True
+    # priority: a waiting request preempts running ones whose priority is worse by more
+    # than this (SGLang's --priority-scheduling-preemption-threshold); None: it never does
+    priority_preemption_threshold: int | None = None
+    # the priority of a request that gives none (SGLang's --default-priority-value)
+    default_priority: int = 0
+    # a request that gives a priority to an engine not scheduling by priority is refused
+    # (SGLang's --abort-on-priority-when-disabled); otherwise its priority is ignored,
+    # with a warning
+    abort_on_priority_when_disabled: bool = False
     # short_request_first (vLLM-Ascend's scheduler_config.short_request_first_config):
     # prompts of at most this many tokens are short; a long request waiting this long is
     # served before short ones (0: never)
@@ -71,6 +80,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.priority_preemption_threshold is not None \
+                and self.priority_preemption_threshold < 0:
+            raise ValueError(f"priority_preemption_threshold: must be >= 0, "
+                             f"got {self.priority_preemption_threshold}")
         if self.short_request_threshold < 0:
             raise ValueError(f"short_request_threshold: must be >= 0, "
                              f"got {self.short_request_threshold}")

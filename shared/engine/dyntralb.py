@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,9 @@ class DyntraLB:
         self.active = False
         self.frozen_steps = 0  # planning steps this rank was frozen for admission
         self.last_bubble = 0.0
+        # every plan's rank loads and moves, when a caller asks (rank 0 records them for
+        # the plan-equivalence suite: `pdmesh bench dyntralb --record-loads`)
+        self.record: list[dict[str, Any]] | None = None
         if config.enable_diagnostics and rank == 0:
             for key in ("enabled", "enable_diagnostics", "mode", "start_step", "end_step",
                         "bubble_threshold", "long_req_block_threshold", "dynamic_max_step"):
@@ -312,6 +316,12 @@ class DyntraLB:
         self.last_bubble = bubble([sum(load.running) for load in loads],
                                   self.cfg.bubble_threshold)
         moves = balance_load(loads, self.max_num_seqs, self.cfg.bubble_threshold)
+        if self.record is not None:
+            self.record.append({
+                "loads": [[load.running, load.waiting] for load in loads],
+                "max_num_seqs": self.max_num_seqs, "threshold": self.cfg.bubble_threshold,
+                "moves": [{"out_blk": m.out, "in_blk": m.into, "freeze": m.freeze}
+                          for m in moves]})
         mine = moves[self.rank]
         scheduler.set_lb_plan(mine)
         self.frozen_steps += mine.freeze

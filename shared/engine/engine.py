@@ -247,15 +247,17 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0,
+                    request_id: str | None = None, priority: int | None = None,
                     output_token_ids: list[int] | None = None) -> Request:
         """``output_token_ids``: tokens already generated elsewhere (a decode instance
-        continuing a prefill); they count towards ``max_tokens``."""
+        continuing a prefill); they count towards ``max_tokens``. ``priority`` None: the
+        config's ``default_priority``."""
         done = list(output_token_ids or [])
         self.validate_request(prompt_token_ids, params, done)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in flight")
+        priority = self._priority(rid, priority)
         req = Request(rid, list(prompt_token_ids), params,
                       eos_token_ids=self.model_config.eos_token_ids, priority=priority)
         req.token_ids.extend(done)
@@ -265,6 +267,27 @@ class EngineCore:
         if self.dyntralb is not None:
             self.dyntralb.note_added(req.num_tokens)
         return req
+
+    def _priority(self, rid: str, priority: int | None) -> int:
+        """The priority a request runs with. One given to an engine that does not
+        schedule by priority is refused (``abort_on_priority_when_disabled``) or ignored
+        with a warning."""
+        cfg = self.config
+        if priority is None:
+            return cfg.default_priority
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if cfg.scheduling_policy != "priority":
+            if cfg.abort_on_priority_when_disabled:
+                raise ValueError("priority: this engine does not schedule by priority "
+                                 "(--abort-on-priority-when-disabled); send the request "
+                                 "without one")
+            if priority != cfg.default_priority:
+                log.warning("request %s: priority %d has no effect: this engine schedules "
+                            "%s (priority needs --scheduling-policy priority or "
+                            "--enable-priority-scheduling)", rid, priority,
+                            cfg.scheduling_policy)
+        return priority
 
     def validate_request(self, prompt: list[int], params: SamplingParams,
                          output: list[int] | None = None) -> None:

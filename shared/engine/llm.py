@@ -90,7 +90,7 @@ class LLM:
         reqs: list[Request] = []
         try:
             for i, (toks, sp) in enumerate(zip(token_lists, params, strict=True)):
-                prio = priority[i] if priority is not None else 0
+                prio = priority[i] if priority is not None else None
                 reqs.append(self.engine.add_request(toks, sp, priority=prio))
             while self.engine.has_unfinished():
                 self.engine.step()

@@ -56,6 +56,11 @@ class SchedulingPolicy(ABC):
     def victim(self, running: list[Request]) -> Request:
         """The running request to preempt when blocks run out."""
 
+    def outranked(self, request: Request, running: list[Request]) -> list[Request]:
+        """The running requests a waiting ``request`` that finds no seat or blocks may
+        preempt, the first to go first (none: it waits its turn)."""
+        return []
+
 
 class FCFSPolicy(SchedulingPolicy):
     """First come, first served; the latest admitted request is preempted first."""
@@ -91,10 +96,20 @@ class FCFSPolicy(SchedulingPolicy):
 class PriorityPolicy(SchedulingPolicy):
     """Lowest ``priority`` value first (vLLM's convention; with ``low_values_first``
     False the largest, SGLang's default), then arrival order; the preempted request is
-    the running one that would be scheduled last."""
+    the running one that would be scheduled last.
 
-    def __init__(self, low_values_first: bool = True) -> None:
+    With ``preemption_threshold`` (SGLang's ``--priority-scheduling-preemption-threshold``
+    under ``--enable-priority-scheduling``), a waiting request that finds no seat or
+    blocks may preempt running requests whose priority is worse than its own by more
+    than the threshold: the worst first, the latest of equals first.
+    """
+
+    def __init__(self, low_values_first: bool = True,
+                 preemption_threshold: int | None = None) -> None:
+        if preemption_threshold is not None and preemption_threshold < 0:
+            raise ValueError(f"preemption_threshold: must be >= 0, got {preemption_threshold}")
         self.low_values_first = low_values_first
+        self.preemption_threshold = preemption_threshold
         self._heap: list[tuple[int, float, int, Request]] = []
         self._seq = itertools.count()
 
@@ -124,6 +139,17 @@ class PriorityPolicy(SchedulingPolicy):
 
     def victim(self, running: list[Request]) -> Request:
         return max(running, key=self._key)
+
+    def outranked(self, request: Request, running: list[Request]) -> list[Request]:
+        if self.preemption_threshold is None:
+            return []
+        sign = 1 if self.low_values_first else -1
+        out = []
+        for r in sorted(running, key=self._key, reverse=True):
+            if (r.priority - request.priority) * sign <= self.preemption_threshold:
+                break  # the rest rank higher still
+            out.append(r)
+        return out
 
 
 def has_progress(r: Request) -> bool:
@@ -287,7 +313,8 @@ def make_policy(name: str) -> SchedulingPolicy:
 def policy_from_config(config: EngineConfig) -> SchedulingPolicy:
     """The policy ``config.scheduling_policy`` with the config's knobs."""
     if config.scheduling_policy == "priority":
-        return PriorityPolicy(low_values_first=config.priority_low_values_first)
+        return PriorityPolicy(low_values_first=config.priority_low_values_first,
+                              preemption_threshold=config.priority_preemption_threshold)
     if config.scheduling_policy == "short_request_first":
         return ShortRequestFirstPolicy(config.short_request_threshold,
                                        config.short_request_long_max_wait_ms)

@@ -5,7 +5,9 @@ There are no prefill or decode phases: each request has ``num_computed_tokens`` 
 (``max_num_batched_tokens``) to close those gaps, running requests first, then waiting
 ones while seats (``max_num_seqs``) and blocks last. A long prompt simply takes several
 steps (chunked prefill). When a running request cannot get a block, the policy's
-victim is preempted: its blocks are freed and it waits to be recomputed.
+victim is preempted: its blocks are freed and it waits to be recomputed. Under a
+priority policy with a preemption threshold (SGLang's), a waiting request that finds no
+seat or blocks preempts the running requests it outranks by more than the threshold.
 
 A DP balancer (DyntraLB) may pause running requests: a paused request leaves the
 running set with its blocks kept (its seat is free) and is admitted again ahead of the
@@ -67,6 +69,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemptions = 0  # since start, for metrics and tests
+        self.priority_preemptions = 0  # ... of them, to admit a request of higher priority
         # DyntraLB: paused requests (out of ``running``, blocks kept; oldest first), the
         # candidates its last snapshot listed, the plan to apply at the next schedule,
         # and the requests that plan lets in (None: any).
@@ -123,9 +126,11 @@ class Scheduler:
         budget = self._resume_paused(out, budget)
         chosen = self._lb_admit
         picks = None if chosen is None else [r for r in self.waiting if id(r) in chosen]
-        while (budget > 0 and self._seats_taken < self.max_num_seqs
-               and (len(self.waiting) if picks is None else picks)):
+        while budget > 0 and (len(self.waiting) if picks is None else picks):
             req = self.waiting.peek() if picks is None else picks[0]
+            full = self._seats_taken >= self.max_num_seqs
+            if full and (picks is not None or not self.waiting.outranked(req, self.running)):
+                break
             fresh = req.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(req) if fresh else PrefixHit()
             hit_tokens = cached.num_blocks * self.kv.block_size
@@ -135,8 +140,14 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens - hit_tokens - pooled, budget)
             later = bool(pooled) and self.async_kv_load
             # blocks still loading are made findable by prefix only once they are in
-            if not self.kv.allocate(req, pooled + n, cached, register=not later):
-                break
+            if full or not self.kv.allocate(req, pooled + n, cached, register=not later):
+                # no seat or no blocks: it may preempt running requests it outranks
+                given_back = (None if picks is not None else
+                              self._preempt_outranked(req, full, pooled + n, cached, out))
+                if given_back is None or not self.kv.allocate(req, pooled + n, cached,
+                                                              register=not later):
+                    break
+                budget += given_back
             if picks is None:
                 self.waiting.pop()
             else:
@@ -231,6 +242,37 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _preempt_outranked(self, req: Request, seat: bool, num_tokens: int,
+                           cached: PrefixHit, out: SchedulerOutput) -> int | None:
+        """SGLang's priority preemption: free a seat (``seat``) and the blocks ``req``
+        lacks for ``num_tokens`` by preempting the running requests it outranks (the
+        policy's ``outranked``), the fewest that suffice. None, preempting nothing, if
+        they do not; else the step's tokens the preempted had been given."""
+        short = self.kv.shortfall(req, num_tokens, cached)
+        chosen: list[Request] = []
+        for victim in self.waiting.outranked(req, self.running):
+            if not seat and not any(short):
+                break
+            chosen.append(victim)
+            seat = False
+            short = [max(0, s - r) for s, r in zip(short, self.kv.releasable(victim),
+                                                   strict=True)]
+        if seat or any(short) or not chosen:
+            return None
+        given_back = 0
+        for victim in chosen:
+            for i, r in enumerate(out.requests):
+                if r is victim:  # scheduled earlier this step: its tokens go back
+                    del out.requests[i]
+                    given_back += out.num_tokens.pop(i)
+                    break
+            self._preempt(victim)
+            out.preempted.append(victim)
+            self.priority_preemptions += 1
+        log.info("request %s (priority %d) preempted %d running: %s", req.request_id,
+                 req.priority, len(chosen), ", ".join(v.request_id for v in chosen))
+        return given_back
 
     # -- pausing and plans (DyntraLB) ---------------------------------------------------
     def lb_candidates(self) -> list[Request]:

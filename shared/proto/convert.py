@@ -67,7 +67,8 @@ def submit_from_proto(m: decode_pb2.GenerateRequest | prefill_pb2.PrefillRequest
                       request_id: str) -> SubmitRequest:
     """ValueError, naming the field, if the sampling values are out of range."""
     return SubmitRequest(request_id, list(m.prompt_token_ids), sampling_from_proto(m.sampling),
-                         m.priority, list(m.output_token_ids))
+                         m.priority if m.HasField("priority") else None,
+                         list(m.output_token_ids))
 
 
 def fill_chunk(chunk: decode_pb2.GenerateChunk, delta: TokenDelta) -> None:

@@ -123,7 +123,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    priority: int = 0
+    priority: int | None = None  # None: the engine's default
     output_token_ids: list[int] = msgspec.field(default_factory=list)  # carried (hand-back)
 
 

@@ -44,6 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--record-loads", default=None, metavar="PATH",
+                   help="append every plan's rank loads and moves (JSON lines) here")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -81,6 +83,9 @@ def workload(a: argparse.Namespace, rank: int, vocab: int) -> list[tuple[list[in
 def _pass(a: argparse.Namespace, planner: str) -> dict[str, Any]:
     opts = {k: v for k, v in vars(a).items() if k != "func"}
     got = run_ranks(_rank_body, 2, opts, planner, barrier(2))
+    if a.record_loads and got[0]["plans"]:
+        with open(a.record_loads, "a") as f:
+            f.writelines(json.dumps(plan) + "\n" for plan in got[0]["plans"])
     tpots = sorted(got[0]["tpots"] + got[1]["tpots"])
     steps = sorted(got[0]["steps"])
     n = min(len(got[0]["blocks"]), len(got[1]["blocks"]))
@@ -119,6 +124,8 @@ def _rank_body(rank: int, world: int, address: str, opts: dict[str, Any], planne
         max_num_seqs=a.max_num_seqs, data_parallel_size=world, data_parallel_rank=rank,
         data_parallel_address=address, enable_expert_parallel=True, dyntra_lb=lb))
     requests = workload(a, rank, eng.model_config.vocab_size)
+    if eng.dyntralb is not None and rank == 0 and a.record_loads:
+        eng.dyntralb.record = []
     port = LocalPort()
     loop = EngineLoop(eng, port)
     times: dict[str, list[float]] = {}
@@ -167,4 +174,5 @@ def _rank_body(rank: int, world: int, address: str, opts: dict[str, Any], planne
     feeder.join()
     tpots = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values() if len(ts) > 1]
     return {"tokens": sum(len(ts) for ts in times.values()), "wall": wall, "tpots": tpots,
-            "steps": steps, "blocks": blocks, "pauses": eng.scheduler.pauses}
+            "steps": steps, "blocks": blocks, "pauses": eng.scheduler.pauses,
+            "plans": (eng.dyntralb.record or []) if eng.dyntralb is not None else []}

@@ -48,7 +48,7 @@ def test_models_and_health(mesh, client):
 def test_completion_equals_offline_engine(client, offline):
     prompt = list(range(500, 547))
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
-                                  extra_body={"ignore_eos": True})
+                                  extra_body={"ignore_eos": True, "priority": 0})
     assert r.choices[0].text == greedy(offline, prompt, 16)
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == 47 and r.usage.completion_tokens == 16
@@ -125,6 +125,8 @@ def test_logprobs(client):
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt_token_ids"),
     ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
+    ({"model": MODEL, "prompt": "x", "priority": 2**31}, 400, "priority"),  # int32
+    ({"model": MODEL, "prompt": "x", "priority": "high"}, 400, "priority"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
 ])
 def test_malformed_requests(mesh, body, status, needle):

@@ -5,6 +5,8 @@ and turned into EngineConfig fields (shared.config.engine_config.scheduling_sett
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
 import pytest
 
@@ -22,10 +24,14 @@ def settings(role: str, *flags: str) -> dict:
     return scheduling_settings(read_config(flags, device="cpu"))
 
 
+NO_PRIORITY = {"priority_preemption_threshold": None, "default_priority": 0,
+               "abort_on_priority_when_disabled": False}
+
+
 def test_defaults_are_fcfs_without_a_limit():
     assert settings("prefill") == {"scheduling_policy": "fcfs",
                                    "priority_low_values_first": True,
-                                   "max_queued_requests": None}
+                                   "max_queued_requests": None, **NO_PRIORITY}
 
 
 @pytest.mark.parametrize(("flags", "low_first"), [
@@ -42,7 +48,48 @@ def test_priority_order_follows_the_flag_family(flags, low_first):
     assert got["priority_low_values_first"] is low_first
 
 
+@pytest.mark.parametrize(("flags", "threshold", "default"), [
+    # SGLang's family: preemption past the threshold (10 unless given); a request
+    # without a priority ranks last
+    (["--enable-priority-scheduling"], 10, -sys.maxsize - 1),
+    (["--enable-priority-scheduling", "--schedule-low-priority-values-first",
+      "--priority-scheduling-preemption-threshold", "0"], 0, sys.maxsize),
+    (["--enable-priority-scheduling", "--disable-priority-preemption",
+      "--default-priority-value", "5"], None, 5),
+    # vLLM's: no preemption of a running request for a waiting one; 0 by default
+    (["--scheduling-policy", "priority"], None, 0),
+    (["--scheduling-policy", "priority", "--default-priority-value", "-2"], None, -2),
+])
+def test_priority_preemption_and_default(flags, threshold, default):
+    got = settings("decode", *flags)
+    assert got["priority_preemption_threshold"] == threshold
+    assert got["default_priority"] == default
+
+
+def test_abort_on_priority_when_disabled_reaches_the_engine():
+    assert settings("mixed", "--abort-on-priority-when-disabled")[
+        "abort_on_priority_when_disabled"] is True
+
+
+@pytest.mark.parametrize(("family", "flag"), [
+    ([], ["--priority-scheduling-preemption-threshold", "3"]),
+    (["--scheduling-policy", "priority"], ["--disable-priority-preemption"]),
+])
+def test_preemption_flags_without_sglang_priority_say_so(family, flag, caplog):
+    cfg = read_config(parse_command_line("prefill", ["--model", "m", *family, *flag]),
+                      device="cpu")
+    assert cfg.flag_warnings == (f"{flag[0]}: without effect (priority preemption comes "
+                                 "with --enable-priority-scheduling)",)
+    with caplog.at_level(logging.WARNING):
+        cfg.log_warnings()
+    assert f"{flag[0]}: without effect" in caplog.text
+    sglang = ["--model", "m", "--enable-priority-scheduling", *flag]
+    assert read_config(parse_command_line("prefill", sglang), device="cpu").flag_warnings == ()
+
+
 @pytest.mark.parametrize(("flags", "needle"), [
+    (["--enable-priority-scheduling", "--priority-scheduling-preemption-threshold", "-1"],
+     "--priority-scheduling-preemption-threshold: must be >= 0, got -1"),
     (["--schedule-low-priority-values-first"],
      "--schedule-low-priority-values-first: only with --enable-priority-scheduling"),
     (["--enable-priority-scheduling", "--scheduling-policy", "priority"],
@@ -58,7 +105,7 @@ def test_bad_flag_combinations_name_the_flag(flags, needle):
 def test_short_request_first_on_prefill_and_mixed(role):
     got = settings(role, "--additional-config", json.dumps(SRF), "--max-queued-requests", "8")
     assert got == {"scheduling_policy": "short_request_first",
-                   "priority_low_values_first": True, "max_queued_requests": 8,
+                   "priority_low_values_first": True, "max_queued_requests": 8, **NO_PRIORITY,
                    "short_request_threshold": 64, "short_request_long_max_wait_ms": 1500.0}
 
 

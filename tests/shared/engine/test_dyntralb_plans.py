@@ -1,10 +1,12 @@
 """pdmesh's DyntraLB planner against a transcription of vLLM-Ascend's: identical plans
-(the block counts each rank pauses and admits, and which ranks are frozen) on recorded
-shapes and on a few hundred generated rank loads."""
+(the block counts each rank pauses and admits, and which ranks are frozen) on rank loads
+recorded from real runs, on hand-written shapes and on a few hundred generated loads."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,32 @@ def both(loads: list[tuple[list[int], list[int]]], max_num_seqs: int, threshold:
                                  len(loads), max_num_seqs=max_num_seqs, threshold=threshold)
     return ([{"out_blk": m.out, "in_blk": m.into, "freeze": m.freeze} for m in ours],
             theirs)
+
+
+# Rank loads as rank 0's DyntraLB gathered them in two runs of the DyntraLB benchmark
+# (two expert-parallel ranks, tiny Qwen3-MoE, long-tailed outputs; the second with
+# 256-token prompts, max_num_seqs 4, threshold 1), with the moves pdmesh planned then:
+#   pdmesh bench dyntralb --model M --passes vllm_ascend --record-loads F
+#   pdmesh bench dyntralb --model M --passes vllm_ascend --max-num-seqs 4 \
+#       --bubble-threshold 1 --seed 1 --input-len 256 --num-prompts 24 --record-loads F
+# 944 distinct plans, of which these 140: 80 that pause, 40 that only admit, 20 idle.
+RECORDED = [json.loads(line) for line in
+            (Path(__file__).parent / "data" / "dyntralb_recorded_loads.jsonl").open()]
+
+
+def test_the_recording_covers_pauses_admissions_and_both_settings():
+    assert len(RECORDED) >= 50
+    assert len({json.dumps(r["loads"]) for r in RECORDED}) == len(RECORDED)
+    assert sum(any(m["out_blk"] for m in r["moves"]) for r in RECORDED) >= 50
+    assert {(r["max_num_seqs"], r["threshold"]) for r in RECORDED} == {(8, 5.0), (4, 1.0)}
+
+
+@pytest.mark.parametrize("i", range(len(RECORDED)))
+def test_recorded_rank_loads_plan_as_vllm_ascend(i):
+    r = RECORDED[i]
+    ours, theirs = both(r["loads"], r["max_num_seqs"], r["threshold"])
+    assert ours == theirs
+    assert ours == r["moves"]  # and as pdmesh planned them in the run
 
 
 # (running per rank, waiting per rank), max_num_seqs, threshold
@@ -47,7 +75,7 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_recorded_shapes_plan_as_vllm_ascend(name):
+def test_written_shapes_plan_as_vllm_ascend(name):
     loads, max_num_seqs, threshold = SHAPES[name]
     ours, theirs = both(loads, max_num_seqs, threshold)
     assert ours == theirs

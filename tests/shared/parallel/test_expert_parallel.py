@@ -206,7 +206,8 @@ def test_bench_dyntralb_reports_each_pass(tmp_path, moe_path):
     out = tmp_path / "lb.json"
     args = ["--model", moe_path, "--num-prompts", "6", "--output-len", "8",
             "--input-len", "16", "--max-num-seqs", "2", "--bubble-threshold", "1",
-            "--passes", "off,vllm_ascend", "--json", str(out)]
+            "--passes", "off,vllm_ascend", "--json", str(out),
+            "--record-loads", str(tmp_path / "loads.jsonl")]
     run = subprocess.run([sys.executable, "-m", "pdmesh", "bench", "dyntralb", *args],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -224,6 +225,15 @@ def test_bench_dyntralb_reports_each_pass(tmp_path, moe_path):
         assert r["bubble_mean"] > 0 and r["tpot_ms_p50"] > 0
     assert res["off"]["pauses"] == 0
     assert "vllm_ascend" in run.stdout and "bubble" in run.stdout
+    # --record-loads: the plans of the pass with DyntraLB on, replayable by the planner
+    from pdmesh.shared.engine.dyntralb import RankLoad, balance_load
+
+    plans = [json.loads(line) for line in (tmp_path / "loads.jsonl").read_text().splitlines()]
+    assert plans and all(len(p["loads"]) == 2 and p["max_num_seqs"] == 2 for p in plans)
+    for p in plans:
+        moves = balance_load([RankLoad(r, w) for r, w in p["loads"]], 2, 1.0)
+        assert [{"out_blk": m.out, "in_blk": m.into, "freeze": m.freeze}
+                for m in moves] == p["moves"]
 
 
 def loop_rank_main(rank: int, world: int, address: str, model: str,

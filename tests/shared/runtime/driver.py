@@ -45,7 +45,8 @@ class LoopDriver:
         self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-               priority: int = 0, output_token_ids: list[int] | None = None) -> Stream:
+               priority: int | None = None,
+               output_token_ids: list[int] | None = None) -> Stream:
         rid = request_id or f"t-{next(self._ids)}"
         stream = Stream(rid)
         self._streams.setdefault(rid, stream)

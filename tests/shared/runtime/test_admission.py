@@ -57,3 +57,19 @@ def test_no_limit_by_default(qwen3_path):
         assert [s.drain()[1].finish_reason for s in streams] == ["length"] * 50
     finally:
         loop.stop()
+
+
+def test_a_priority_the_engine_does_not_use_is_refused_when_asked(qwen3_path):
+    """--abort-on-priority-when-disabled: a request that gives a priority to an engine
+    that does not schedule by it is refused naming the field; one without runs."""
+    loop = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
+                                              dtype="float32", block_size=16,
+                                              abort_on_priority_when_disabled=True)))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    try:
+        error = refusal(loop.submit([5, 6, 7], params, priority=1))
+        assert error.status is Status.INVALID_ARGUMENT
+        assert error.message.startswith("priority: this engine does not schedule by")
+        assert len(loop.submit([5, 6, 7], params).drain()[0]) == 3
+    finally:
+        loop.stop()
