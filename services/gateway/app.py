@@ -6,16 +6,21 @@
 A request: validated and tokenized here -> a ``Journey`` through the mesh (journey.py)
 -> its TokenDeltas written as the OpenAI answer (answer.py). Every failure answers in
 OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
-field for a malformed request, 401 without the API key, 404 for an unknown model, 429
-with ``Retry-After`` when the gateway already has ``--max-queued-requests`` requests in
-flight or every instance refused the request at its own queue limit, 503 when the mesh
-cannot serve. Never a 200 with an empty body: a failure after a stream has started is
-sent as an error event before ``[DONE]``.
+field for a malformed request, 401 without the API key (every path but /health when
+one is set), 404 for an unknown model or path, 408 / 413 for a body sent too slowly or
+too large (guard.py), 429 with ``Retry-After`` when the gateway already has
+``--max-queued-requests`` requests in flight or every instance refused the request at
+its own queue limit, 503 when the mesh cannot serve, 500 (still JSON) for a fault of
+the gateway's own. Never a 200 with an empty body: a failure after a stream has started
+is sent as an error event before ``[DONE]``. The model is checked before anything is
+tokenized, and tokenizing runs on worker threads, never on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +29,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from pdmesh.services.gateway.answer import Answer
 from pdmesh.services.gateway.clients import GrpcClients
 from pdmesh.services.gateway.errors import MeshError, error_type
+from pdmesh.services.gateway.guard import BodyGuard
 from pdmesh.services.gateway.journey import Journey, JourneyTrace, Mesh, MeshRequest
 from pdmesh.services.gateway.metrics import GatewayMetrics
 from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
@@ -35,7 +42,10 @@ from pdmesh.services.gateway.router import Router
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+OPEN_PATHS = ("/health",)  # answered without the API key
 
 
 @dataclass
@@ -49,6 +59,8 @@ class GatewayState:
     max_queued_requests: int | None = None  # requests in flight here; None: no limit
     tracing: Tracing | None = None  # None or disabled: no traces, no cost
     log_requests: int | None = None  # --log-requests-level when --log-requests; else None
+    max_body_bytes: int = 8 << 20  # --max-request-body-bytes
+    body_timeout_s: float = 30.0  # --request-body-timeout
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -66,6 +78,13 @@ class Gateway:
         self.metrics = GatewayMetrics(state.model_name, state.router)
         self.mesh = Mesh(state.router, self.clients, self.clients, events=self.metrics)
         self.tracing = state.tracing or Tracing("pdmesh-gateway", None)
+        self.vocab_size = state.tokenizer.vocab_size
+        # a text longer than this holds more than max_model_len tokens, whatever they are
+        # (None: the tokenizer's tokens are not bounded in length); 4x for normalizers
+        # that compose characters (NFC: "e" + a combining accent is one)
+        per_token = state.tokenizer.max_token_chars
+        self.max_text_chars = (None if per_token is None
+                               else 4 * state.max_model_len * per_token)
 
     async def health(self) -> JSONResponse:
         router = self.state.router
@@ -89,12 +108,18 @@ class Gateway:
         return self.state.model_names or (self.state.model_name,)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        prompt = _completion_prompt(body, self.state.tokenizer)
+        refused = self._check_model(body)
+        if refused is not None:
+            return refused
+        prompt = await self._completion_prompt(body)
         if isinstance(prompt, JSONResponse):
             return prompt
         return await self.serve(body, prompt, False, request.headers)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        refused = self._check_model(body)
+        if refused is not None:
+            return refused
         tok = self.state.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -102,20 +127,63 @@ class Gateway:
                                            add_generation_prompt=body.add_generation_prompt)
         except ValueError as e:
             return error(400, str(e), "messages")
-        return await self.serve(body, tok.encode(text, add_special_tokens=False), True,
-                                request.headers)
+        prompt = await self._tokenize(text, "messages", add_special_tokens=False)
+        if isinstance(prompt, JSONResponse):
+            return prompt
+        return await self.serve(body, prompt, True, request.headers)
+
+    def _check_model(self, body: _Base) -> JSONResponse | None:
+        if body.model in self.names:
+            return None
+        return error(404, f"model: {body.model!r} is not served here (serving "
+                          f"{', '.join(repr(n) for n in self.names)})", "model")
+
+    async def _completion_prompt(self, body: CompletionRequest) -> list[int] | JSONResponse:
+        p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]  # one prompt, in a list
+        if isinstance(p, str):
+            return await self._tokenize(p, "prompt")
+        if p and all(isinstance(t, int) for t in p):
+            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                return error(400, f"prompt: token id {bad} is outside the vocabulary "
+                                  f"[0, {self.vocab_size})", "prompt")
+            return list(p)  # type: ignore[arg-type]
+        if not p:
+            return error(400, "prompt: must not be empty", "prompt")
+        return error(400, "prompt: one prompt per request (a string or a list of token "
+                          "ids)", "prompt")
+
+    async def _tokenize(self, text: str, field: str, add_special_tokens: bool = True
+                        ) -> list[int] | JSONResponse:
+        """``text``'s tokens, on a worker thread; a 400 naming ``field`` for a text that
+        cannot fit max_model_len, told by its length before any tokenizing."""
+        limit = self.max_text_chars
+        if limit is not None and len(text) > limit:
+            return error(400, f"{field}: {len(text)} characters are more than "
+                              f"max_model_len ({self.state.max_model_len}) tokens can "
+                              f"hold", field)
+        tokens = await asyncio.to_thread(self.state.tokenizer.encode, text,
+                                         add_special_tokens)
+        if len(tokens) >= self.state.max_model_len:
+            return error(400, f"{field}: {len(tokens)} tokens leaves no room to generate "
+                              f"within max_model_len ({self.state.max_model_len})", field)
+        return tokens
 
     async def serve(self, body: _Base, prompt: list[int], chat: bool, headers: Any
                     ) -> Response:
         state = self.state
-        if body.model not in self.names:
-            return error(404, f"model: {body.model!r} is not served here (serving "
-                              f"{', '.join(repr(n) for n in self.names)})", "model")
+        field = "messages" if chat else "prompt"
         if not prompt:
-            return error(400, "prompt: must not be empty", "prompt")
+            return error(400, f"{field}: must not be empty", field)
         if len(prompt) >= state.max_model_len:
-            return error(400, f"prompt: {len(prompt)} tokens leaves no room to generate "
-                              f"within max_model_len ({state.max_model_len})", "prompt")
+            return error(400, f"{field}: {len(prompt)} tokens leaves no room to generate "
+                              f"within max_model_len ({state.max_model_len})", field)
+        bad = next((t for t in body.stop_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            return error(400, f"stop_token_ids: token id {bad} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", "stop_token_ids")
         try:
             params = body.to_sampling(state.max_model_len - len(prompt))
         except ValueError as e:
@@ -153,10 +221,15 @@ def create_app(state: GatewayState) -> FastAPI:
     app = FastAPI(title="pdmesh gateway")
     gw = Gateway(state)
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _fault)
+    # middlewares run last-added first: the key, then the body read whole, then a slot
     if state.max_queued_requests is not None:
         app.add_middleware(_InFlightLimit, limit=state.max_queued_requests,
                            rejected=gw.metrics.rejected)
-    if state.api_key:  # added last: runs first, so a refused key takes no slot
+    app.add_middleware(BodyGuard, max_bytes=state.max_body_bytes,
+                       timeout_s=state.body_timeout_s, error=error)
+    if state.api_key:  # a refused key takes no slot and sends no body
         app.add_middleware(_ApiKey, key=state.api_key)
     app.router.on_shutdown.append(gw.clients.close)
     app.get("/health")(gw.health)
@@ -168,22 +241,49 @@ def create_app(state: GatewayState) -> FastAPI:
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    field = ".".join(loc) or None
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    # of a union's alternatives (prompt: a string, or token ids, ...), the one that got
+    # furthest says the most ("prompt.0: ... less than or equal to 2147483647")
+    top = _where(first)[:1]
+    first = max((e for e in errors if _where(e)[:1] == top), key=lambda e: len(_where(e)),
+                default=first)
+    field = ".".join(_where(first)) or None
     return error(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}", field)
 
 
+def _where(err: dict[str, Any]) -> list[str]:
+    """A validation error's field path, less "body" and pydantic's union branch tags."""
+    return [str(p) for p in err.get("loc", ()) if p != "body" and not (
+        isinstance(p, str) and (not p.isidentifier() or p in _TYPE_TAGS))]
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such path, wrong method) in OpenAI's shape."""
+    return error(exc.status_code, f"{request.url.path}: {exc.detail}")
+
+
+async def _fault(request: Request, exc: Exception) -> JSONResponse:
+    """A fault of the gateway's own: logged, and still answered in JSON."""
+    log.exception("%s %s failed", request.method, request.url.path)
+    return error(500, f"the gateway failed on this request ({type(exc).__name__}); it is "
+                      f"logged")
+
+
 class _ApiKey:
-    """``Authorization: Bearer KEY`` on /v1/ paths. A plain ASGI middleware: Starlette's
-    BaseHTTPMiddleware would pass every streamed chunk through an extra task and queue."""
+    """``Authorization: Bearer KEY`` on every path but /health (the API, /metrics and
+    the API docs alike). A plain ASGI middleware: Starlette's BaseHTTPMiddleware would
+    pass every streamed chunk through an extra task and queue."""
 
     def __init__(self, app: Any, key: str):
         self.app = app
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization")
             if given is None or not hmac.compare_digest(given, self.expected):
                 response = error(401, "missing or wrong API key")
@@ -223,16 +323,3 @@ class _InFlightLimit:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
-
-
-def _completion_prompt(body: CompletionRequest, tok: Tokenizer) -> list[int] | JSONResponse:
-    p = body.prompt
-    if isinstance(p, str):
-        return tok.encode(p)
-    if p and all(isinstance(t, int) for t in p):
-        return list(p)  # type: ignore[arg-type]
-    if isinstance(p, list) and len(p) == 1:
-        one = p[0]
-        return tok.encode(one) if isinstance(one, str) else list(one)  # type: ignore[arg-type]
-    return error(400, "prompt: one prompt per request (a string or a list of token ids)",
-                 "prompt")

@@ -18,7 +18,7 @@ import uvicorn
 
 from pdmesh.services.gateway.app import GatewayState, create_app
 from pdmesh.services.gateway.router import Router
-from pdmesh.shared.config.serve import ServeConfig
+from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.config import ModelConfig
@@ -33,6 +33,12 @@ HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
 def run(a: ServeConfig) -> int:
+    if a.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes: must be >= 1, got "
+                         f"{a.max_request_body_bytes}")
+    if not a.request_body_timeout > 0:
+        raise ValueError(f"--request-body-timeout: must be > 0, got {a.request_body_timeout}")
+    key = api_key(a)
     cfg = ModelConfig.from_folder(a.model)
     name = a.model_name
     settings = HostSettings("gateway", a.host, a.port, a.advertise_host, a.redis_url,
@@ -47,9 +53,11 @@ def run(a: ServeConfig) -> int:
         state = GatewayState(tokenizer=Tokenizer(a.model), router=router, model_name=name,
                              model_names=a.served_model_name or (name,),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
-                             api_key=a.api_key, max_queued_requests=a.max_queued_requests,
+                             api_key=key, max_queued_requests=a.max_queued_requests,
                              tracing=tracing,
-                             log_requests=a.log_requests_level if a.log_requests else None)
+                             log_requests=a.log_requests_level if a.log_requests else None,
+                             max_body_bytes=a.max_request_body_bytes,
+                             body_timeout_s=a.request_body_timeout)
         sock = host.http_socket()
         server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
                                          lifespan="on", http=HTTP_IMPL))

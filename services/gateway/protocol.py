@@ -3,43 +3,51 @@
 pydantic does the typing; ``to_sampling`` turns a request into the engine's
 SamplingParams, whose own checks name the field on a bad value. vLLM's extensions
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority)
-are accepted too, as vLLM's OpenAI server accepts them.
+are accepted too, as vLLM's OpenAI server accepts them. Every integer is bounded by the
+protobuf field it travels in (a value past it is a 400 here, not a failure on the way),
+and no float may be infinite or NaN.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdmesh.shared.engine.sampling_params import SamplingParams
 
+INT32_MAX = 2**31 - 1
+INT64 = 2**63
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # not a bool
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # a number of tokens
+
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     # None: the engine's --default-priority-value (0 unless set); int32 on the wire
-    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    priority: Int32 | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -67,7 +75,7 @@ class _Base(BaseModel):
 
 
 class CompletionRequest(_Base):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -77,7 +85,7 @@ class CompletionRequest(_Base):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -93,7 +101,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Base):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True

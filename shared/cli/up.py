@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pdmesh.shared.config.command_line import to_words
 from pdmesh.shared.config.flags import FLAGS
-from pdmesh.shared.config.serve import ServeConfig, serve_config
+from pdmesh.shared.config.serve import ServeConfig, api_key, serve_config
 from pdmesh.shared.infra.bindhost import bound_env
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.signals import SignalStop
@@ -68,7 +68,9 @@ def _start_redis(log_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
 
 # flags of `pdmesh serve`'s command line that are not handed on to its engine instance
 # as they are: they are the launcher's, the gateway's, or passed on by the launcher itself
-NOT_FOR_THE_ENGINE = {"--model", "--port", "--api-key", "--served-model-name", "--host",
+NOT_FOR_THE_ENGINE = {"--model", "--port", "--api-key", "--api-key-file",
+                      "--max-request-body-bytes", "--request-body-timeout",
+                      "--served-model-name", "--host",
                       "--redis-url", "--registry-prefix", "--log-dir", "--engine-args",
                       "--prefill-args", "--decode-args", "--prefill-offload-threshold",
                       "--enable-trace", "--otlp-traces-endpoint", "--log-level",
@@ -133,14 +135,17 @@ def run(cfg: ServeConfig) -> int:
         if p.roles[0][0] != "mixed":
             workers += ["--kvstore", _start_pool(cfg, reg, p, started)]
         _start_engines(p, workers, cfg.host, started)
+        key = api_key(cfg.flags)  # to the gateway by its environment: `ps` shows no key
+        key_env = {"PDMESH_API_KEY": key} if key else None
         gw = Service("gateway", ["gateway", str(p.model), "--served-model-name", *p.names,
                                  "--host", cfg.host, *reg, *trace,
-                                 *to_words(cfg.flags, ["--port", "--api-key",
-                                                       "--max-model-len"]),
+                                 *to_words(cfg.flags, ["--port", "--max-model-len",
+                                                       "--max-request-body-bytes",
+                                                       "--request-body-timeout"]),
                                  "--prefill-offload-threshold",
                                  str(cfg.prefill_offload_threshold),
                                  "--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms)],
-                     p.log_dir)
+                     p.log_dir, env=key_env)
         started.append(gw)
         _wait_healthy(gw.info["http"])
         _say_ready(gw.info["http"], p.names[0])

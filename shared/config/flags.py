@@ -193,13 +193,23 @@ FLAGS: list[Flag] = [
          "refuse requests while this many wait (engine: gRPC RESOURCE_EXHAUSTED; gateway: "
          "429 with Retry-After while this many are in flight); default: no limit"),
     Flag("--api-key", "str", ENGINE_LINE | {"gateway", "up"}, None,
-         "require 'Authorization: Bearer KEY' (the gateway checks it)",
+         "require 'Authorization: Bearer KEY' on every path but /health (the gateway "
+         "checks it; also from --api-key-file, PDMESH_API_KEY or VLLM_API_KEY, which "
+         "`ps` does not show)",
+         effect=frozenset({"gateway", "up", "serve", "config check"})),
+    Flag("--api-key-file", "str", ENGINE_LINE | {"gateway", "up"}, None,
+         "read the API key from this file (its first line)",
          effect=frozenset({"gateway", "up", "serve", "config check"})),
     # -- the gateway --------------------------------------------------------------------
     Flag("--prefill-offload-threshold", "int", {"gateway", "up", "serve"},
          {"gateway": 0, "*": 2048},
          "while every prefill instance has this many prompt tokens queued, a decode instance "
          "prefills new prompts itself; 0: never (up and serve: 2048, one box)"),
+    Flag("--max-request-body-bytes", "int", {"gateway", "up", "serve"}, 8 << 20,
+         "a request body larger than this is refused (413) as it is read"),
+    Flag("--request-body-timeout", "float", {"gateway", "up", "serve"}, 30.0,
+         "seconds a client gets to send a whole request body (then 408); a request takes "
+         "a --max-queued-requests slot only once its body is in"),
     Flag("--decode-tpot-slo-ms", "float", {"gateway", "up", "serve"}, 50.0,
          "a decode instance prefills an offloaded prompt only if its step, with the prompt's "
          "first chunk beside its decode rows, stays under this many ms (by the step costs it "

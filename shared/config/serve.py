@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -223,6 +224,30 @@ def priority_scheduling(f: Any) -> PrioritySettings:
     preempt = sglang and not f.disable_priority_preemption
     return PrioritySettings("priority", low_first or not sglang,
                             threshold if preempt else None, default, warnings)
+
+
+API_KEY_ENV = ("PDMESH_API_KEY", "VLLM_API_KEY")
+
+
+def api_key(f: Any, env: Mapping[str, str] | None = None) -> str | None:
+    """The API key clients must send: ``--api-key``, else the first line of
+    ``--api-key-file``, else the first of PDMESH_API_KEY and VLLM_API_KEY set (vLLM's
+    variable) - None: no key. ValueError naming the flag for an unreadable or empty
+    file."""
+    if f.api_key:
+        return f.api_key
+    if f.api_key_file:
+        try:
+            with open(f.api_key_file) as fh:
+                key = fh.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {f.api_key_file}: "
+                             f"{e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {f.api_key_file} is empty")
+        return key
+    env = os.environ if env is None else env
+    return next((env[name] for name in API_KEY_ENV if env.get(name)), None)
 
 
 def _device(device: str) -> str:

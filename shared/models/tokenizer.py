@@ -4,6 +4,7 @@ template from tokenizer_config.json rendered with jinja2 (as transformers render
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """At most how many characters of text one token stands for (None: no bound,
+        a word-level model's unknown token takes a whole word). A byte-level vocabulary
+        spells each byte as one character, and a character is at least one byte, so the
+        longest vocabulary entry bounds it either way; added tokens are matched
+        literally."""
+        if type(self._tok.model).__name__ == "WordLevel":
+            return None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(t) for t in vocab), default=1) or 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -12,6 +12,7 @@ import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from tests.mesh import MODEL, pd_mesh
+from tests.services.gateway.bad_inputs import cases as bad_cases
 
 KEY = "test-key"
 
@@ -122,7 +123,7 @@ def test_logprobs(client):
     ({"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL}, 400, "prompt"),
-    ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt_token_ids"),
+    ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
     ({"model": MODEL, "prompt": "x", "priority": 2**31}, 400, "priority"),  # int32
@@ -134,6 +135,25 @@ def test_malformed_requests(mesh, body, status, needle):
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"),
+                         [pytest.param(*case[1:], id=case[0]) for case in bad_cases(MODEL)])
+def test_bad_input_corpus(mesh, path, body, status, needle):
+    """Each bad request: a 4xx in OpenAI's error shape naming what is wrong, and the
+    gateway healthy after it."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if isinstance(body, bytes):
+        r = httpx.post(mesh + path, content=body, timeout=60,
+                       headers={**headers, "Content-Type": "application/json"})
+    else:
+        r = httpx.post(mesh + path, json=body, timeout=60, headers=headers)
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["type"] == "invalid_request_error"
+    assert needle in err["message"], err
+    assert httpx.get(mesh + "/health", timeout=10).status_code == 200
 
 
 def test_api_key_required(mesh):
