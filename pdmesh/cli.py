@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -212,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(*_log_settings(options, command, config))
     if command.table and command.name != "config check":
         config.log_warnings()
+    secret_file = getattr(config, "cluster_secret_file", None)
+    if secret_file:  # the whole process (and its children) use it
+        os.environ["PDMESH_CLUSTER_SECRET_FILE"] = secret_file
     try:
+        from pdmesh.shared.infra import cluster_auth
+
+        cluster_auth.secret()  # a bad secret stops the service before it serves
         return importlib.import_module(command.module).run(config)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         for problem in _problems(e):

@@ -14,6 +14,7 @@ import urllib.request
 
 import grpc
 
+from pdmesh.shared.infra import cluster_auth
 from pdmesh.shared.proto import (
     common_pb2,
     decode_pb2_grpc,
@@ -43,7 +44,7 @@ def run(a: argparse.Namespace) -> int:
         except (urllib.error.URLError, OSError) as e:
             print(f"unhealthy: {a.http}: {e}", file=sys.stderr)
             return 1
-    stub = STUBS[a.service](grpc.insecure_channel(a.grpc))
+    stub = STUBS[a.service](cluster_auth.channel(a.grpc))
     try:
         resp = stub.Health(common_pb2.HealthRequest(), timeout=a.timeout)
     except grpc.RpcError as e:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import redis
 
+from pdmesh.shared.infra import cluster_auth
 from pdmesh.shared.infra.registry import ROLES, Instance, Registry
 from pdmesh.shared.proto import eplb_pb2, eplb_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -138,7 +139,7 @@ def _instance_status(inst: Instance, now: float) -> InstanceStatus:
 
 
 def _pool_status(inst: Instance, timeout_s: float) -> PoolStatus:
-    with grpc.insecure_channel(inst.address) as channel:
+    with cluster_auth.channel(inst.address) as channel:
         try:
             s = kvstore_pb2_grpc.KVStoreStub(channel).Stats(kvstore_pb2.StatsRequest(),
                                                             timeout=timeout_s)
@@ -178,7 +179,7 @@ def _eplb_groups(found: list[Instance], names: list[str], controller: Instance |
         rows.append(EplbGroupStatus(name, role, _host(address), "", 0, [], []))
     if controller is None:
         return rows
-    with grpc.insecure_channel(controller.address) as channel:
+    with cluster_auth.channel(controller.address) as channel:
         stub = eplb_pb2_grpc.EplbStub(channel)
         return [_ask_controller(stub, row, timeout_s) if row.group else row for row in rows]
 

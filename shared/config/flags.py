@@ -89,7 +89,10 @@ FLAGS: list[Flag] = [
     *_flags(ALL,
             ("--log-level", "str", "WARNING", "debug, info, warning or error"),
             ("--log-format", "str", "text", "text, or json lines with request and trace ids",
-             {"choices": ("text", "json")})),
+             {"choices": ("text", "json")}),
+            ("--cluster-secret-file", "str", None, "the mesh's shared secret (a file; or "
+             "PDMESH_CLUSTER_SECRET): internal gRPC calls must carry its token and registry "
+             "entries its signature (default: none, for one box on loopback)")),
     # -- the model ----------------------------------------------------------------------
     Flag("--model", "str", MODEL_COMMANDS, None, "the model folder (or first positional "
          "argument, as `vllm serve MODEL`)", aliases=("--model-path",)),

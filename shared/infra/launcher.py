@@ -41,7 +41,7 @@ class Service:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdmesh", *args], stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
         self.info: dict[str, Any] = {}
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -5,7 +5,9 @@
 
 An instance registers once and then heartbeats (refreshing the TTL and its load); one
 that stops heartbeating drops out when its key expires, so a router never sees it
-again. The prefix lets several meshes share one redis.
+again. The prefix lets several meshes share one redis. With a cluster secret
+(shared/infra/cluster_auth.py) every entry carries ``sig``, an HMAC of what it routes
+to, and an entry without a valid one is not listed: a forged entry is never routed to.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
+
+from pdmesh.shared.infra import cluster_auth
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ class Registry:
         self.ttl_ms = int(ttl_s * 1000)
         self._redis = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3,
                                            decode_responses=True)
+        self._signing_key = cluster_auth.signing_key()
 
     def _key(self, instance_id: str) -> str:
         return f"{self.prefix}:instance:{instance_id}"
@@ -63,6 +68,8 @@ class Registry:
                    "heartbeat": inst.heartbeat,
                    "draining": int(inst.draining),
                    **{k: int(inst.load.get(k, 0)) for k in LOAD_FIELDS}}
+        if self._signing_key is not None:
+            mapping["sig"] = cluster_auth.sign(self._signing_key, inst.id, mapping)
         key = self._key(inst.id)
         pipe = self._redis.pipeline()
         pipe.hset(key, mapping=mapping)
@@ -84,8 +91,13 @@ class Registry:
         for key, h in zip(keys, pipe.execute(), strict=True):
             if not h:  # expired between scan and read
                 continue
+            instance_id = key.rsplit(":", 1)[1]
+            if self._signing_key is not None and not cluster_auth.verify(
+                    self._signing_key, instance_id, h):
+                cluster_auth.warn_unsigned(instance_id)
+                continue
             inst = Instance(
-                id=key.rsplit(":", 1)[1], role=h.get("role", ""), address=h.get("address", ""),
+                id=instance_id, role=h.get("role", ""), address=h.get("address", ""),
                 model=h.get("model", ""), dp_size=int(h.get("dp_size", 1)),
                 dp_rank=int(h.get("dp_rank", 0)), group=h.get("group", ""),
                 load={k: int(h.get(k, 0)) for k in LOAD_FIELDS},

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from pdmesh.shared.infra import cluster_auth
 from pdmesh.shared.proto import eplb_pb2, eplb_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class EplbClient:
         self._rpc_timeout_s = rpc_timeout_s
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
-        self._channel = grpc.insecure_channel(address, options=[
+        self._channel = cluster_auth.channel(address, options=[
             # a dead controller on a silent stream is noticed within ~15 s
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),

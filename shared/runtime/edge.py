@@ -102,7 +102,9 @@ async def _serve(config: EdgeConfig, add_servicer: AddServicer) -> int:
     sock = socket.socket(fileno=config.fd)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     client = RemoteEngineClient(reader, writer)
-    server = grpc.aio.server()
+    from pdmesh.shared.infra import cluster_auth
+
+    server = grpc.aio.server(interceptors=cluster_auth.aio_server_interceptors())
     add_servicer(server, client, config)
     host = f"[{config.host}]" if ":" in config.host else config.host
     try:

@@ -179,7 +179,9 @@ def connect_pool(kvstore: str | None, host: str, segment_mb: int) -> KVPool:
     if not kvstore:
         raise ValueError("--kvstore: prefill and decode instances need the kvstore's "
                          "address")
-    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(kvstore))
+    from pdmesh.shared.infra import cluster_auth
+
+    stub = kvstore_pb2_grpc.KVStoreStub(cluster_auth.channel(kvstore))
     try:
         stats = stub.Stats(kvstore_pb2.StatsRequest(), timeout=10)
     except grpc.RpcError as e:

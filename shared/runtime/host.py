@@ -87,7 +87,10 @@ class ServiceHost:
 
         import grpc
 
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+        from pdmesh.shared.infra import cluster_auth
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                             interceptors=cluster_auth.server_interceptors())
         add(server)
         self.port = self._bind(server.add_insecure_port)
         server.start()
@@ -103,8 +106,11 @@ class ServiceHost:
         aio = asyncio.new_event_loop()
         threading.Thread(target=aio.run_forever, name="grpc-aio", daemon=True).start()
 
+        from pdmesh.shared.infra import cluster_auth
+
         async def start() -> tuple[Any, int]:
-            server = grpc.aio.server(options=options)
+            server = grpc.aio.server(options=options,
+                                     interceptors=cluster_auth.aio_server_interceptors())
             add(server, aio)
             port = self._bind(server.add_insecure_port)
             await server.start()
