@@ -89,10 +89,12 @@ class Gateway:
     async def health(self) -> JSONResponse:
         router = self.state.router
         n_pre, n_dec, n_mix = (len(router.instances(r)) for r in ("prefill", "decode", "mixed"))
-        ok = (n_pre > 0 and n_dec > 0) or n_mix > 0
+        # decode instances alone still serve (they prefill themselves), slower: degraded
+        ok = n_dec > 0 or n_mix > 0
+        status = ("ok" if n_pre > 0 or n_mix > 0 else "degraded") if ok else "unavailable"
         return JSONResponse(status_code=200 if ok else 503,
-                            content={"status": "ok" if ok else "unavailable",
-                                     "prefill": n_pre, "decode": n_dec, "mixed": n_mix})
+                            content={"status": status, "prefill": n_pre, "decode": n_dec,
+                                     "mixed": n_mix})
 
     async def prometheus(self) -> Response:
         return PlainTextResponse(generate_latest(self.metrics.registry),

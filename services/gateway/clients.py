@@ -12,7 +12,7 @@ gateway, in-memory fakes serve the journey's unit tests.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +27,7 @@ from pdmesh.shared.proto.convert import delta_from_chunk, logprobs_from_proto, s
 from pdmesh.shared.runtime.protocol import TokenDelta
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+STALL_POLL_S = 1.0  # how often a silent decode stream checks its instance is alive
 
 
 @dataclass
@@ -69,10 +70,15 @@ class PrefillClient(Protocol):
         """Compute the prompt (and ``call.carried``), sample one more token."""
 
 
+Stall = tuple[float, Callable[[], bool]]  # (seconds of silence, is the instance alive?)
+
+
 class DecodeClient(Protocol):
-    def generate(self, inst: Instance, call: Call, idle_timeout_s: float
-                 ) -> AsyncIterator[TokenDelta]:
-        """The request's deltas until the one that finishes it."""
+    def generate(self, inst: Instance, call: Call, idle_timeout_s: float,
+                 stall: Stall | None = None) -> AsyncIterator[TokenDelta]:
+        """The request's deltas until the one that finishes it. ``stall``: after that
+        many seconds without a token, the call fails as soon as the instance is not
+        alive (UNAVAILABLE), without waiting for ``idle_timeout_s``."""
 
 
 class GrpcClients:
@@ -86,7 +92,7 @@ class GrpcClients:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = cluster_auth.aio_channel(address)
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
         return ch
 
     def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillCall:
@@ -95,15 +101,16 @@ class GrpcClients:
             request_id=call.request_id, prompt_token_ids=call.prompt,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
             output_token_ids=call.carried),
-            timeout=timeout_s, metadata=tuple(call.trace_context.items()) or None))
+            timeout=timeout_s, metadata=(*call.trace_context.items(),
+                                         *cluster_auth.call_metadata()) or None))
 
-    def generate(self, inst: Instance, call: Call, idle_timeout_s: float
-                 ) -> AsyncIterator[TokenDelta]:
+    def generate(self, inst: Instance, call: Call, idle_timeout_s: float,
+                 stall: Stall | None = None) -> AsyncIterator[TokenDelta]:
         return self.session(inst.address).generate(decode_pb2.GenerateRequest(
             request_id=call.request_id, prompt_token_ids=call.prompt,
             output_token_ids=call.carried, block_keys=call.block_keys,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
-            trace_context=call.trace_context), idle_timeout_s)
+            trace_context=call.trace_context), idle_timeout_s, stall)
 
     def session(self, address: str) -> DecodeSession:
         """The live session to ``address``; a broken one is replaced."""
@@ -162,7 +169,8 @@ class DecodeSession:
         self._outbox: asyncio.Queue[decode_pb2.SessionRequest | None] = asyncio.Queue()
         self._waiters: dict[str, asyncio.Queue] = {}
         self.broken: CallFailed | None = None
-        self._call = decode_pb2_grpc.DecodeStub(channel).Session(self._requests())
+        self._call = decode_pb2_grpc.DecodeStub(channel).Session(
+            self._requests(), metadata=cluster_auth.call_metadata() or None)
         self._reader = asyncio.create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[decode_pb2.SessionRequest]:
@@ -185,8 +193,8 @@ class DecodeSession:
         for q in self._waiters.values():
             q.put_nowait(failure)
 
-    async def generate(self, req: decode_pb2.GenerateRequest, idle_timeout_s: float
-                       ) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: decode_pb2.GenerateRequest, idle_timeout_s: float,
+                       stall: Stall | None = None) -> AsyncIterator[TokenDelta]:
         """The request's deltas; CallFailed if it cannot finish here."""
         if self.broken is not None:
             raise self.broken
@@ -195,13 +203,24 @@ class DecodeSession:
         self._waiters[rid] = q
         self._outbox.put_nowait(decode_pb2.SessionRequest(generate=req))
         finished = False
+        clock = asyncio.get_running_loop().time
+        poll = idle_timeout_s if stall is None else min(idle_timeout_s, STALL_POLL_S)
         try:
             while not finished:
-                try:
-                    item = await asyncio.wait_for(q.get(), idle_timeout_s)
-                except TimeoutError:
-                    raise CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"no token for {idle_timeout_s:.0f} s") from None
+                heard = clock()
+                while True:
+                    try:
+                        item = await asyncio.wait_for(q.get(), poll)
+                        break
+                    except TimeoutError:
+                        silent = clock() - heard
+                        if silent >= idle_timeout_s:
+                            raise CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                             f"no token for {idle_timeout_s:.0f} s") from None
+                        if stall is not None and silent >= stall[0] and not stall[1]():
+                            raise CallFailed(grpc.StatusCode.UNAVAILABLE,
+                                             f"no token for {silent:.0f} s and the instance "
+                                             f"stopped heartbeating (stalled)") from None
                 if isinstance(item, CallFailed):
                     raise item
                 if item.error_code:

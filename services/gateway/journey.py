@@ -63,6 +63,9 @@ class RetryPolicy:
     max_hand_backs: int = 16  # times the recompute scheduler may hand one request back
     backoff_s: float = 0.1  # before the next decode instance; doubling for prefill
     timeout_s: float = 600.0  # a prefill call, or a decode stream's silence
+    # a decode stream silent this long whose instance stopped heartbeating (gone from
+    # the registry: SIGSTOPped, hung whole) is given up on and the request migrates
+    stall_timeout_s: float = 10.0
 
     def retryable(self, code: grpc.StatusCode) -> bool:
         return code in RETRYABLE
@@ -162,12 +165,23 @@ class Journey:
             return
         offload = router.offload_target(self.req.prompt)  # route
         if offload is None:
-            yield await self._prefill()
-            end = await self._stored()
-            if end is not None:
-                yield end
-                return
-        else:  # prefill is backed up: this decode instance computes the prompt itself
+            try:
+                first = await self._prefill()
+            except MeshError as e:
+                # every prefill instance failed (crashed, not yet out of the registry): a
+                # decode instance computes the prompt rather than the request failing
+                offload = router.fallback_decode() if e.status == 503 else None
+                if offload is None:
+                    raise
+                log.warning("request %s: no prefill instance could serve it (%s); decode "
+                            "instance %s prefills it", self.req.request_id, e, offload.id)
+            else:
+                yield first
+                end = await self._stored()
+                if end is not None:
+                    yield end
+                    return
+        if offload is not None:  # this decode instance computes the prompt itself
             self.mesh.events.offloaded.inc()
             router.sent(offload, self.req.prompt)
         while True:
@@ -277,7 +291,10 @@ class Journey:
                                                  "pdmesh.carried_tokens": len(self.tokens)})
         call = self._call(f"{self.req.request_id}-d{len(self.failed)}r{self.hand_backs}",
                           self.tokens, self.block_keys, self.trace.carrier(span))
-        deltas = self.mesh.decode.generate(inst, call, self.mesh.retry.timeout_s)
+        router = self.mesh.router
+        deltas = self.mesh.decode.generate(inst, call, self.mesh.retry.timeout_s,
+                                           stall=(self.mesh.retry.stall_timeout_s,
+                                                  lambda: router.listed(inst.id)))
         first = offloaded
         try:
             async for delta in deltas:

@@ -175,6 +175,14 @@ class Router:
         with self._lock:
             return [i for i in self._cache if i.role == role and not i.draining]
 
+    def listed(self, instance_id: str) -> bool:
+        """Whether the instance is still in the registry (still heartbeating; draining
+        counts). While redis cannot be read, the last copy answers."""
+        if not self._background and time.monotonic() - self._at > self.refresh_s:
+            self._refresh()
+        with self._lock:
+            return any(i.id == instance_id for i in self._cache)
+
     def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset(),
              prompt: list[int] | None = None) -> Instance | None:
         """The cheapest live instance of ``role`` by its cost policy; for prefill,
@@ -229,11 +237,14 @@ class Router:
         sooner; at low load nothing changes (decode never computes a prompt, its steps
         stay short). Worth it where prefill and decode share hardware (``pdmesh up`` on
         one box); on separate machines it trades decode step time for TTFT, which the
-        budget bounds."""
-        if not self.offload_threshold:
-            return None
+        budget bounds.
+
+        With no prefill instance alive at all, the least busy decode instance prefills
+        every prompt (``fallback_decode``): served slower beats refused."""
         prefill = self.instances("prefill")
         if not prefill:
+            return self.fallback_decode()
+        if not self.offload_threshold:
             return None
         # a decode instance that never computed a prompt is priced at the prefill
         # instances' cost per prompt token (same model; the dearest of them)
@@ -251,6 +262,15 @@ class Router:
             if self._inflight.get(best.id, 0) + len(prompt) > backlog // 2:
                 return None
         return best
+
+    def fallback_decode(self) -> Instance | None:
+        """The decode instance with the fewest prompt tokens sent to it to prefill
+        (None: there is none)."""
+        decode = self.instances("decode")
+        if not decode:
+            return None
+        with self._lock:
+            return min(decode, key=lambda i: self._inflight.get(i.id, 0))
 
     @staticmethod
     def offloaded_step_ms(inst: Instance, prompt_tokens: int, fallback_ns_per_token: int = 0

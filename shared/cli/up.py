@@ -29,7 +29,7 @@ from pdmesh.shared.config.command_line import to_words
 from pdmesh.shared.config.flags import FLAGS
 from pdmesh.shared.config.serve import ServeConfig, api_key, serve_config
 from pdmesh.shared.infra.bindhost import bound_env
-from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.launcher import Service, die_with_parent
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
 
@@ -57,7 +57,8 @@ def _start_redis(log_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
     proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", str(log_dir)],
                             stdout=open(log_dir / "redis.log", "wb"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent)  # gone with `up`, even on SIGKILL
     deadline = time.monotonic() + 10
     while not _listening("127.0.0.1", port):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -227,14 +228,56 @@ def _say_ready(url: str, name: str) -> None:
           f"\"max_tokens\": 32}}'\n     Ctrl-C stops everything.", flush=True)
 
 
+RESTART_MAX_DELAY_S = 30.0
+STABLE_S = 60.0  # a service up this long before it died restarts at once again
+
+
 def _watch(started: list[Service], stop: SignalStop) -> None:
-    """Until a signal, or until one of the services exits."""
+    """Until a signal: a service that exits is started again, on its old ports (its
+    address is what the others know), after 0 s the first time and then 1, 2, 4 ... up to
+    30 s while it keeps dying young. The mesh serves on meanwhile with what is left."""
+    failures: dict[int, int] = {}
+    due: dict[int, float] = {}
     while not stop.wait(0.5):
         for svc in started:
-            if svc.proc.poll() is not None:
-                print(f"[up] {svc.role} exited with {svc.proc.returncode}; see "
-                      f"{svc.log_path}", file=sys.stderr, flush=True)
-                return
+            key = id(svc)
+            if svc.proc.poll() is None:
+                continue
+            now = time.monotonic()
+            if key not in due:
+                young = now - svc.started_at < STABLE_S
+                failures[key] = failures.get(key, 0) + 1 if young else 1
+                delay = 0.0 if failures[key] == 1 else min(RESTART_MAX_DELAY_S,
+                                                           2.0 ** (failures[key] - 2))
+                due[key] = now + delay
+                print(f"[up] {svc.role} exited with {svc.proc.returncode} (see "
+                      f"{svc.log_path}); restarting in {delay:g} s", file=sys.stderr,
+                      flush=True)
+            if now < due[key] or stop.is_set():
+                continue
+            del due[key]
+            try:
+                svc.respawn(sticky_ports(svc))
+            except (RuntimeError, OSError) as e:
+                print(f"[up] {svc.role} did not come back: {str(e).splitlines()[0]}",
+                      file=sys.stderr, flush=True)
+                continue
+            print(f"[up] {svc.role} restarted at {svc.info.get('grpc') or svc.info.get('http')}",
+                  flush=True)
+
+
+def sticky_ports(svc: Service) -> dict[str, str]:
+    """The flags that put a restarted service on the ports it had."""
+    info = svc.info
+    address = info.get("grpc") or info.get("http", "")
+    out = {"--port": address.rsplit(":", 1)[1]} if ":" in address else {}
+    if svc.role == "kvstore":
+        if ":" in info.get("master", ""):
+            out["--master-port"] = info["master"].rsplit(":", 1)[1]
+        metadata = info.get("metadata", "")  # http://host:port/metadata
+        if metadata.count(":") >= 2:
+            out["--metadata-port"] = metadata.rsplit(":", 1)[1].split("/", 1)[0]
+    return out
 
 
 def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:

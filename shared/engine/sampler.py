@@ -16,6 +16,20 @@ from pdmesh.shared.engine.request import Logprob, Request
 from pdmesh.shared.kernels import KernelBackend
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's ``position``-th output token: a
+    function of the request's seed and the position only (splitmix64), so a request
+    that moves - prefill to decode, a decode instance that died, a preemption - draws
+    exactly what it would have drawn staying where it was."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+_MASK64 = (1 << 64) - 1
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -113,7 +127,12 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
             floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < floor, 0.0)
-        generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None}
+        generators = {}
+        for i, r in enumerate(reqs):
+            if r.generator is not None:  # its draw for this position, wherever it runs
+                r.generator.manual_seed(position_seed(r.sampling_params.seed,
+                                                      r.num_output_tokens))
+                generators[i] = r.generator
         sampled = self.backend.random_sample(probs, generators)
         greedy_t = torch.tensor(greedy, device=dev)
         return torch.where(greedy_t, argmax, sampled)

@@ -107,13 +107,18 @@ def channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.
     return ch if token is None else grpc.intercept_channel(ch, _SyncToken(token))
 
 
-def aio_channel(address: str, options: list[tuple[str, Any]] | None = None
-                ) -> grpc.aio.Channel:
+def call_metadata() -> tuple[tuple[str, str], ...]:
+    """The metadata an internal call made on a plain grpc.aio channel must carry
+    (empty without a secret). The aio side passes it per call rather than through a
+    client interceptor, which would wrap every message of a long-lived stream (the
+    gateway's decode sessions: one per token) in another Python hop."""
+    return _metadata_for(os.environ.get(SECRET_ENV, ""), os.environ.get(SECRET_FILE_ENV, ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _metadata_for(value: str, path: str) -> tuple[tuple[str, str], ...]:
     token = call_token()
-    interceptors = None if token is None else [
-        cls(token) for cls in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary,
-                               _AioStreamStream)]
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return () if token is None else ((TOKEN_HEADER, token),)
 
 
 _REFUSAL = "missing or wrong cluster token (x-pdmesh-token): set the mesh's cluster secret"
@@ -199,43 +204,6 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 
     def intercept_stream_stream(self, continuation, details, requests):
         return continuation(_with_token(details, self.token), requests)
-
-
-class _AioBase:
-    def __init__(self, token: str):
-        self.token = token
-
-    def _details(self, details: Any) -> Any:
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout,
-            _aio_metadata(details.metadata, self.token), details.credentials,
-            details.wait_for_ready)
-
-
-def _aio_metadata(metadata: Any, token: str) -> grpc.aio.Metadata:
-    out = grpc.aio.Metadata(*(tuple(metadata) if metadata else ()))
-    out.add(TOKEN_HEADER, token)
-    return out
-
-
-class _AioUnaryUnary(_AioBase, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _AioUnaryStream(_AioBase, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _AioStreamUnary(_AioBase, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
-
-
-class _AioStreamStream(_AioBase, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
 
 
 @functools.cache

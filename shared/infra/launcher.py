@@ -37,17 +37,41 @@ class Service:
         running before any is ready). ``echo``: also print the child's lines, prefixed."""
         self.role = role
         self.echo = echo
-        self.log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdmesh", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
-        self.info: dict[str, Any] = {}
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.args = list(args)
+        self.env = dict(env or {})
+        self.log_dir = log_dir
+        self.starts = 0
+        self._spawn()
         if wait:
             self.wait_ready(timeout_s)
+
+    def _spawn(self) -> None:
+        self.starts += 1
+        self.log_path = self.log_dir / f"{self.role}-{time.monotonic_ns()}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdmesh", *self.args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, **self.env}, preexec_fn=die_with_parent)
+        self.started_at = time.monotonic()
+        self.info: dict[str, Any] = {}
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        args=(self.proc, self.log_path, self._ready))
+        self._reader.start()
+
+    def respawn(self, flags: dict[str, str] | None = None, timeout_s: float = 120.0) -> None:
+        """Start the (exited) command again, ``flags`` replacing or adding values (its
+        old ports, so that whoever knew its address finds it again); ready on return."""
+        self.stop()
+        args = list(self.args)
+        for flag, value in (flags or {}).items():
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        self.args = args
+        self._spawn()
+        self.wait_ready(timeout_s)
 
     def join_output(self, timeout_s: float = 1.0) -> None:
         """Until the child's output is all in the log (after it exited)."""
@@ -59,19 +83,20 @@ class Service:
             raise RuntimeError(f"{self.role} did not become ready; log: {self.log_path}\n"
                                + self.log_path.read_text()[-3000:])
 
-    def _read(self) -> None:
+    def _read(self, proc: subprocess.Popen, log_path: Path, ready: threading.Event) -> None:
+        """One run's output into its log (a respawn's reader is another one)."""
         prefix = f"{self.role} ready: "
-        with open(self.log_path, "w") as log:
-            for line in self.proc.stdout:  # type: ignore[union-attr]
+        with open(log_path, "w") as log:
+            for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
                 log.flush()
                 if self.echo is not None:
                     sys.stdout.write(self.echo + line)
                     sys.stdout.flush()
-                if line.startswith(prefix) and not self.info:
+                if line.startswith(prefix) and not ready.is_set():
                     self.info = json.loads(line[len(prefix):])
-                    self._ready.set()
-        self._ready.set()
+                    ready.set()
+        ready.set()
 
     @property
     def address(self) -> str:

@@ -34,7 +34,7 @@ def mesh(qwen3_path, tmp_path, registry_prefix):
         gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
                                  "--served-model-name", MODEL, *reg], tmp_path)
         started.append(gw)
-        yield {"gateway": gw, "kvstore": kv, "decodes": started[2:4]}
+        yield {"gateway": gw, "kvstore": kv, "prefill": started[1], "decodes": started[2:4]}
     finally:
         for s in reversed(started):
             s.stop()
@@ -53,15 +53,20 @@ def busy_decode(decodes: list[Service]) -> Service:
     raise AssertionError("no decode instance is serving the request")
 
 
-def test_decode_killed_mid_stream(mesh, qwen3_path):
+@pytest.mark.parametrize("seed", [None, 4242], ids=["greedy", "seeded"])
+def test_decode_killed_mid_stream(mesh, qwen3_path, seed):
+    """Greedy, and seeded at temperature 1 (the draw at each position is the seed's and
+    the position's, wherever the request runs): the same text as one engine alone."""
     client = openai.OpenAI(base_url=mesh["gateway"].info["http"] + "/v1", api_key="x",
                            max_retries=0, timeout=120)
     prompt = list(range(900, 960))
+    temperature = 0 if seed is None else 1.0
     offline = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
-    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=300,
-                                                         ignore_eos=True))[0].outputs[0].text
+    expected = offline.generate([prompt], SamplingParams(
+        temperature=temperature, seed=seed, max_tokens=300,
+        ignore_eos=True))[0].outputs[0].text
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=300,
-                                       temperature=0, stream=True,
+                                       temperature=temperature, seed=seed, stream=True,
                                        extra_body={"ignore_eos": True})
     parts, killed, reason = [], False, None
     for chunk in stream:
@@ -100,3 +105,66 @@ def test_master_killed_no_hang(mesh):
         ok = one(100) == 8
         time.sleep(0.5)
     assert ok
+
+
+def test_with_no_prefill_alive_decode_prefills(mesh, qwen3_path):
+    """The prefill instance dies: requests go on being served, decode instances computing
+    the prompts themselves - at once (its registry entry still there, every prefill call
+    failing) and once it has dropped out of the registry (health says "degraded")."""
+    import httpx
+
+    url = mesh["gateway"].info["http"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    offline = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def served(prompt: list[int]) -> None:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == offline.generate([prompt], greedy)[0].outputs[0].text
+
+    served(list(range(300, 340)))
+    os.killpg(mesh["prefill"].proc.pid, signal.SIGKILL)
+    mesh["prefill"].proc.wait(10)
+    served(list(range(400, 440)))  # the dead instance is still registered
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/health", timeout=10).json()["prefill"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    served(list(range(500, 540)))
+
+
+def test_decode_stopped_mid_stream(mesh, qwen3_path):
+    """A decode instance that stops dead (SIGSTOP: no step, no heartbeat) is noticed
+    after the stall timeout (10 s) once it is out of the registry - not after the 600 s
+    idle one - and the stream goes on elsewhere to the same greedy text."""
+    client = openai.OpenAI(base_url=mesh["gateway"].info["http"] + "/v1", api_key="x",
+                           max_retries=0, timeout=120)
+    prompt = list(range(700, 750))
+    offline = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+    expected = offline.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=200, ignore_eos=True))[0].outputs[0].text
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    stopped, parts, last, gap = None, [], 0.0, 0.0
+    try:
+        for chunk in stream:
+            now = time.monotonic()
+            if stopped is not None:
+                gap = max(gap, now - last)  # the wait for the migration
+            last = now
+            parts.append(chunk.choices[0].text)
+            if stopped is None and len(parts) > 20:
+                stopped = busy_decode(mesh["decodes"])
+                os.killpg(stopped.proc.pid, signal.SIGSTOP)
+        assert stopped is not None and "".join(parts) == expected
+        # past the registry's TTL, well before the 600 s idle timeout; the new decode
+        # instance may then wait on a pool read from the stopped one's segment (Mooncake's
+        # own transfer timeout) before it recomputes
+        assert 5 < gap < 120, gap
+    finally:
+        if stopped is not None:
+            os.killpg(stopped.proc.pid, signal.SIGCONT)

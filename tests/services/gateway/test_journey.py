@@ -93,8 +93,8 @@ class FakeDecode:
     calls: list[tuple[str, Call]] = field(default_factory=list)
     closed_early: list[str] = field(default_factory=list)
 
-    def generate(self, instance: Instance, call: Call, idle_timeout_s: float
-                 ) -> AsyncIterator[TokenDelta]:
+    def generate(self, instance: Instance, call: Call, idle_timeout_s: float,
+                 stall=None) -> AsyncIterator[TokenDelta]:
         self.calls.append((instance.id, call))
         return self._stream(instance, call, self.script[instance.id].pop(0))
 

@@ -140,3 +140,67 @@ def test_serve_runs_a_vllm_serve_command_line(qwen3_path, tmp_path, registry_pre
         assert "without effect: --trust-remote-code" in mixed_log
     finally:
         shut(proc, prefix)
+
+
+def test_up_restarts_what_dies_and_dies_with_its_children(qwen3_path, tmp_path,
+                                                           registry_prefix):
+    """A service of `pdmesh up` that dies is started again on its old ports and the mesh
+    serves on (here the decode instance and the gateway, killed in turn); a `pdmesh up`
+    killed with SIGKILL takes every process it started with it."""
+    prefix = f"{registry_prefix}-supervise"
+    proc, url, out = launch("up", str(qwen3_path), "--port", "0", "--registry-prefix",
+                            prefix, "--log-dir", str(tmp_path), "--engine-args",
+                            "--device cpu --block-size 16 --pool-segment-mb 64")
+    lines: list[str] = []
+    reader = None
+    try:
+        assert url, "".join(out)
+        import threading
+
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                                  daemon=True)
+        reader.start()
+        body = {"model": qwen3_path.name, "prompt": [5, 6, 7, 8], "max_tokens": 6,
+                "temperature": 0, "ignore_eos": True}
+        first = httpx.post(url + "/v1/completions", timeout=60, json=body).json()
+        for role in ("decode", "gateway"):
+            [pid] = [p for p in running_with(prefix) if _command(p).startswith(
+                f"{sys.executable} -m pdmesh {role} ")]
+            subprocess.run(["kill", "-9", str(pid)], check=True)
+            deadline = time.monotonic() + 90
+            while not any(f"[up] {role} restarted" in line for line in lines):
+                assert proc.poll() is None, "".join(lines)  # up itself keeps running
+                assert time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.2)
+            deadline = time.monotonic() + 30
+            while True:  # the same URL serves the same answer again
+                try:
+                    r = httpx.post(url + "/v1/completions", timeout=60, json=body)
+                    if r.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.5)
+            assert r.json()["choices"][0]["text"] == first["choices"][0]["text"]
+        children = running_with(prefix)
+        assert len(children) >= 4
+        proc.kill()  # SIGKILL: no chance to stop anything itself
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while [p for p in children if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [_command(p) for p in children if alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in running_with(prefix):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -41,9 +41,14 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(sampler):
     logits = torch.zeros(1, V)  # uniform: every token equally likely
     def draw(seed):
         r = reqs(SamplingParams(temperature=1.0, seed=seed))
-        return [sampler(logits, r).token_ids[0] for _ in range(20)]
+        out = []
+        for _ in range(20):  # each draw at the next output position
+            out.append(sampler(logits, r).token_ids[0])
+            r[0].append_token(out[-1])
+        return out
     assert draw(5) == draw(5)
     assert draw(5) != draw(6)
+    assert len(set(draw(5))) > 3  # the position moves the draw
 
 
 def test_top_p_and_min_p_restrict_support(sampler):
@@ -52,7 +57,10 @@ def test_top_p_and_min_p_restrict_support(sampler):
                        (SamplingParams(min_p=0.5, seed=2), {0, 1}),
                        (SamplingParams(top_k=3, seed=3), {0, 1, 2})):
         r = reqs(p)
-        got = {sampler(logits, r).token_ids[0] for _ in range(200)}
+        got = set()
+        for _ in range(200):
+            got.add(sampler(logits, r).token_ids[0])
+            r[0].append_token(7)  # the next output position: a fresh draw
         assert got == allowed, (p, got)
 
 
@@ -105,3 +113,25 @@ def test_engine_seeded_sampling_reproducible_across_batches(qwen3_path):
     batched = llm.generate(["import sys", "def main():", "class A:"], [other, p, other])
     assert batched[1].outputs[0].token_ids == alone
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11])
+def test_a_seeded_request_continued_elsewhere_draws_the_same(qwen3_path, cut):
+    """A seeded request's draw at each output position depends on the seed and the
+    position only: one engine generating ``cut`` tokens and another continuing from them
+    (a decode instance after prefill, or after a failover) gives the tokens one engine
+    alone gives."""
+    llm = LLM(str(qwen3_path), device="cpu", block_size=16)
+    p = SamplingParams(temperature=1.0, seed=77, max_tokens=16, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10]
+    alone = llm.generate([prompt], p)[0].outputs[0].token_ids
+    first = SamplingParams(temperature=1.0, seed=77, max_tokens=cut, ignore_eos=True)
+    head = llm.generate([prompt], first)[0].outputs[0].token_ids
+    assert head == alone[:cut]
+    other = LLM(str(qwen3_path), device="cpu", block_size=16)
+    req = other.engine.add_request(prompt, p, output_token_ids=head)
+    while other.engine.has_unfinished():
+        other.engine.step()
+    assert list(req.output_token_ids) == alone
+    unseeded = SamplingParams(temperature=1.0, seed=78, max_tokens=16, ignore_eos=True)
+    assert llm.generate([prompt], unseeded)[0].outputs[0].token_ids != alone
