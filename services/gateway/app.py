@@ -35,7 +35,13 @@ from pdmesh.services.gateway.answer import Answer
 from pdmesh.services.gateway.clients import GrpcClients
 from pdmesh.services.gateway.errors import MeshError, error_type
 from pdmesh.services.gateway.guard import BodyGuard
-from pdmesh.services.gateway.journey import Journey, JourneyTrace, Mesh, MeshRequest
+from pdmesh.services.gateway.journey import (
+    Journey,
+    JourneyTrace,
+    Mesh,
+    MeshRequest,
+    RetryPolicy,
+)
 from pdmesh.services.gateway.metrics import GatewayMetrics
 from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
 from pdmesh.services.gateway.router import Router
@@ -61,6 +67,7 @@ class GatewayState:
     log_requests: int | None = None  # --log-requests-level when --log-requests; else None
     max_body_bytes: int = 8 << 20  # --max-request-body-bytes
     body_timeout_s: float = 30.0  # --request-body-timeout
+    stall_timeout_s: float = 10.0  # --stall-timeout
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -76,7 +83,9 @@ class Gateway:
         self.state = state
         self.clients = GrpcClients()
         self.metrics = GatewayMetrics(state.model_name, state.router)
-        self.mesh = Mesh(state.router, self.clients, self.clients, events=self.metrics)
+        self.mesh = Mesh(state.router, self.clients, self.clients,
+                         RetryPolicy(stall_timeout_s=state.stall_timeout_s),
+                         events=self.metrics)
         self.tracing = state.tracing or Tracing("pdmesh-gateway", None)
         self.vocab_size = state.tokenizer.vocab_size
         # a text longer than this holds more than max_model_len tokens, whatever they are

@@ -36,6 +36,8 @@ def run(a: ServeConfig) -> int:
     if a.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes: must be >= 1, got "
                          f"{a.max_request_body_bytes}")
+    if not a.stall_timeout > 0:
+        raise ValueError(f"--stall-timeout: must be > 0, got {a.stall_timeout}")
     if not a.request_body_timeout > 0:
         raise ValueError(f"--request-body-timeout: must be > 0, got {a.request_body_timeout}")
     key = api_key(a)
@@ -57,7 +59,8 @@ def run(a: ServeConfig) -> int:
                              tracing=tracing,
                              log_requests=a.log_requests_level if a.log_requests else None,
                              max_body_bytes=a.max_request_body_bytes,
-                             body_timeout_s=a.request_body_timeout)
+                             body_timeout_s=a.request_body_timeout,
+                             stall_timeout_s=a.stall_timeout)
         sock = host.http_socket()
         server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
                                          lifespan="on", http=HTTP_IMPL))

@@ -70,7 +70,7 @@ def _start_redis(log_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
 # flags of `pdmesh serve`'s command line that are not handed on to its engine instance
 # as they are: they are the launcher's, the gateway's, or passed on by the launcher itself
 NOT_FOR_THE_ENGINE = {"--model", "--port", "--api-key", "--api-key-file",
-                      "--max-request-body-bytes", "--request-body-timeout",
+                      "--max-request-body-bytes", "--request-body-timeout", "--stall-timeout",
                       "--served-model-name", "--host",
                       "--redis-url", "--registry-prefix", "--log-dir", "--engine-args",
                       "--prefill-args", "--decode-args", "--prefill-offload-threshold",
@@ -142,7 +142,8 @@ def run(cfg: ServeConfig) -> int:
                                  "--host", cfg.host, *reg, *trace,
                                  *to_words(cfg.flags, ["--port", "--max-model-len",
                                                        "--max-request-body-bytes",
-                                                       "--request-body-timeout"]),
+                                                       "--request-body-timeout",
+                                                       "--stall-timeout"]),
                                  "--prefill-offload-threshold",
                                  str(cfg.prefill_offload_threshold),
                                  "--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms)],

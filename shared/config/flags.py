@@ -213,6 +213,9 @@ FLAGS: list[Flag] = [
     Flag("--request-body-timeout", "float", {"gateway", "up", "serve"}, 30.0,
          "seconds a client gets to send a whole request body (then 408); a request takes "
          "a --max-queued-requests slot only once its body is in"),
+    Flag("--stall-timeout", "float", {"gateway", "up", "serve"}, 10.0,
+         "seconds a decode stream may go without a token once its instance has stopped "
+         "heartbeating (SIGSTOPped, hung) before the request moves to another instance"),
     Flag("--decode-tpot-slo-ms", "float", {"gateway", "up", "serve"}, 50.0,
          "a decode instance prefills an offloaded prompt only if its step, with the prompt's "
          "first chunk beside its decode rows, stays under this many ms (by the step costs it "
