@@ -65,6 +65,8 @@ COMMANDS = [
             False),
     Command(("status",), "pdmesh.shared.cli.status", "live instances, pool and EPLB at a glance",
             False),
+    Command(("cluster-secret",), "pdmesh.shared.cli.cluster_secret",
+            "make the mesh's shared secret once (a file, or a Kubernetes Secret)", False),
     Command(("config", "check"), "pdmesh.shared.cli.config_check",
             "what a service would run with these flags, or every error in them", True),
 ]

@@ -42,16 +42,27 @@ def test_compose_is_valid_and_complete():
     # the observability profile's services (prometheus, grafana, otel-collector) are
     # checked in test_observability.py
     services = {n: s for n, s in cfg["services"].items() if not s.get("profiles")}
-    assert set(services) == PDMESH_SERVICES | {"redis"}
+    assert set(services) == PDMESH_SERVICES | {"redis", "cluster-secret"}
     for name in PDMESH_SERVICES:
         svc = services[name]
         assert svc["command"][0] == name
         parses(svc["command"])  # every flag given exists
         parses(svc["healthcheck"]["test"][2:])  # ["CMD", "pdmesh", ...]
-        assert "/models/model" in " ".join(svc.get("volumes") and
-                                           [str(v) for v in svc["volumes"]] or [])
-        for dep in svc.get("depends_on", {}).values():
-            assert dep["condition"] == "service_healthy"
+        volumes = " ".join(str(v) for v in svc.get("volumes") or [])
+        assert "/models/model" in volumes
+        # the cluster secret: on, with no step of the user's
+        assert "cluster-secret:/run/pdmesh:ro" in volumes
+        assert svc["environment"]["PDMESH_CLUSTER_SECRET_FILE"] == "/run/pdmesh/cluster-secret"
+        for dep_name, dep in svc.get("depends_on", {}).items():
+            assert dep["condition"] == ("service_completed_successfully"
+                                        if dep_name == "cluster-secret" else "service_healthy")
+    maker = services["cluster-secret"]
+    parses(maker["command"])
+    assert maker["command"][1] == "/run/pdmesh/cluster-secret"
+    assert maker["volumes"] == ["cluster-secret:/run/pdmesh:rw"]  # it alone writes it
+    assert maker["restart"] == "no"
+    first = {n for n, s in services.items() if "redis" in s.get("depends_on", {})}
+    assert first and all("cluster-secret" in services[n]["depends_on"] for n in first)
     assert services["gateway"]["ports"]
 
 
@@ -140,3 +151,42 @@ def test_engine_pods_drain_before_they_are_killed():
                        if a.startswith("--shutdown-timeout="))
         assert spec["terminationGracePeriodSeconds"] > timeout, name
         assert container["lifecycle"]["preStop"]["exec"]["command"], name
+
+
+def test_k8s_cluster_secret_is_on_with_no_user_step():
+    """A Job makes the Secret (its account may create Secrets, nothing more); every
+    pdmesh pod mounts it where the ConfigMap says the secret file is; NetworkPolicies
+    keep prefill / decode to the gateway (and engines), the kvstore to engines."""
+    docs = k8s_docs(K8S / "base")
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    flags = by[("ConfigMap", "pdmesh-flags")]["data"]
+    assert flags["PDMESH_CLUSTER_SECRET_FILE"] == "/run/pdmesh/cluster-secret"
+    for name in PDMESH_SERVICES:
+        pod = by[("Deployment", name)]["spec"]["template"]["spec"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == "cluster-secret"]
+        assert volume["secret"]["secretName"] == "pdmesh-cluster-secret"
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "cluster-secret", "mountPath": "/run/pdmesh",
+                "readOnly": True} in mounts
+        assert {"configMapRef": {"name": "pdmesh-flags"}} in pod["containers"][0]["envFrom"]
+    job = by[("Job", "pdmesh-cluster-secret")]["spec"]["template"]["spec"]
+    parses(job["containers"][0]["args"])
+    assert job["containers"][0]["args"][-1] == "pdmesh-cluster-secret"
+    assert job["serviceAccountName"] == "pdmesh-cluster-secret"
+    assert by[("Role", "pdmesh-cluster-secret")]["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+
+    def sources(policy: str) -> set[str]:
+        out = set()
+        for rule in by[("NetworkPolicy", policy)]["spec"]["ingress"]:
+            for peer in rule["from"]:
+                sel = peer["podSelector"]
+                out |= set(sel.get("matchLabels", {}).values())
+                for e in sel.get("matchExpressions", []):
+                    out |= set(e["values"])
+        return out
+
+    assert sources("pdmesh-engines") == {"gateway", "prefill", "decode", "kvstore",
+                                         "prometheus"}
+    assert sources("pdmesh-kvstore") == {"prefill", "decode", "kvstore", "prometheus"}
+    assert "gateway" not in sources("pdmesh-kvstore") | sources("pdmesh-eplb")

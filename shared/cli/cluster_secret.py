@@ -1,0 +1,89 @@
+"""`pdmesh cluster-secret`: make the mesh's shared secret once, where its services read it.
+
+    pdmesh cluster-secret /run/pdmesh/cluster-secret      # a file (docker compose's volume)
+    pdmesh cluster-secret --k8s-secret pdmesh-cluster-secret   # a Kubernetes Secret
+
+Either way a secret that is already there is kept (every service already started reads
+it); a new one is 32 random bytes, hex. In Kubernetes the command runs in a Job whose
+service account may create Secrets in its namespace, through the in-cluster API (the
+pod's token and CA); the services mount the Secret and wait for it to exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import secrets
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SA = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+KEY = "cluster-secret"  # the file's name in the Secret (and so under its mount)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", nargs="?", help="write the secret to this file")
+    p.add_argument("--k8s-secret", default=None, metavar="NAME",
+                   help="create this Kubernetes Secret (in the pod's namespace)")
+    p.add_argument("--namespace", default=None, help="default: the pod's own")
+    p.add_argument("--k8s-api", default="https://kubernetes.default.svc",
+                   help="the Kubernetes API (in-cluster default)")
+
+
+def run(a: argparse.Namespace) -> int:
+    if bool(a.path) == bool(a.k8s_secret):
+        raise ValueError("cluster-secret: give a file path or --k8s-secret NAME (one)")
+    if a.path:
+        made = write_file(Path(a.path))
+        print(f"cluster secret {'written to' if made else 'kept in'} {a.path}")
+        return 0
+    made = create_k8s_secret(a.k8s_secret, a.namespace, a.k8s_api)
+    print(f"Kubernetes Secret {a.k8s_secret} {'created' if made else 'already there: kept'}")
+    return 0
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def write_file(path: Path) -> bool:
+    """Write a fresh secret unless the file holds one; True if written."""
+    if path.is_file() and path.read_text().strip():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)  # read by every
+    with os.fdopen(fd, "w") as f:  # service's user; the volume is the mesh's only
+        f.write(new_secret() + "\n")
+    return True
+
+
+def create_k8s_secret(name: str, namespace: str | None, api: str) -> bool:
+    """Create the Secret unless it exists; True if created. ConnectionError on an API
+    that refuses (naming its answer)."""
+    namespace = namespace or (SA / "namespace").read_text().strip()
+    body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "pdmesh"}},
+            "data": {KEY: base64.b64encode(new_secret().encode()).decode()}}
+    headers = {"Content-Type": "application/json"}
+    token = SA / "token"
+    if token.is_file():
+        headers["Authorization"] = f"Bearer {token.read_text().strip()}"
+    context = None
+    if api.startswith("https://") and (SA / "ca.crt").is_file():
+        context = ssl.create_default_context(cafile=str(SA / "ca.crt"))
+    request = urllib.request.Request(f"{api}/api/v1/namespaces/{namespace}/secrets",
+                                     data=json.dumps(body).encode(), headers=headers,
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=context):
+            return True
+    except urllib.error.HTTPError as e:
+        if e.code == 409:  # AlreadyExists: keep it
+            return False
+        raise ConnectionError(f"--k8s-secret: the API answered {e.code}: "
+                              f"{e.read()[:300].decode(errors='replace')}") from None
+

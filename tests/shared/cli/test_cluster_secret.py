@@ -1,0 +1,60 @@
+"""`pdmesh cluster-secret`: a secret made once - to a file (compose) or as a Kubernetes
+Secret through the API (here a loopback stand-in for the API server) - and kept after."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from pdmesh.shared.cli.cluster_secret import KEY, create_k8s_secret, write_file
+from pdmesh.shared.infra import cluster_auth
+
+
+def test_a_file_is_written_once(tmp_path, monkeypatch):
+    path = tmp_path / "run" / "cluster-secret"
+    assert write_file(path) is True
+    first = path.read_text()
+    assert write_file(path) is False and path.read_text() == first  # kept
+    monkeypatch.delenv(cluster_auth.SECRET_ENV, raising=False)
+    monkeypatch.setenv(cluster_auth.SECRET_FILE_ENV, str(path))
+    assert cluster_auth.secret() == first.strip().encode()  # what the services read
+    assert len(first.strip()) == 64
+
+
+class _Api(BaseHTTPRequestHandler):
+    secrets: dict[str, dict] = {}
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        name = body["metadata"]["name"]
+        assert self.path == "/api/v1/namespaces/mesh/secrets"
+        code = 409 if name in self.secrets else 201
+        self.secrets.setdefault(name, body)
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def api():
+    server = HTTPServer(("127.0.0.1", 0), _Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_k8s_secret_is_created_once(api):
+    assert create_k8s_secret("pdmesh-cluster-secret", "mesh", api) is True
+    made = _Api.secrets["pdmesh-cluster-secret"]
+    value = base64.b64decode(made["data"][KEY]).decode()
+    assert len(value) == 64 and made["type"] == "Opaque"
+    assert create_k8s_secret("pdmesh-cluster-secret", "mesh", api) is False  # 409: kept
+    assert base64.b64decode(_Api.secrets["pdmesh-cluster-secret"]["data"][KEY]).decode() \
+        == value
