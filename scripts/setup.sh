@@ -16,6 +16,8 @@ apt_pkgs=()
 # Mooncake's wheel links libibverbs; redis backs the registry; venv for Debian's python3.
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_pkgs+=(libibverbs1)
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
+# the registry's TLS test makes its certificates with the openssl command
+command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
 python3 -c 'import ensurepip' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
 # tests validate docker-compose.yml offline with `docker-compose config`
 command -v docker-compose >/dev/null 2>&1 || apt_pkgs+=(docker-compose)

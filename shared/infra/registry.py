@@ -5,7 +5,9 @@
 
 An instance registers once and then heartbeats (refreshing the TTL and its load); one
 that stops heartbeating drops out when its key expires, so a router never sees it
-again. The prefix lets several meshes share one redis. With a cluster secret
+again. The prefix lets several meshes share one redis, which may want a password (in
+the URL, or from PDMESH_REDIS_PASSWORD(_FILE)) and TLS (``rediss://``, with
+``?ssl_ca_certs=PATH``). With a cluster secret
 (shared/infra/cluster_auth.py) every entry carries ``sig``, an HMAC of what it routes
 to, and an entry without a valid one is not listed: a forged entry is never routed to.
 """
@@ -13,11 +15,13 @@ to, and an entry without a valid one is not listed: a forged entry is never rout
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import redis
 
@@ -46,13 +50,31 @@ class Instance:
     draining: bool = False
 
 
+def redis_password() -> str | None:
+    """Redis's password when the URL carries none: PDMESH_REDIS_PASSWORD, or the file
+    PDMESH_REDIS_PASSWORD_FILE names (compose and the k8s manifests point it at the
+    cluster secret, which redis itself requires) - out of every command line."""
+    value = os.environ.get("PDMESH_REDIS_PASSWORD", "")
+    path = os.environ.get("PDMESH_REDIS_PASSWORD_FILE", "")
+    if not value and path:
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"PDMESH_REDIS_PASSWORD_FILE ({path}): cannot read: "
+                             f"{e.strerror}") from None
+    return value or None
+
+
 class Registry:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "pdmesh",
                  ttl_s: float = 6.0):
         self.prefix = prefix
         self.ttl_ms = int(ttl_s * 1000)
+        password = None if urlparse(url).password else redis_password()
         self._redis = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3,
-                                           decode_responses=True)
+                                           decode_responses=True,
+                                           **({"password": password} if password else {}))
         self._signing_key = cluster_auth.signing_key()
 
     def _key(self, instance_id: str) -> str:

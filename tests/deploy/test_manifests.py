@@ -53,6 +53,7 @@ def test_compose_is_valid_and_complete():
         # the cluster secret: on, with no step of the user's
         assert "cluster-secret:/run/pdmesh:ro" in volumes
         assert svc["environment"]["PDMESH_CLUSTER_SECRET_FILE"] == "/run/pdmesh/cluster-secret"
+        assert svc["environment"]["PDMESH_REDIS_PASSWORD_FILE"] == "/run/pdmesh/cluster-secret"
         for dep_name, dep in svc.get("depends_on", {}).items():
             assert dep["condition"] == ("service_completed_successfully"
                                         if dep_name == "cluster-secret" else "service_healthy")
@@ -64,6 +65,12 @@ def test_compose_is_valid_and_complete():
     first = {n for n, s in services.items() if "redis" in s.get("depends_on", {})}
     assert first and all("cluster-secret" in services[n]["depends_on"] for n in first)
     assert services["gateway"]["ports"]
+    # redis requires the secret as its password, read from the same volume
+    red = services["redis"]
+    assert "--requirepass" in red["command"][-1] and "/run/pdmesh/cluster-secret" in \
+        red["command"][-1]
+    assert "cluster-secret:/run/pdmesh:ro" in red["volumes"]
+    assert red["depends_on"]["cluster-secret"]["condition"] == "service_completed_successfully"
 
 
 def k8s_docs(folder: Path) -> list[dict]:
@@ -161,14 +168,18 @@ def test_k8s_cluster_secret_is_on_with_no_user_step():
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     flags = by[("ConfigMap", "pdmesh-flags")]["data"]
     assert flags["PDMESH_CLUSTER_SECRET_FILE"] == "/run/pdmesh/cluster-secret"
-    for name in PDMESH_SERVICES:
+    assert flags["PDMESH_REDIS_PASSWORD_FILE"] == "/run/pdmesh/cluster-secret"
+    for name in PDMESH_SERVICES | {"redis"}:
         pod = by[("Deployment", name)]["spec"]["template"]["spec"]
         [volume] = [v for v in pod["volumes"] if v["name"] == "cluster-secret"]
         assert volume["secret"]["secretName"] == "pdmesh-cluster-secret"
         mounts = pod["containers"][0]["volumeMounts"]
         assert {"name": "cluster-secret", "mountPath": "/run/pdmesh",
                 "readOnly": True} in mounts
-        assert {"configMapRef": {"name": "pdmesh-flags"}} in pod["containers"][0]["envFrom"]
+        if name != "redis":
+            assert {"configMapRef": {"name": "pdmesh-flags"}} in pod["containers"][0]["envFrom"]
+    redis_cmd = by[("Deployment", "redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis_cmd["command"][-1]
     job = by[("Job", "pdmesh-cluster-secret")]["spec"]["template"]["spec"]
     parses(job["containers"][0]["args"])
     assert job["containers"][0]["args"][-1] == "pdmesh-cluster-secret"
