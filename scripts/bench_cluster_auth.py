@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
+
+from bench_scenarios import start_pdmesh, stop  # (this folder: run as a script)
 
 SECRET = "bench-cluster-secret-0123456789abcdef"
 LOADS = {"conc1": ["--max-concurrency", "1", "--num-prompts", "24"],
@@ -29,34 +29,12 @@ def up(model: str, secret: bool, logs: str) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_CLUSTER")}
     if secret:
         env["PDMESH_CLUSTER_SECRET"] = SECRET
-    prefix = f"bench-auth-{os.getpid()}-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdmesh", "up", model, "--port", "0",
-                             "--registry-prefix", prefix, "--log-dir", logs],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if m := re.search(r"mesh ready: (http://\S+)/v1", line):
-            return proc, m.group(1)
-    down(proc)
-    raise RuntimeError("pdmesh up did not become ready")
-
-
-def down(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return start_pdmesh("up", model, Path(logs), env)
 
 
 def bench(url: str, model: str, load: list[str], out: str) -> dict:
     subprocess.run([sys.executable, "-m", "pdmesh", "bench", "serve", "--base-url", url,
-                    "--model", os.path.basename(model.rstrip("/")), "--input-len", "128",
+                    "--model", "tiny", "--input-len", "128",
                     "--output-len", "128", "--seed", "0", "--no-progress", "--json", out,
                     *load], check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
@@ -85,7 +63,7 @@ def main() -> int:
                               f"{got['tpot_ms_median']:6.2f} ms  TTFT p50 "
                               f"{got['ttft_ms_median']:7.1f} ms", flush=True)
                 finally:
-                    down(proc)
+                    stop(proc)
     summary = {}
     for name in LOADS:
         off = [x["output_tok_s"] for x in results["off"][name]]

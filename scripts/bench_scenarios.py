@@ -70,13 +70,20 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
             time.sleep(0.5)
         stop(proc)
         raise RuntimeError(f"vllm serve never came up (see {logs / 'vllm.log'})")
-    command = {"pd": "up", "mixed": "serve"}[system]
+    return start_pdmesh({"pd": "up", "mixed": "serve"}[system], a.model, logs)
+
+
+def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`pdmesh up` or `serve` serving ``model`` as "tiny"; (process, base URL) once
+    ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdmesh", command, a.model, "--port", "0", "--served-model-name",
+        [sys.executable, "-m", "pdmesh", command, model, "--port", "0", "--served-model-name",
          "tiny", "--registry-prefix",
          f"bench-{uuid.uuid4().hex[:8]}", "--log-dir", str(logs), "--engine-args",
          "--device cpu --dtype float32"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

@@ -4,9 +4,12 @@ the test's own registry prefix, stopped by process id whatever happens."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from pdmesh.shared.infra.launcher import Service
 
@@ -17,23 +20,30 @@ ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
 
 @contextmanager
 def pd_mesh(model: Path, logs: Path, prefix: str, *, gateway_args: Sequence[str] = (),
-            prefill_args: Sequence[str] = (), decode_args: Sequence[str] = ()
-            ) -> Iterator[dict[str, Service]]:
-    """{"kvstore", "prefill", "decode", "gateway"}: the running services (the gateway's
-    URL is ``["gateway"].info["http"]``)."""
-    reg = ["--registry-prefix", prefix]
+            prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
+            decodes: int = 1, everywhere: Sequence[str] = ()
+            ) -> Iterator[dict[str, Any]]:
+    """{"kvstore", "prefill", "decode", "decodes", "gateway"}: the running services
+    ("decode" the first of ``decodes``; the gateway's URL is ``["gateway"].info["http"]``).
+    ``everywhere``: flags every service gets (another --redis-url)."""
+    reg = ["--registry-prefix", prefix, *everywhere]
     started: list[Service] = []
     try:
         kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
-        for role, extra in (("prefill", prefill_args), ("decode", decode_args)):
+        for role, extra in (("prefill", prefill_args), *[("decode", decode_args)] * decodes):
             started.append(Service(role, [role, str(model), "--kvstore", kv.address,
                                           "--served-model-name", MODEL, *ENGINE, *extra,
                                           *reg], logs))
         started.append(Service("gateway", ["gateway", str(model), "--port", "0",
                                            "--served-model-name", MODEL, *gateway_args,
                                            *reg], logs))
-        yield {s.role: s for s in started}
+        roles: dict[str, Any] = {}
+        for s in started:
+            roles.setdefault(s.role, s)
+        yield {**roles, "decodes": [s for s in started if s.role == "decode"]}
     finally:
         for s in reversed(started):
+            if s.proc.poll() is None:
+                os.killpg(s.proc.pid, signal.SIGCONT)  # a test may have stopped it
             s.stop()

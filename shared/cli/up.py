@@ -21,9 +21,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from pdmesh.shared.config.command_line import to_words
 from pdmesh.shared.config.flags import FLAGS
@@ -44,19 +45,23 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def _start_redis(log_dir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
-    if _listening("127.0.0.1", 6379):
+def _start_redis(log_dir: Path, port: int | None = None
+                 ) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """A redis for the mesh: the one on 127.0.0.1:6379 if it listens (None: not ours),
+    else our own on ``port`` (default: a free one)."""
+    if port is None and _listening("127.0.0.1", 6379):
         return None, "redis://127.0.0.1:6379/0"
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis: nothing listens on 127.0.0.1:6379 and redis-server "
                                 "is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                              "--appendonly", "no", "--dir", str(log_dir)],
-                            stdout=open(log_dir / "redis.log", "wb"),  # noqa: SIM115
+                            stdout=open(log_dir / "redis.log", "ab"),  # noqa: SIM115
                             stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=die_with_parent)  # gone with `up`, even on SIGKILL
     deadline = time.monotonic() + 10
@@ -151,7 +156,19 @@ def run(cfg: ServeConfig) -> int:
         started.append(gw)
         _wait_healthy(gw.info["http"])
         _say_ready(gw.info["http"], p.names[0])
-        _watch(started, stop)
+        redis_port = urlparse(redis_url).port
+
+        def redis_check() -> None:  # our own redis: started again on its port if it died
+            nonlocal redis_proc
+            if redis_proc is not None and redis_proc.poll() is not None:
+                print(f"[up] redis exited with {redis_proc.returncode}; restarting",
+                      file=sys.stderr, flush=True)
+                try:
+                    redis_proc, _ = _start_redis(p.log_dir, redis_port)
+                except RuntimeError as e:
+                    print(f"[up] redis did not come back: {e}", file=sys.stderr, flush=True)
+
+        _watch(started, stop, redis_check)
     finally:
         print("[up] stopping", flush=True)
         for svc in reversed(started):
@@ -233,13 +250,16 @@ RESTART_MAX_DELAY_S = 30.0
 STABLE_S = 60.0  # a service up this long before it died restarts at once again
 
 
-def _watch(started: list[Service], stop: SignalStop) -> None:
+def _watch(started: list[Service], stop: SignalStop,
+           also: Callable[[], None] | None = None) -> None:
     """Until a signal: a service that exits is started again, on its old ports (its
     address is what the others know), after 0 s the first time and then 1, 2, 4 ... up to
     30 s while it keeps dying young. The mesh serves on meanwhile with what is left."""
     failures: dict[int, int] = {}
     due: dict[int, float] = {}
     while not stop.wait(0.5):
+        if also is not None:
+            also()
         for svc in started:
             key = id(svc)
             if svc.proc.poll() is None:

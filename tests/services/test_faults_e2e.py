@@ -23,11 +23,8 @@ import pytest
 
 from pdmesh.shared.cli.up import sticky_ports
 from pdmesh.shared.engine import LLM, SamplingParams
-from pdmesh.shared.infra.launcher import Service
+from tests.mesh import MODEL, pd_mesh
 
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
-          "--pool-segment-mb", "64"]
-MODEL = "tiny"
 TOKENS = 24
 RECOVERY_S = 45  # after each fault, a request succeeds again within this
 
@@ -54,26 +51,11 @@ def _redis(logs: Path, port: int) -> subprocess.Popen:
 def mesh(qwen3_path, tmp_path, registry_prefix):
     port = _free_port()
     redis_procs = [_redis(tmp_path, port)]  # the fault restarts it: appended here
-    reg = ["--redis-url", f"redis://127.0.0.1:{port}/0", "--registry-prefix",
-           f"{registry_prefix}-faults"]
-    started: list[Service] = []
     try:
-        kv = Service("kvstore", ["kvstore", *reg], tmp_path)
-        started.append(kv)
-        common = ["--model", str(qwen3_path), "--kvstore", kv.address,
-                  "--served-model-name", MODEL, *ENGINE, *reg]
-        for role in ("prefill", "decode", "decode"):
-            started.append(Service(role, [role, *common], tmp_path))
-        gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
-                                 "--served-model-name", MODEL, *reg], tmp_path)
-        started.append(gw)
-        yield {"redis": redis_procs, "redis_port": port, "logs": tmp_path, "kvstore": kv,
-               "prefill": started[1], "decodes": started[2:4], "gateway": gw}
+        with pd_mesh(qwen3_path, tmp_path, f"{registry_prefix}-faults", decodes=2,
+                     everywhere=["--redis-url", f"redis://127.0.0.1:{port}/0"]) as services:
+            yield {**services, "redis": redis_procs, "redis_port": port, "logs": tmp_path}
     finally:
-        for s in reversed(started):
-            if s.proc.poll() is None:
-                os.killpg(s.proc.pid, signal.SIGCONT)
-            s.stop()
         for proc in redis_procs:
             proc.kill()
             proc.wait()

@@ -14,30 +14,14 @@ import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
-
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
-          "--pool-segment-mb", "64"]
-MODEL = "tiny"
+from tests.mesh import MODEL, pd_mesh
 
 
 @pytest.fixture
 def mesh(qwen3_path, tmp_path, registry_prefix):
-    reg = ["--registry-prefix", f"{registry_prefix}-fo-{time.monotonic_ns()}"]
-    started: list[Service] = []
-    try:
-        kv = Service("kvstore", ["kvstore", *reg], tmp_path)
-        started.append(kv)
-        common = ["--model", str(qwen3_path), "--kvstore", kv.address,
-                  "--served-model-name", MODEL, *ENGINE, *reg]
-        for role in ("prefill", "decode", "decode"):
-            started.append(Service(role, [role, *common], tmp_path))
-        gw = Service("gateway", ["gateway", "--model", str(qwen3_path), "--port", "0",
-                                 "--served-model-name", MODEL, *reg], tmp_path)
-        started.append(gw)
-        yield {"gateway": gw, "kvstore": kv, "prefill": started[1], "decodes": started[2:4]}
-    finally:
-        for s in reversed(started):
-            s.stop()
+    with pd_mesh(qwen3_path, tmp_path, f"{registry_prefix}-fo-{time.monotonic_ns()}",
+                 decodes=2) as services:
+        yield services
 
 
 def busy_decode(decodes: list[Service]) -> Service:

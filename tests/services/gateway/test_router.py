@@ -162,13 +162,25 @@ def test_prefill_offload_only_while_prefill_is_backed_up(registry_prefix):
     assert r.offload_target(prompt) is None
 
 
-def test_no_offload_without_a_decode_or_prefill_instance(registry_prefix):
+def test_no_offload_without_a_decode_instance(registry_prefix):
     reg = registry(registry_prefix + "-r10",
                    Instance("p1", "prefill", "a:1", load={"queued_prefill_tokens": 50_000}))
     assert Router(reg, offload_threshold=10).offload_target([1, 2, 3]) is None
-    reg = registry(registry_prefix + "-r11",
-                   Instance("d1", "decode", "b:1"))
-    assert Router(reg, offload_threshold=10).offload_target([1, 2, 3]) is None
+
+
+@pytest.mark.parametrize("threshold", [0, 10])
+def test_without_a_prefill_instance_the_least_busy_decode_prefills(registry_prefix,
+                                                                   threshold):
+    """Served slower beats refused: with no prefill instance alive, every prompt goes to
+    a decode instance, whatever the offload settings (0: offload off)."""
+    reg = registry(registry_prefix + f"-r11-{threshold}", Instance("d1", "decode", "b:1"),
+                   Instance("d2", "decode", "c:1"))
+    r = Router(reg, offload_threshold=threshold)
+    first = r.offload_target([1, 2, 3])
+    assert first is not None
+    r.sent(first, [1, 2, 3])
+    second = r.offload_target([1, 2, 3])
+    assert {first.id, second.id} == {"d1", "d2"}  # the one without a prompt in flight
 
 
 def test_offload_never_pushes_a_decode_step_past_the_tpot_budget(registry_prefix):

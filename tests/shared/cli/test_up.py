@@ -53,11 +53,7 @@ def shut(proc: subprocess.Popen, prefix: str) -> None:
     try:
         proc.wait(60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in running_with(prefix):
-            subprocess.run(["kill", "-9", str(pid)], check=False)
+        kill_all(proc, prefix)
 
 
 @pytest.mark.parametrize("command,moe", [("up", False), ("serve", False), ("up", True)])
@@ -101,11 +97,16 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
             with socket.socket() as s:  # and so is the Mooncake master
                 assert s.connect_ex((host, int(port))) != 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in running_with(prefix):
-            subprocess.run(["kill", "-9", str(pid)], check=False)
+        kill_all(proc, prefix)
+
+
+def kill_all(proc: subprocess.Popen, prefix: str) -> None:
+    """Whatever is left of a launch: the launcher, and every process of its prefix."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in running_with(prefix):
+        subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
 def _parent(pid: int) -> int:
@@ -192,11 +193,7 @@ def test_up_restarts_what_dies_and_dies_with_its_children(qwen3_path, tmp_path,
             time.sleep(0.2)
         assert [_command(p) for p in children if alive(p)] == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in running_with(prefix):
-            subprocess.run(["kill", "-9", str(pid)], check=False)
+        kill_all(proc, prefix)
 
 
 def _command(pid: int) -> str:
