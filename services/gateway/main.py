@@ -48,7 +48,8 @@ def run(a: ServeConfig) -> int:
     with ServiceHost(settings) as host:
         router = Router(Registry(a.redis_url, a.registry_prefix), name,
                         offload_threshold=a.prefill_offload_threshold,
-                        decode_tpot_slo_ms=a.decode_tpot_slo_ms)
+                        decode_tpot_slo_ms=a.decode_tpot_slo_ms,
+                        stall_timeout_s=a.stall_timeout)
         router.start()
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered

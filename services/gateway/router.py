@@ -126,7 +126,8 @@ class Router:
 
     def __init__(self, registry: Registry, model: str | None = None, refresh_s: float = 0.25,
                  offload_threshold: int = 0, costs: dict[str, RouteCost] | None = None,
-                 decode_tpot_slo_ms: float = DEFAULT_DECODE_TPOT_SLO_MS):
+                 decode_tpot_slo_ms: float = DEFAULT_DECODE_TPOT_SLO_MS,
+                 stall_timeout_s: float = 10.0):
         """``costs``: the cost policy per role (default: estimated TTFT for prefill and
         mixed instances, KV blocks in use for decode)."""
         self.registry = registry
@@ -138,6 +139,9 @@ class Router:
         # ``offload_target``
         self.offload_threshold = offload_threshold
         self.decode_tpot_slo_ms = decode_tpot_slo_ms
+        # an instance whose engine has had work this long without finishing a step
+        # (stalled_ms in its heartbeat) is neither routed to nor waited for
+        self.stall_ms = stall_timeout_s * 1000
         self._cache: list[Instance] = []
         self._at = float("-inf")
         self._lock = threading.Lock()
@@ -173,15 +177,18 @@ class Router:
         if not self._background and time.monotonic() - self._at > self.refresh_s:
             self._refresh()
         with self._lock:
-            return [i for i in self._cache if i.role == role and not i.draining]
+            return [i for i in self._cache if i.role == role and not i.draining
+                    and i.load.get("stalled_ms", 0) < self.stall_ms]
 
     def listed(self, instance_id: str) -> bool:
-        """Whether the instance is still in the registry (still heartbeating; draining
-        counts). While redis cannot be read, the last copy answers."""
+        """Whether the instance is alive: still in the registry (heartbeating; draining
+        counts) and its engine stepping (not stalled). While redis cannot be read, the
+        last copy answers."""
         if not self._background and time.monotonic() - self._at > self.refresh_s:
             self._refresh()
         with self._lock:
-            return any(i.id == instance_id for i in self._cache)
+            return any(i.id == instance_id and i.load.get("stalled_ms", 0) < self.stall_ms
+                       for i in self._cache)
 
     def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset(),
              prompt: list[int] | None = None) -> Instance | None:

@@ -115,6 +115,7 @@ class EngineLoop:
         self._drain_told = False
         self._stopping = False  # set by stop(), a second drain() or a lost port
         self._load_sent = 0.0
+        self._progress = time.monotonic()  # when a step last ended (or it was idle)
 
     # -- control (any thread; drain and stop from signal handlers too) -------------------
     def stop(self) -> None:
@@ -151,7 +152,14 @@ class EngineLoop:
                           ep.bytes_moved if ep is not None else 0,
                           round(costs.decode_step_us), round(costs.prefill_ns_per_token),
                           self.engine.max_num_batched_tokens, self.draining,
-                          self.max_model_len)
+                          self.max_model_len, stalled_ms=self._stalled_ms())
+
+    def _stalled_ms(self) -> int:
+        """Since the last step ended, while there is work (read from the heartbeat's
+        thread too: a step that hangs shows here, its heartbeat going on)."""
+        if not self.engine.has_unfinished():
+            return 0
+        return int((time.monotonic() - self._progress) * 1000)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -230,6 +238,8 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {e}")
             return
+        finally:
+            self._progress = time.monotonic()
         self._emit_step(outputs)
         self._flush()  # first tokens out before their prompts' puts into the pool
         try:
@@ -251,6 +261,7 @@ class EngineLoop:
         return not self._requests or time.monotonic() >= self._drain_deadline
 
     def _idle(self, timeout_s: float) -> None:
+        self._progress = time.monotonic()
         self._publish()
         self.port.wait(timeout_s)  # a signal's drain() is noticed after the timeout
 

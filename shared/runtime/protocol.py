@@ -166,6 +166,9 @@ class EngineLoad(msgspec.Struct, tag=True):
     max_num_batched_tokens: int = 0  # the most prompt tokens one step computes
     draining: bool = False
     max_model_len: int = 0
+    # how long the engine has had work without finishing a step (0: it steps, or has
+    # nothing to do): routers stop sending to a stalled instance and move its streams
+    stalled_ms: int = 0
 
     def registry_fields(self) -> dict[str, int]:
         """The load the instance publishes in the registry."""

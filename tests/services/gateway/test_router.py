@@ -224,3 +224,16 @@ def test_offload_never_pushes_a_decode_step_past_the_tpot_budget(registry_prefix
                     Instance("p1", "prefill", "a:1", load={"queued_prefill_tokens": 100_000}),
                     Instance("d1", "decode", "b:1"))
     assert Router(reg3, offload_threshold=1000).offload_target(short) is None
+
+
+def test_a_stalled_instance_is_neither_picked_nor_alive(registry_prefix):
+    """An engine that has had work for stall_timeout_s without finishing a step (its
+    heartbeat's stalled_ms) gets no new request, and its streams are not waited for."""
+    reg = registry(registry_prefix + "-r12",
+                   Instance("d1", "decode", "a:1", load={"stalled_ms": 15_000}),
+                   Instance("d2", "decode", "b:1", load={"stalled_ms": 400, "running": 9}))
+    r = Router(reg, stall_timeout_s=10)
+    assert [i.id for i in r.instances("decode")] == ["d2"]
+    assert r.pick("decode").id == "d2"  # though d1 looks idle
+    assert not r.listed("d1") and r.listed("d2")
+    assert Router(reg, stall_timeout_s=30).listed("d1")  # under a longer timeout: alive

@@ -69,3 +69,22 @@ def test_stopping_fails_every_open_request(qwen3_path):
     driver.stop()
     _, last = s.drain()
     assert last.error is not None and last.error.status is Status.UNAVAILABLE
+
+
+def test_the_load_tells_a_stall(qwen3_path):
+    """stalled_ms: how long the engine has had work without finishing a step (what the
+    heartbeat publishes, so a hung step shows though the heartbeat thread goes on)."""
+    import time
+
+    from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
+
+    engine = EngineCore(EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
+                                     block_size=16))
+    loop = EngineLoop(engine, LocalPort())
+    assert loop.load().stalled_ms == 0  # nothing to do: never stalled
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    loop._progress = time.monotonic() - 12.5  # as if a step had hung that long
+    assert 12_000 <= loop.load().stalled_ms < 20_000
+    assert loop.load().registry_fields()["stalled_ms"] >= 12_000
+    loop._step()  # a step ends: progress again
+    assert loop.load().stalled_ms < 1_000
