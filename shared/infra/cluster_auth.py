@@ -206,7 +206,7 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
         return continuation(_with_token(details, self.token), requests)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # (bounded: forged ids are the writer's to choose)
 def _warned(instance_id: str) -> bool:
     log.warning("registry entry %s is not signed with this mesh's cluster secret: "
                 "ignored (never routed to)", instance_id)
