@@ -169,18 +169,14 @@ class Gateway:
     async def _tokenize(self, text: str, field: str, add_special_tokens: bool = True
                         ) -> list[int] | JSONResponse:
         """``text``'s tokens, on a worker thread; a 400 naming ``field`` for a text that
-        cannot fit max_model_len, told by its length before any tokenizing."""
+        cannot fit max_model_len, told by its length before any tokenizing (``serve``
+        checks the token count)."""
         limit = self.max_text_chars
         if limit is not None and len(text) > limit:
             return error(400, f"{field}: {len(text)} characters are more than "
                               f"max_model_len ({self.state.max_model_len}) tokens can "
                               f"hold", field)
-        tokens = await asyncio.to_thread(self.state.tokenizer.encode, text,
-                                         add_special_tokens)
-        if len(tokens) >= self.state.max_model_len:
-            return error(400, f"{field}: {len(tokens)} tokens leaves no room to generate "
-                              f"within max_model_len ({self.state.max_model_len})", field)
-        return tokens
+        return await asyncio.to_thread(self.state.tokenizer.encode, text, add_special_tokens)
 
     async def serve(self, body: _Base, prompt: list[int], chat: bool, headers: Any
                     ) -> Response:

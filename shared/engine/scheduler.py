@@ -129,7 +129,9 @@ class Scheduler:
         while budget > 0 and (len(self.waiting) if picks is None else picks):
             req = self.waiting.peek() if picks is None else picks[0]
             full = self._seats_taken >= self.max_num_seqs
-            if full and (picks is not None or not self.waiting.outranked(req, self.running)):
+            victims = self.waiting.outranked(req, self.running) if full and picks is None \
+                else None
+            if full and not victims:
                 break
             fresh = req.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(req) if fresh else PrefixHit()
@@ -143,7 +145,8 @@ class Scheduler:
             if full or not self.kv.allocate(req, pooled + n, cached, register=not later):
                 # no seat or no blocks: it may preempt running requests it outranks
                 given_back = (None if picks is not None else
-                              self._preempt_outranked(req, full, pooled + n, cached, out))
+                              self._preempt_outranked(req, full, pooled + n, cached, out,
+                                                      victims))
                 if given_back is None or not self.kv.allocate(req, pooled + n, cached,
                                                               register=not later):
                     break
@@ -244,14 +247,18 @@ class Scheduler:
         return True
 
     def _preempt_outranked(self, req: Request, seat: bool, num_tokens: int,
-                           cached: PrefixHit, out: SchedulerOutput) -> int | None:
+                           cached: PrefixHit, out: SchedulerOutput,
+                           victims: list[Request] | None = None) -> int | None:
         """SGLang's priority preemption: free a seat (``seat``) and the blocks ``req``
         lacks for ``num_tokens`` by preempting the running requests it outranks (the
         policy's ``outranked``), the fewest that suffice. None, preempting nothing, if
-        they do not; else the step's tokens the preempted had been given."""
+        they do not; else the step's tokens the preempted had been given. ``victims``:
+        the policy's answer, when the caller has it already."""
         short = self.kv.shortfall(req, num_tokens, cached)
         chosen: list[Request] = []
-        for victim in self.waiting.outranked(req, self.running):
+        if victims is None:
+            victims = self.waiting.outranked(req, self.running)
+        for victim in victims:
             if not seat and not any(short):
                 break
             chosen.append(victim)

@@ -173,19 +173,8 @@ class _AioCheck(grpc.aio.ServerInterceptor):
 
 # client side: the token added to every call's metadata
 def _with_token(details: Any, token: str) -> Any:
-    metadata = [*(details.metadata or ()), (TOKEN_HEADER, token)]
-    return details._replace(metadata=metadata) if hasattr(details, "_replace") else \
-        _Details(details, metadata)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, base: Any, metadata: list[tuple[str, str]]):
-        self.method = base.method
-        self.timeout = base.timeout
-        self.metadata = metadata
-        self.credentials = base.credentials
-        self.wait_for_ready = getattr(base, "wait_for_ready", None)
-        self.compression = getattr(base, "compression", None)
+    """(grpc hands sync interceptors its call details as a namedtuple)"""
+    return details._replace(metadata=[*(details.metadata or ()), (TOKEN_HEADER, token)])
 
 
 class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
