@@ -95,7 +95,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.engine.abort(msg.abort_request_id)
 
     async def Health(self, request, context):  # noqa: N802
-        await self.engine.refresh()
+        await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role=self.role,
                                          model=self.model_name,
                                          load=load_to_proto(self.engine.load()))

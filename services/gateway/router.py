@@ -144,6 +144,8 @@ class Router:
         self.stall_ms = stall_timeout_s * 1000
         self._cache: list[Instance] = []
         self._at = float("-inf")
+        self._unread = False  # the last refresh could not read redis
+        self._grace_until = float("-inf")
         self._lock = threading.Lock()
         self._rng = random.Random()
         self._refresh_now = threading.Event()
@@ -160,9 +162,16 @@ class Router:
 
     def _refresh(self) -> None:
         found = self.registry.instances(model=self.model)
+        now = time.monotonic()
         with self._lock:
+            if self._unread:  # redis is back, maybe empty (restarted) until every
+                self._unread = False  # instance has heartbeated again: for one TTL the
+                self._grace_until = now + self.registry.ttl_ms / 1000  # last copy helps
+            if now < self._grace_until:
+                ids = {i.id for i in found}
+                found += [i for i in self._cache if i.id not in ids]
             self._cache = found
-            self._at = time.monotonic()
+            self._at = now
 
     def _refresh_loop(self) -> None:
         while True:
@@ -172,6 +181,7 @@ class Router:
                 self._refresh()
             except redis.RedisError as e:  # keep routing on the last copy
                 log.warning("registry refresh failed: %s", e)
+                self._unread = True
 
     def instances(self, role: str) -> list[Instance]:
         if not self._background and time.monotonic() - self._at > self.refresh_s:

@@ -132,7 +132,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                             "pdmesh.bytes": t.get("kv_put_bytes", 0)})
 
     async def Health(self, request, context):  # noqa: N802
-        await self.engine.refresh()
+        await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role="prefill",
                                          model=self.model_name,
                                          load=load_to_proto(self.engine.load()))

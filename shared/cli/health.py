@@ -2,7 +2,9 @@
 
     pdmesh health --service prefill --grpc 127.0.0.1:50200   # Health RPC: serving?
     pdmesh health --http http://127.0.0.1:8000/health         # HTTP 200?
-Exit 0 when healthy, 1 otherwise (with the reason on stderr).
+Exit 0 when healthy, 1 otherwise (with the reason on stderr). An engine is unhealthy
+while draining, and while it has had work without finishing a step for more than
+``--stall-timeout`` seconds (a hung step: a liveness probe restarts it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http", help="URL that must answer 200")
     p.add_argument("--service", choices=sorted(STUBS), default="kvstore")
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="an engine stalled longer than this is unhealthy (0: never)")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -50,4 +54,12 @@ def run(a: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"unhealthy: {a.grpc}: {e.code().name}", file=sys.stderr)
         return 1
-    return 0 if resp.serving else 1
+    if not resp.serving:
+        print(f"unhealthy: {a.grpc}: not serving (starting or draining)", file=sys.stderr)
+        return 1
+    stalled_s = resp.load.stalled_ms / 1000
+    if a.stall_timeout > 0 and stalled_s > a.stall_timeout:
+        print(f"unhealthy: {a.grpc}: stalled for {stalled_s:.1f} s (work, no step done)",
+              file=sys.stderr)
+        return 1
+    return 0

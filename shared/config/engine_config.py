@@ -35,6 +35,8 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     sched = cfg.additional_config.scheduler_config
     if sched.dyntra_lb_config.enabled:
         config = dataclasses.replace(config, dyntra_lb=sched.dyntra_lb_config)
+    if cfg.flags.kv_load_timeout is not None:
+        config = dataclasses.replace(config, kv_load_timeout_s=cfg.flags.kv_load_timeout)
     if sched.recompute_scheduler_enable and cfg.role == "decode":  # (a warning elsewhere)
         config = dataclasses.replace(config, recompute_scheduler=True)
     config.validate()

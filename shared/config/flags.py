@@ -152,6 +152,9 @@ FLAGS: list[Flag] = [
              "decode need one; a mixed instance runs without a pool)", POOLED),
             ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool",
              POOLED),
+            ("--kv-load-timeout", "float", 10.0, "seconds a prompt's read from the KV pool "
+             "may take, plus its size at 256 MiB/s, before it is given up and the prompt "
+             "computed here (0: no limit)", POOLED),
             ("--shutdown-timeout", "float", 30.0, "on SIGTERM, seconds requests in flight "
              "get to finish"),
             ("--tensor-parallel-size", "int", 1, "tensor parallel ranks (1 only, for now)",

@@ -133,6 +133,10 @@ def resolve(config: ServeConfig) -> ServeConfig:
     """What the command will run, with what pdmesh cannot run (yet) refused."""
     f = config.flags
     _at_least(f, "max_queued_requests", 1)
+    timeout = getattr(f, "kv_load_timeout", None)
+    if timeout is not None and not 0 <= timeout < float("inf"):
+        raise ValueError(f"--kv-load-timeout: must be a number of seconds >= 0 (0: no "
+                         f"limit), got {timeout}")
     if config.command == "gateway" or config.command in ("up", "serve"):
         _at_least(f, "prefill_offload_threshold", 0)
         _positive(f, "decode_tpot_slo_ms")

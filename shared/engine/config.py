@@ -65,6 +65,9 @@ class EngineConfig:
     # vLLM-Ascend's recompute scheduler (decode instances): a request that cannot get a
     # KV block finishes as "recomputed" and the gateway continues it elsewhere
     recompute_scheduler: bool = False
+    # Pool instances: a prompt's pool read still running after this many seconds is
+    # given up and the prompt computed here (None or 0: wait for it)
+    kv_load_timeout_s: float | None = 10.0
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
@@ -90,6 +93,9 @@ class EngineConfig:
         if self.short_request_long_max_wait_ms < 0:
             raise ValueError(f"short_request_long_max_wait_ms: must be >= 0, "
                              f"got {self.short_request_long_max_wait_ms}")
+        if self.kv_load_timeout_s is not None and not self.kv_load_timeout_s >= 0:
+            raise ValueError(f"kv_load_timeout_s: must be >= 0 (0: no timeout), got "
+                             f"{self.kv_load_timeout_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(
                 f"max_queued_requests: must be >= 1, got {self.max_queued_requests}")

@@ -108,11 +108,12 @@ class EngineCore:
                 self.kv_fingerprint, save_prompts,
                 windows=[g.window for g in groups], names=[g.name for g in groups])
         self.step_costs = StepCosts()
-        # a decode instance's pool reads run beside its steps, never inside one
+        # pool reads run beside the steps, never inside one
         self.scheduler = Scheduler(self.kv, policy_from_config(config),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector,
-                                   async_kv_load=kv_pool is not None and not save_prompts)
+                                   async_kv_load=kv_pool is not None,
+                                   kv_load_timeout_s=config.kv_load_timeout_s)
         self.scheduler.recompute_elsewhere = config.recompute_scheduler
         self.dyntralb = None
         if config.dyntra_lb is not None and self.ep is not None:

@@ -84,6 +84,7 @@ class Request:
     kv_put_time: tuple[float, float] | None = None  # (start, end) of its pool save
     kv_get_bytes: int = 0  # what its pool load and save moved
     kv_put_bytes: int = 0
+    pool_gave_up: bool = False  # its pool read timed out: it computes its prompt here
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""

@@ -31,6 +31,11 @@ from pdmesh.shared.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
+KV_LOAD_THREADS = 4  # pool reads at once (each a batch of one request's blocks)
+# a read's timeout grows with its size: --kv-load-timeout plus the time it takes at this
+# rate (a slow TCP link; RDMA and HCCS move the same in a small fraction of it)
+KV_LOAD_FLOOR_BYTES_PER_S = 256 << 20
+
 
 @dataclass
 class SchedulerOutput:
@@ -52,17 +57,25 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 connector: PoolConnector | None = None, async_kv_load: bool = False):
-        """``async_kv_load`` (decode instances): a request whose prompt comes from the
-        pool is loaded on a helper thread while the running requests keep stepping; it
-        joins the batch once its blocks are in (a step never waits for a pool read)."""
+                 connector: PoolConnector | None = None, async_kv_load: bool = False,
+                 kv_load_timeout_s: float | None = None):
+        """``async_kv_load``: a request whose prompt comes from the pool is loaded on a
+        helper thread while the running requests keep stepping; it joins the batch once
+        its blocks are in (a step never waits for a pool read). A load still running
+        after ``kv_load_timeout_s`` (plus its bytes at ``KV_LOAD_FLOOR_BYTES_PER_S``) is
+        given up: the request computes its prompt here, in other blocks - the ones the
+        read may still write into are held until it ends."""
         self.kv = kv
         self.connector = connector
         self.async_kv_load = async_kv_load and connector is not None
+        self.kv_load_timeout_s = kv_load_timeout_s or None
         # id(request) -> (request, its load, the tokens it brings, whether it holds a
-        # seat: a DyntraLB prefetch does not until the plan admits it)
-        self.loading: dict[int, tuple[Request, Future, int, bool]] = {}
+        # seat: a DyntraLB prefetch does not until the plan admits it, when it is given
+        # up)
+        self.loading: dict[int, tuple[Request, Future, int, bool, float]] = {}
         self._loader: ThreadPoolExecutor | None = None
+        self._abandoned: list[tuple[Future, list]] = []  # (given-up load, blocks it holds)
+        self.kv_load_timeouts = 0  # since start, for metrics and tests
         self.waiting = policy
         self.running: list[Request] = []
         self.max_num_seqs = max_num_seqs
@@ -97,14 +110,14 @@ class Scheduler:
 
     @property
     def _seats_taken(self) -> int:
-        return len(self.running) + sum(seat for *_, seat in self.loading.values())
+        return len(self.running) + sum(seat for _, _, _, seat, _ in self.loading.values())
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
-        if self.loading:
+        if self.loading or self._abandoned:
             self._finish_loads()
         if self._lb_planned:
             self._apply_lb_plan()
@@ -138,7 +151,8 @@ class Scheduler:
             hit_tokens = cached.num_blocks * self.kv.block_size
             # tokens the KV pool can supply beyond the local hits (loaded, not computed)
             pooled = (self.connector.loadable_tokens(req, hit_tokens)
-                      if fresh and self.connector is not None else 0)
+                      if fresh and self.connector is not None and not req.pool_gave_up
+                      else 0)
             n = min(req.num_tokens - req.num_computed_tokens - hit_tokens - pooled, budget)
             later = bool(pooled) and self.async_kv_load
             # blocks still loading are made findable by prefix only once they are in
@@ -197,17 +211,35 @@ class Scheduler:
             finally:
                 req.kv_get_time = (t0, time.monotonic())
 
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
-        self.loading[id(req)] = (req, self._loader.submit(load), pooled, seated)
+        if self._loader is None:  # a few: one slow read must not hold the others up
+            self._loader = ThreadPoolExecutor(KV_LOAD_THREADS, thread_name_prefix="kv-load")
+        deadline = float("inf")
+        if self.kv_load_timeout_s is not None:
+            nbytes = -(-pooled // self.kv.block_size) * sum(g.value_bytes
+                                                             for g in connector.groups)
+            deadline = (time.monotonic() + self.kv_load_timeout_s
+                        + nbytes / KV_LOAD_FLOOR_BYTES_PER_S)
+        self.loading[id(req)] = (req, self._loader.submit(load), pooled, seated, deadline)
 
     def _finish_loads(self) -> None:
         """Requests whose pool loads are done join the running (in the order they were
         admitted; a prefetch waits in ``ready`` for the plan to admit it); a failed load
         leaves the prompt to compute here, an aborted request's blocks go back now that
-        nothing writes them."""
-        for key, (req, fut, pooled, seated) in list(self.loading.items()):
+        nothing writes them; a load past its timeout is given up."""
+        if self._abandoned:
+            still = []
+            for fut, held in self._abandoned:
+                if fut.done():
+                    self.kv.unpin(held)
+                else:
+                    still.append((fut, held))
+            self._abandoned = still
+        now = time.monotonic()
+        for key, (req, fut, pooled, seated, deadline) in list(self.loading.items()):
             if not fut.done():
+                if now > deadline:
+                    del self.loading[key]
+                    self._give_up_load(req, fut)
                 continue
             del self.loading[key]
             if req.is_finished:  # aborted while loading
@@ -224,6 +256,20 @@ class Scheduler:
                 self._start_running(req)
             else:
                 self.ready.append(req)
+
+    def _give_up_load(self, req: Request, fut: Future) -> None:
+        """The read is still running past its timeout (a peer stopped answering): its
+        blocks stay held until it ends, and the request starts over without the pool."""
+        self.kv_load_timeouts += 1
+        log.warning("request %s: pool read still running after %.1f s; computing the "
+                    "prompt here", req.request_id, self.kv_load_timeout_s)
+        self._abandoned.append((fut, self.kv.pin(req)))
+        self.kv.free(req)
+        if req.is_finished:  # aborted while loading
+            return
+        req.num_computed_tokens = 0
+        req.pool_gave_up = True
+        self.waiting.readd(req)
 
     def _start_running(self, req: Request) -> None:
         """An admitted request joins the running (what it brought counts as cached)."""
@@ -301,6 +347,8 @@ class Scheduler:
         for req in list(self.waiting):
             if req.num_computed_tokens:
                 continue  # its KV is here already
+            if req.pool_gave_up:
+                continue  # its read was given up: a candidate as it is
             if looked >= limit:
                 self._not_ready.add(id(req))
                 continue

@@ -58,6 +58,7 @@ METRIC_NAMES: dict[str, str] = {
     "pdmesh_kv_transfer_seconds": "worker",
     "pdmesh_kv_pool_hits_total": "worker",
     "pdmesh_kv_pool_misses_total": "worker",
+    "pdmesh_kv_load_timeouts_total": "worker",
     "pdmesh_num_preemptions_total": "worker",
     "pdmesh_requests_recomputed_total": "worker",
     "pdmesh_dp_bubble_blocks": "worker (DyntraLB)",
@@ -201,6 +202,9 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
                           stats.hits)
             yield counter("pdmesh_kv_pool_misses", "Blocks looked for in the KV pool and "
                           "not found.", labels, stats.misses)
+            yield counter("pdmesh_kv_load_timeouts", "Pool reads given up after "
+                          "--kv-load-timeout (the prompt was computed here).", labels,
+                          sched.kv_load_timeouts)
         yield counter("pdmesh_num_preemptions", "Requests that gave up their KV blocks "
                       "(recomputed here, or handed back).", labels, sched.preemptions)
         yield counter("pdmesh_requests_recomputed", "Requests the recompute scheduler "

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 512 << 20  # memory this client lends to the pool
 DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
-PROBE_INTERVAL_S = 0.5  # how long a master liveness probe is trusted
+PROBE_INTERVAL_S = 0.2  # how long a master liveness probe is trusted
 PROBE_TIMEOUT_S = 0.3
 
 
@@ -70,9 +70,8 @@ class MooncakePool(KVPool):
             raise PoolUnavailable(f"kv pool: register_buffer failed with {rc}")
         self._registered.add(ptr)
 
-    def _require_master(self) -> None:
-        """Fail fast while the master is down. Mooncake's client would otherwise retry
-        inside each call for a long time, and a caller (an engine step) would hang."""
+    def master_alive(self) -> bool:
+        """Whether the master accepts connections (a probe trusted for half a second)."""
         now = time.monotonic()
         if now - self._probe_at > PROBE_INTERVAL_S:
             host, _, port = self.master_address.rpartition(":")
@@ -82,7 +81,14 @@ class MooncakePool(KVPool):
             except OSError:
                 self._probe_ok = False
             self._probe_at = now
-        if not self._probe_ok:
+        return self._probe_ok
+
+    def _require_master(self) -> None:
+        """Fail fast while the master is down. Mooncake's client would otherwise retry
+        inside each call for a long time, and a caller (an engine step) would hang."""
+        if self._store is None:
+            raise PoolUnavailable("kv pool: this client is closed")
+        if not self.master_alive():
             raise PoolUnavailable(f"kv pool: the Mooncake master at {self.master_address} "
                                   "is down")
 
@@ -92,6 +98,7 @@ class MooncakePool(KVPool):
         self._require_master()
         codes = self._store.batch_is_exist(keys)  # 1 found, 0 not, -1 error
         if any(c < 0 for c in codes):
+            self._probe_at = 0.0  # the next call asks whether the master is there
             raise PoolUnavailable(f"kv pool: lookup failed at the master {self.master_address}")
         found = [c == 1 for c in codes]
         with self._lock:
@@ -115,6 +122,8 @@ class MooncakePool(KVPool):
                 result[i] = code == 0
                 if code != 0:
                     log.warning("kv pool: put %s failed with %d", keys[i], code)
+            if any(c < 0 for c in codes):
+                self._probe_at = 0.0
         return result
 
     def get(self, keys: list[str], regions: list[list[Region]]) -> list[bool]:
@@ -125,6 +134,8 @@ class MooncakePool(KVPool):
             keys, [[addr for addr, _ in regs] for regs in regions],
             [[n for _, n in regs] for regs in regions])
         ok = [code == sum(n for _, n in regs) for code, regs in zip(codes, regions, strict=True)]
+        if any(c < 0 for c in codes):
+            self._probe_at = 0.0
         with self._lock:
             self._hits += sum(ok)
             self._misses += len(ok) - sum(ok)
@@ -139,10 +150,29 @@ class MooncakePool(KVPool):
             return PoolStats(keys=-1, bytes=-1, hits=self._hits, misses=self._misses)
 
     def close(self) -> None:
+        if self._store is None:
+            return
         for ptr in self._registered:
             self._store.unregister_buffer(ptr)
         self._registered.clear()
-        self._store.close()
+        self._probe_at = 0.0  # ask now
+        store, self._store = self._store, None
+        if self.master_alive():
+            store.close()
+        else:
+            _abandon(store)
+
+
+def _abandon(store) -> None:
+    """Keep a client whose master is gone for the life of the process. Closing it - or
+    letting it be destroyed, even at exit - retries the unmount at the dead master for
+    ~20 s with the GIL held: the whole process stops (heartbeats, steps, streams). Kept,
+    it costs its threads and local buffer (~60 MB) and a log line every few seconds."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))  # never destroyed, not at exit
+    log.warning("kv pool: a client of a Mooncake master that is gone is kept (closing it "
+                "would stop this process for ~20 s)")
 
 
 def _preflight(master_address: str, metadata_url: str, timeout_s: float = 3.0) -> None:

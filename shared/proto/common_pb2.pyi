@@ -53,18 +53,20 @@ class TokenLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "free_kv_blocks", "total_kv_blocks", "queued_prefill_tokens")
+    __slots__ = ("running", "waiting", "free_kv_blocks", "total_kv_blocks", "queued_prefill_tokens", "stalled_ms")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_MS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
     queued_prefill_tokens: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    stalled_ms: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., stalled_ms: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -60,7 +60,8 @@ def load_to_proto(load: EngineLoad) -> common_pb2.WorkerLoad:
     return common_pb2.WorkerLoad(running=load.running, waiting=load.waiting,
                                  free_kv_blocks=load.free_kv_blocks,
                                  total_kv_blocks=load.total_kv_blocks,
-                                 queued_prefill_tokens=load.queued_prefill_tokens)
+                                 queued_prefill_tokens=load.queued_prefill_tokens,
+                                 stalled_ms=load.stalled_ms)
 
 
 def submit_from_proto(m: decode_pb2.GenerateRequest | prefill_pb2.PrefillRequest,

@@ -16,7 +16,10 @@ torch.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Protocol
+
+import msgspec
 
 from pdmesh.shared.runtime.loop import LocalPort
 from pdmesh.shared.runtime.protocol import (
@@ -35,6 +38,8 @@ from pdmesh.shared.runtime.protocol import (
     encode,
     refused,
 )
+
+LOAD_FRESH_MS = 1000  # an engine that steps publishes its load every 0.1 s
 
 
 class DeltaSink(Protocol):
@@ -113,6 +118,7 @@ class _ClientCore:
     def __init__(self) -> None:
         self._sinks: dict[str, DeltaSink] = {}
         self._load = EngineLoad()
+        self._load_at = time.monotonic()
         self._load_waiters: list[asyncio.Future[None]] = []
         self._closed = False
 
@@ -125,7 +131,14 @@ class _ClientCore:
         return self._load.max_model_len
 
     def load(self) -> EngineLoad:
-        return self._load
+        """The last load, its stall grown by its age when it showed work: an engine
+        stuck inside a step publishes nothing, and answers no load query."""
+        load = self._load
+        if load.running or load.waiting:
+            age_ms = int((time.monotonic() - self._load_at) * 1000)
+            if age_ms > LOAD_FRESH_MS:
+                return msgspec.structs.replace(load, stalled_ms=load.stalled_ms + age_ms)
+        return load
 
     async def refresh(self, timeout_s: float = 5.0) -> None:
         if self._closed:
@@ -167,6 +180,7 @@ class _ClientCore:
 
     def _on_load(self, load: EngineLoad) -> None:
         self._load = load
+        self._load_at = time.monotonic()
         self._wake_load_waiters()
 
     def _on_closed(self, why: str) -> None:

@@ -84,7 +84,7 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
 
     pool = None
     if role.name != "mixed":
-        pool = connect_pool(cfg.kvstore, host.settings.reach, cfg.pool_segment_mb)
+        pool = connect_pool(cfg, host.settings.reach)
         host.at_close(pool.close)
     engine = EngineCore(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
     eplb = _rank_eplb(cfg, role.name, engine)
@@ -169,22 +169,75 @@ def _rank_eplb(a: ServeConfig, role: str, engine):
                     record_path=config.expert_map_record_path)
 
 
-def connect_pool(kvstore: str | None, host: str, segment_mb: int) -> KVPool:
-    """Ask the kvstore where its Mooncake master is, then join the pool."""
-    import grpc
-
+def connect_pool(cfg: ServeConfig, host: str) -> KVPool:
+    """Ask the kvstore where its Mooncake master is, join the pool, and follow the
+    master should it come back elsewhere (the kvstore at ``--kvstore``, or any kvstore
+    the registry lists, says where)."""
+    from pdmesh.shared.kvpool.following import FollowingPool
     from pdmesh.shared.kvpool.mooncake import MooncakePool
-    from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
 
-    if not kvstore:
+    if not cfg.kvstore:
         raise ValueError("--kvstore: prefill and decode instances need the kvstore's "
                          "address")
-    from pdmesh.shared.infra import cluster_auth
+    resolve = MasterFinder(cfg.kvstore, cfg.redis_url, cfg.registry_prefix)
+    first = resolve()
+    if first is None:
+        raise ConnectionError(f"--kvstore: no kvstore answers at {cfg.kvstore} (nor any "
+                              "the registry lists)")
 
-    stub = kvstore_pb2_grpc.KVStoreStub(cluster_auth.channel(kvstore))
-    try:
-        stats = stub.Stats(kvstore_pb2.StatsRequest(), timeout=10)
-    except grpc.RpcError as e:
-        raise ConnectionError(f"kvstore: no answer from {kvstore} ({e.code().name})") from e
-    return MooncakePool(stats.master_address, stats.metadata_url, local_hostname=host,
-                        segment_bytes=segment_mb << 20)
+    def connect(master: tuple[str, str]) -> KVPool:
+        return MooncakePool(*master, local_hostname=host,
+                            segment_bytes=cfg.pool_segment_mb << 20)
+
+    return FollowingPool(connect(first), connect, resolve)
+
+
+class MasterFinder:
+    """Where the Mooncake master is now: the Stats of the kvstore at ``address``, else
+    of the kvstores in the registry (the most recently heard first)."""
+
+    def __init__(self, address: str, redis_url: str, prefix: str, timeout_s: float = 2.0):
+        self.address = address
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self._registry = None
+
+    def __call__(self) -> tuple[str, str] | None:
+        for address in [self.address, *self._registered()]:
+            found = self._ask(address)
+            if found is not None:
+                return found
+        return None
+
+    def _registered(self) -> list[str]:
+        from pdmesh.shared.infra.registry import Registry
+
+        try:
+            if self._registry is None:
+                self._registry = Registry(self.redis_url, self.prefix)
+            stores = self._registry.instances(role="kvstore")
+        except Exception as e:  # noqa: BLE001 (no registry: only the flag's address)
+            log.debug("kvstore lookup in the registry failed: %s", e)
+            return []
+        stores.sort(key=lambda i: -i.heartbeat)
+        return [i.address for i in stores if i.address != self.address and not i.draining]
+
+    def _ask(self, address: str) -> tuple[str, str] | None:
+        import grpc
+
+        from pdmesh.shared.infra import cluster_auth
+        from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
+
+        channel = cluster_auth.channel(address)
+        try:
+            stats = kvstore_pb2_grpc.KVStoreStub(channel).Stats(
+                kvstore_pb2.StatsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            log.debug("kvstore %s: no answer (%s)", address, e.code().name)
+            return None
+        finally:
+            channel.close()
+        if not stats.master_address:
+            return None
+        return stats.master_address, stats.metadata_url

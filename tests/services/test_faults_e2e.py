@@ -1,7 +1,8 @@
 """Faults under load: a mesh of real processes on loopback (its own redis, kvstore with
 its Mooncake master, one prefill, two decodes, the gateway) serves a steady stream of
 concurrent streaming requests while, one after another, redis restarts, the kvstore is
-killed and started again on its ports, a decode instance is killed, another stops dead
+killed and started again on its ports, then again on other ports (the engines find
+it through the registry and fill the new pool), a decode instance is killed, another stops dead
 for a while (SIGSTOP, then SIGCONT), and the prefill instance is killed. Every answer
 must be the offline engine's exact greedy text or a clear error (never a wrong or
 silently shortened text, never a hang), and after each fault the mesh must serve again
@@ -11,46 +12,28 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
 from pdmesh.shared.cli.up import sticky_ports
 from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from tests.mesh import MODEL, pd_mesh
+from tests.processes import free_port, start_redis
 
 TOKENS = 24
 RECOVERY_S = 45  # after each fault, a request succeeds again within this
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _redis(logs: Path, port: int) -> subprocess.Popen:
-    log = logs / f"redis-{time.monotonic_ns()}.log"
-    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port),
-                             "--save", "", "--appendonly", "no", "--dir", str(logs)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    deadline = time.monotonic() + 10
-    while b"Ready to accept connections" not in log.read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
-    return proc
-
-
 @pytest.fixture
 def mesh(qwen3_path, tmp_path, registry_prefix):
-    port = _free_port()
-    redis_procs = [_redis(tmp_path, port)]  # the fault restarts it: appended here
+    port = free_port()
+    redis_procs = [start_redis(tmp_path, port)]  # the fault restarts it: appended here
     try:
         with pd_mesh(qwen3_path, tmp_path, f"{registry_prefix}-faults", decodes=2,
                      everywhere=["--redis-url", f"redis://127.0.0.1:{port}/0"]) as services:
@@ -70,6 +53,9 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
                            max_retries=0, timeout=120)
     results: list[tuple[int, str, str | None, float]] = []  # (prompt, text, reason, s)
     stop = threading.Event()
+    phase = ["before"]  # the fault last injected
+    errors: dict[str, int] = {}
+    samples: dict[str, str] = {}  # the first error of each phase, for the log
 
     def one(i: int) -> tuple[bool, str]:
         t0 = time.monotonic()
@@ -85,6 +71,8 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
         except (openai.APIError, openai.APIConnectionError) as e:
             results.append((i, f"ERROR {type(e).__name__}: {e}", "error",
                             time.monotonic() - t0))
+            errors[phase[0]] = errors.get(phase[0], 0) + 1
+            samples.setdefault(phase[0], str(e)[:200])
             time.sleep(0.5)  # as a client would, before it tries again
             return False, str(e)
 
@@ -108,7 +96,7 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
         old.kill()
         old.wait()
         time.sleep(2)  # services keep serving on the gateway's last copy meanwhile
-        mesh["redis"].append(_redis(mesh["logs"], mesh["redis_port"]))
+        mesh["redis"].append(start_redis(mesh["logs"], mesh["redis_port"]))
 
     def restart_kvstore() -> None:
         kv = mesh["kvstore"]
@@ -116,6 +104,19 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
         os.killpg(kv.proc.pid, signal.SIGKILL)
         kv.proc.wait(10)
         kv.respawn(ports)
+
+    def move_kvstore() -> None:
+        """Back on other ports: the engines find it through the registry."""
+        kv = mesh["kvstore"]
+        old = kv.address
+        os.killpg(kv.proc.pid, signal.SIGKILL)
+        kv.proc.wait(10)
+        kv.respawn({"--port": "0", "--master-port": "0", "--metadata-port": "0"})
+        assert kv.address != old
+
+    def pool_keys() -> int:
+        stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(mesh["kvstore"].address))
+        return stub.Stats(kvstore_pb2.StatsRequest(), timeout=10).keys
 
     def kill_decode() -> None:
         os.killpg(mesh["decodes"][0].proc.pid, signal.SIGKILL)
@@ -136,11 +137,19 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
             time.sleep(3)
             for name, fault in (("redis restart", restart_redis),
                                 ("kvstore restart", restart_kvstore),
+                                ("kvstore moved", move_kvstore),
                                 ("decode SIGKILL", kill_decode),
                                 ("decode SIGSTOP 15 s", stop_decode),
                                 ("prefill SIGKILL", kill_prefill)):
+                phase[0] = name
                 fault()
                 recovered[name] = serves_again(name)
+                if name.startswith("kvstore"):  # and the engines use the pool again
+                    t0 = time.monotonic()
+                    while pool_keys() <= 0:
+                        assert time.monotonic() - t0 < RECOVERY_S, f"pool unused: {name}"
+                        one(len(prompts) - 1)
+                    recovered[f"{name}: pool in use"] = time.monotonic() - t0
             time.sleep(2)
         finally:
             stop.set()
@@ -150,7 +159,8 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
              if reason != "error" and text != expected[i]]
     ok = [r for r in results if r[2] != "error"]
     print(f"{len(results)} requests, {len(ok)} served exactly, "
-          f"{len(results) - len(ok)} clear errors; recovery: {recovered}")
+          f"{len(results) - len(ok)} clear errors {errors}; recovery: {recovered}; "
+          f"first errors: {samples}")
     assert wrong == []  # no wrong and no silently shortened answer
     assert all(reason == "length" for _, _, reason, _ in ok)
     assert max(t for *_, t in results) < 120  # nothing hung

@@ -237,3 +237,41 @@ def test_a_stalled_instance_is_neither_picked_nor_alive(registry_prefix):
     assert r.pick("decode").id == "d2"  # though d1 looks idle
     assert not r.listed("d1") and r.listed("d2")
     assert Router(reg, stall_timeout_s=30).listed("d1")  # under a longer timeout: alive
+
+
+def test_a_restarted_redis_does_not_empty_the_routes(tmp_path):
+    """Redis restarts empty: until every instance has heartbeated again (one TTL) the
+    router keeps what it last saw beside what redis has; past that, an instance that
+    never came back is gone."""
+    import time
+
+    from tests.processes import free_port, start_redis
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    procs = [start_redis(tmp_path, port)]
+    try:
+        reg = Registry(url, prefix="grace", ttl_s=1.5)
+        for inst in (Instance("d1", "decode", "c:1"), Instance("p1", "prefill", "a:1")):
+            reg.put(inst)
+        r = Router(reg, refresh_s=0.05)
+        r.start()
+        assert r.pick("decode").id == "d1"
+        procs[0].kill()
+        procs[0].wait()
+        time.sleep(0.3)  # refreshes fail: the last copy routes
+        assert r.pick("decode").id == "d1" and r.pick("prefill").id == "p1"
+        procs.append(start_redis(tmp_path, port))
+        reg.put(Instance("p1", "prefill", "a:1"))  # p1 heartbeats again; d1 never does
+        time.sleep(0.3)  # refreshes read the new, nearly empty redis
+        assert r.pick("decode").id == "d1" and r.pick("prefill").id == "p1"
+        deadline = time.monotonic() + 5
+        while r.pick("decode") is not None:
+            assert time.monotonic() < deadline, "an instance that never came back stays"
+            reg.put(Instance("p1", "prefill", "a:1"))
+            time.sleep(0.1)
+        assert r.pick("prefill").id == "p1"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

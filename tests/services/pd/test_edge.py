@@ -149,3 +149,57 @@ def test_the_edge_on_a_thread_serves_the_same(qwen3_path, tmp_path, registry_pre
         svc.stop()
         if extra:
             kv.stop()
+
+
+def test_a_hung_engine_is_reported_stalled_by_its_edge(mixed):
+    """The engine process stops inside its work (SIGSTOP to it alone; its edge answers
+    on): the Health RPC reports the stall growing, `pdmesh health` calls it unhealthy
+    past --stall-timeout, and both recover once the engine steps again."""
+    import subprocess
+    import sys
+    import threading
+
+    stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(mixed.address))
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True))
+    stream = OneRequest(stub, decode_pb2.GenerateRequest(request_id="long", sampling=sp,
+                                                         prompt_token_ids=[5, 6, 7, 8]),
+                        timeout=120)
+    tokens: list[int] = []
+    first = threading.Event()
+
+    def consume() -> None:
+        try:
+            for chunk in stream:
+                tokens.extend(chunk.token_ids)
+                first.set()
+        except grpc.RpcError as e:  # cancelled at the end
+            assert e.code() == grpc.StatusCode.CANCELLED
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    assert first.wait(60)
+
+    def probe() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdmesh", "health", "--service", "mixed",
+                               "--grpc", mixed.address, "--stall-timeout", "1.5"],
+                              capture_output=True, text=True, timeout=60)
+
+    assert probe().returncode == 0
+    os.kill(mixed.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)
+        health = stub.Health(common_pb2.HealthRequest(), timeout=10)
+        assert health.load.stalled_ms >= 2000 and health.load.running == 1
+        unhealthy = probe()
+        assert unhealthy.returncode == 1 and "stalled for" in unhealthy.stderr
+    finally:
+        os.kill(mixed.proc.pid, signal.SIGCONT)
+    n = len(tokens)
+    deadline = time.monotonic() + 30
+    while len(tokens) <= n:  # it steps again
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert stub.Health(common_pb2.HealthRequest(), timeout=10).load.stalled_ms < 1500
+    assert probe().returncode == 0
+    stream.cancel()
+    reader.join(10)

@@ -96,7 +96,7 @@ def test_what_config_check_accepts_the_service_runs(qwen3_path):
     assert check.returncode == 0, check.stderr
     service = run("decode", str(qwen3_path), "--kvstore", "127.0.0.1:1", "--device", "cpu",
                   *flags)
-    assert service.returncode == 2 and "kvstore: no answer from 127.0.0.1:1" in service.stderr
+    assert service.returncode == 2 and "no kvstore answers at 127.0.0.1:1" in service.stderr
     for flag in ("--speculative-config", "--no-disable-hybrid-kv-cache-manager"):
         assert flag in check.stderr and flag in service.stderr
 

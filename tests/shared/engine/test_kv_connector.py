@@ -155,6 +155,9 @@ def test_decode_steps_never_wait_for_a_pool_read(qwen3_path, expected):
         outs = decode.step()
         assert [o.request for o in outs] == [a]
     assert len(a.output_token_ids) == before + 3 and b.num_computed_tokens < len(PROMPTS[2])
+    deadline = time.monotonic() + 10  # (the read starts on a helper thread)
+    while pool.reads < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert pool.reads == 2 and decode.scheduler.loading
     pool.gate.set()
     run(decode, [a, b])
@@ -174,6 +177,51 @@ def test_decode_steps_never_wait_for_a_pool_read(qwen3_path, expected):
     d = decode.add_request(PROMPTS[1], params, output_token_ids=pre[1].output_token_ids)
     run(decode, [d])
     assert d.output_token_ids == expected[1]
+
+
+def test_a_pool_read_past_its_timeout_is_given_up(qwen3_path, expected):
+    """A read that hangs (a peer stopped answering) is given up after the timeout: the
+    request computes its prompt here in other blocks, while the blocks the read may
+    still write stay out of use until it ends; nothing leaks, the text is the same."""
+    pool = GatedPool()
+    config = EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
+                          block_size=16, kv_load_timeout_s=0.3)
+    prefill = engine(qwen3_path, pool, True)
+    decode = EngineCore(config, kv_pool=pool, save_prompts=False)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    pre = [prefill.add_request(p, first) for p in PROMPTS[:3]]
+    run(prefill, pre)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    b = decode.add_request(PROMPTS[2], params, output_token_ids=pre[2].output_token_ids)
+    decode.step()
+    deadline = time.monotonic() + 10  # (the read starts on a helper thread)
+    while pool.reads < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decode.scheduler.loading and pool.reads == 1
+    deadline = time.monotonic() + 10
+    while decode.scheduler.kv_load_timeouts == 0:
+        assert time.monotonic() < deadline
+        decode.step()
+    assert not decode.scheduler.loading and b.pool_gave_up
+    while len(b.output_token_ids) < 4:  # it computes its prompt and decodes meanwhile
+        decode.step()
+    held = decode.kv.num_blocks - decode.kv.num_free_blocks
+    assert held > decode.kv.blocks_for(b.num_tokens)  # the read's blocks, still held
+    pool.gate.set()  # the read ends, writing into the blocks nobody uses
+    # aborted after its read was given up: nothing leaks either
+    pool.gate.clear()
+    c = decode.add_request(PROMPTS[1], params, output_token_ids=pre[1].output_token_ids)
+    while decode.scheduler.kv_load_timeouts < 2:
+        decode.step()
+    decode.abort(c.request_id)
+    pool.gate.set()
+    while decode.has_unfinished():
+        decode.step()
+    time.sleep(0.2)  # the given-up reads end; their blocks come back at the next step
+    decode.step()
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks
+    assert b.output_token_ids == expected[2] and b.num_cached_tokens == 0  # computed
+    assert c.is_finished and pool.reads == 2
 
 
 class GatedPutPool(InProcessPool):

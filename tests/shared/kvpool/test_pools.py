@@ -187,3 +187,62 @@ def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+
+
+def test_following_pool_moves_to_a_master_that_came_back_elsewhere(tmp_path):
+    """The master goes away and a new one starts on other ports: calls fail fast while
+    it is away, then the pool joins the new master, registers the cache memory there,
+    and a block it puts is read by another client of the new master."""
+    from pdmesh.shared.kvpool.following import FollowingPool
+    from pdmesh.shared.kvpool.master import MasterPorts
+    from pdmesh.shared.kvpool.mooncake import PoolUnavailable
+
+    def start(name: str) -> MasterSupervisor:
+        sup = MasterSupervisor(MasterPorts("127.0.0.1", free_port(), free_port(),
+                                           free_port()), log_path=str(tmp_path / name))
+        sup.start()
+        return sup
+
+    def connect(master: tuple[str, str]) -> MooncakePool:
+        return MooncakePool(*master, segment_bytes=32 << 20, local_buffer_bytes=16 << 20)
+
+    first = start("a.log")
+    where: list[tuple[str, str] | None] = [(first.ports.master_address,
+                                            first.ports.metadata_url)]
+    pool = FollowingPool(connect(where[0]), connect, lambda: where[0], interval_s=0.2)
+    second = reader = None
+    try:
+        src = CacheRegions(caches(3))
+        for t in src.tensors:
+            pool.register(t)
+        assert pool.put(["before"], [src.regions(0)]) == [True]
+        assert not pool.follow()  # its master answers: nothing to do
+        first.stop()
+        where[0] = None  # nobody knows yet
+        time.sleep(0.6)
+        t0 = time.monotonic()
+        with pytest.raises(PoolUnavailable):
+            pool.exists(["before"])
+        assert time.monotonic() - t0 < 2  # fails fast: the engine recomputes
+        second = start("b.log")
+        where[0] = (second.ports.master_address, second.ports.metadata_url)
+        deadline = time.monotonic() + 20
+        while pool.moves == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.moves == 1 and pool.master_address == second.ports.master_address
+        assert pool.put(["after"], [src.regions(2)]) == [True]
+        reader = connect(where[0])
+        dst = CacheRegions(caches(None))
+        for t in dst.tensors:
+            reader.register(t)
+        assert reader.exists(["before", "after"]) == [False, True]
+        assert reader.get(["after"], [dst.regions(5)]) == [True]
+        for s, d in zip(src.tensors, dst.tensors, strict=True):
+            assert torch.equal(s[2], d[5])
+    finally:
+        if reader is not None:
+            reader.close()
+        pool.close()
+        for sup in (first, second):
+            if sup is not None:
+                sup.stop()
