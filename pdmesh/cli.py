@@ -218,10 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     secret_file = getattr(config, "cluster_secret_file", None)
     if secret_file:  # the whole process (and its children) use it
         os.environ["PDMESH_CLUSTER_SECRET_FILE"] = secret_file
+    tls_dir = getattr(config, "tls_dir", None)
+    if tls_dir:
+        os.environ["PDMESH_TLS_DIR"] = tls_dir
     try:
-        from pdmesh.shared.infra import cluster_auth
+        from pdmesh.shared.infra import cluster_auth, tls
 
         cluster_auth.secret()  # a bad secret stops the service before it serves
+        tls.files()  # as do missing certificates
         return importlib.import_module(command.module).run(config)
     except (ValueError, FileNotFoundError, ConnectionError) as e:
         for problem in _problems(e):

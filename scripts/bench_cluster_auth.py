@@ -1,10 +1,12 @@
-"""What the cluster secret costs: `pdmesh up` with and without PDMESH_CLUSTER_SECRET
-(every internal gRPC call carrying and checking the token, every registry entry signed
-and verified), `pdmesh bench serve` at concurrency 1 and at rate inf against each, in
-ABBA order in one run (the machine is shared and noisy).
+"""What locking the mesh down costs: `pdmesh up` plain ("off"), with a cluster secret
+("secret": every internal gRPC call carrying and checking the token, every registry entry
+signed and verified) and with the secret and mutual TLS on every internal gRPC
+connection ("mtls", as compose and the k8s manifests run it); `pdmesh bench serve` at
+concurrency 1 and at rate inf against each, the arms in A B C C B A order per round in
+one run (the machine is shared and noisy).
 
     .venv/bin/python scripts/bench_cluster_auth.py --model /tmp/bench/qwen3 \\
-        [--rounds 2] [--out auth.json]
+        [--rounds 1] [--arms off,secret,mtls] [--out auth.json]
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ from bench_scenarios import start_pdmesh, stop  # (this folder: run as a script)
 SECRET = "bench-cluster-secret-0123456789abcdef"
 LOADS = {"conc1": ["--max-concurrency", "1", "--num-prompts", "24"],
          "rate-inf": ["--num-prompts", "96"]}
+ARMS = ("off", "secret", "mtls")
 
 
-def up(model: str, secret: bool, logs: str) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_CLUSTER")}
-    if secret:
+def up(model: str, arm: str, logs: str) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PDMESH_CLUSTER", "PDMESH_TLS"))}
+    if arm in ("secret", "mtls"):
         env["PDMESH_CLUSTER_SECRET"] = SECRET
+    if arm == "mtls":
+        from pdmesh.shared.infra import tls
+
+        folder = Path(logs) / "tls"
+        tls.write(folder)
+        env["PDMESH_TLS_DIR"] = str(folder)
     return start_pdmesh("up", model, Path(logs), env)
 
 
@@ -44,39 +54,44 @@ def bench(url: str, model: str, load: list[str], out: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--rounds", type=int, default=2, help="ABBA blocks")
+    p.add_argument("--rounds", type=int, default=1, help="A B C C B A blocks")
+    p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    results: dict[str, dict[str, list[dict]]] = {"off": {}, "on": {}}
+    arms = a.arms.split(",")
+    if not arms or set(arms) - set(ARMS):
+        p.error(f"--arms: some of {', '.join(ARMS)}")
+    results: dict[str, dict[str, list[dict]]] = {arm: {} for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for mode in (("off", "on", "on", "off") if r % 2 == 0 else ("on", "off", "off", "on")):
-                proc, url = up(a.model, mode == "on", tmp)
+            for arm in (arms + arms[::-1]):
+                proc, url = up(a.model, arm, tmp)
                 try:
                     for name, load in LOADS.items():
                         got = bench(url, a.model, load, os.path.join(tmp, "b.json"))
                         if got["failed"]:
-                            raise RuntimeError(f"{mode} {name}: {got['errors']}")
-                        results[mode].setdefault(name, []).append(got)
-                        print(f"round {r} {mode:3s} {name:8s} "
+                            raise RuntimeError(f"{arm} {name}: {got['errors']}")
+                        results[arm].setdefault(name, []).append(got)
+                        print(f"round {r} {arm:6s} {name:8s} "
                               f"{got['output_tok_s']:8.1f} tok/s  TPOT p50 "
                               f"{got['tpot_ms_median']:6.2f} ms  TTFT p50 "
                               f"{got['ttft_ms_median']:7.1f} ms", flush=True)
                 finally:
                     stop(proc)
-    summary = {}
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    base = arms[0]
     for name in LOADS:
-        off = [x["output_tok_s"] for x in results["off"][name]]
-        on = [x["output_tok_s"] for x in results["on"][name]]
-        summary[name] = {"off_tok_s": statistics.median(off), "on_tok_s": statistics.median(on),
-                         "ratio": statistics.median(on) / statistics.median(off),
-                         "off_tpot_ms": statistics.median(
-                             x["tpot_ms_median"] for x in results["off"][name]),
-                         "on_tpot_ms": statistics.median(
-                             x["tpot_ms_median"] for x in results["on"][name])}
-        print(f"{name:8s} off {summary[name]['off_tok_s']:8.1f}  on "
-              f"{summary[name]['on_tok_s']:8.1f} tok/s  ({summary[name]['ratio']:.3f}x)  "
-              f"TPOT {summary[name]['off_tpot_ms']:.2f} -> {summary[name]['on_tpot_ms']:.2f} ms")
+        for arm in arms:
+            runs = results[arm][name]
+            tok_s = statistics.median(x["output_tok_s"] for x in runs)
+            summary.setdefault(name, {})[arm] = {
+                "tok_s": tok_s, "tpot_ms": statistics.median(x["tpot_ms_median"] for x in runs),
+                "ttft_ms": statistics.median(x["ttft_ms_median"] for x in runs)}
+        for arm in arms:
+            row = summary[name][arm]
+            row["ratio"] = row["tok_s"] / summary[name][base]["tok_s"]
+            print(f"{name:8s} {arm:6s} {row['tok_s']:8.1f} tok/s ({row['ratio']:.3f}x {base})  "
+                  f"TPOT p50 {row['tpot_ms']:.2f} ms  TTFT p50 {row['ttft_ms']:.1f} ms")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"summary": summary, "runs": results}, f, indent=2)

@@ -20,7 +20,7 @@ import grpc
 
 from pdmesh.services.gateway.errors import CallFailed
 from pdmesh.shared.engine.sampling_params import SamplingParams
-from pdmesh.shared.infra import cluster_auth
+from pdmesh.shared.infra import cluster_auth, tls
 from pdmesh.shared.infra.registry import Instance
 from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdmesh.shared.proto.convert import delta_from_chunk, logprobs_from_proto, sampling_to_proto
@@ -92,7 +92,7 @@ class GrpcClients:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = tls.aio_channel(address)
         return ch
 
     def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillCall:

@@ -2,6 +2,8 @@
 
     pdmesh cluster-secret /run/pdmesh/cluster-secret      # a file (docker compose's volume)
     pdmesh cluster-secret --k8s-secret pdmesh-cluster-secret   # a Kubernetes Secret
+    ... --tls     also the mesh's CA, certificate and key (ca.pem, cert.pem, key.pem)
+                  beside the file, or in the same Secret: mutual TLS (shared/infra/tls.py)
 
 Either way a secret that is already there is kept (every service already started reads
 it); a new one is 32 random bytes, hex. In Kubernetes the command runs in a Job whose
@@ -32,6 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help="default: the pod's own")
     p.add_argument("--k8s-api", default="https://kubernetes.default.svc",
                    help="the Kubernetes API (in-cluster default)")
+    p.add_argument("--tls", action="store_true",
+                   help="also make the mesh's TLS certificates (ca.pem, cert.pem, key.pem)")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -40,8 +44,14 @@ def run(a: argparse.Namespace) -> int:
     if a.path:
         made = write_file(Path(a.path))
         print(f"cluster secret {'written to' if made else 'kept in'} {a.path}")
+        if a.tls:
+            from pdmesh.shared.infra import tls
+
+            folder = Path(a.path).parent
+            made = tls.write(folder)
+            print(f"TLS certificates {'written to' if made else 'kept in'} {folder}")
         return 0
-    made = create_k8s_secret(a.k8s_secret, a.namespace, a.k8s_api)
+    made = create_k8s_secret(a.k8s_secret, a.namespace, a.k8s_api, with_tls=a.tls)
     print(f"Kubernetes Secret {a.k8s_secret} {'created' if made else 'already there: kept'}")
     return 0
 
@@ -61,13 +71,20 @@ def write_file(path: Path) -> bool:
     return True
 
 
-def create_k8s_secret(name: str, namespace: str | None, api: str) -> bool:
+def create_k8s_secret(name: str, namespace: str | None, api: str,
+                      with_tls: bool = False) -> bool:
     """Create the Secret unless it exists; True if created. ConnectionError on an API
     that refuses (naming its answer)."""
     namespace = namespace or (SA / "namespace").read_text().strip()
+    data = {KEY: new_secret().encode()}
+    if with_tls:
+        from pdmesh.shared.infra import tls
+
+        made = tls.make()
+        data.update(zip(tls.FILES, (made.ca, made.cert, made.key), strict=True))
     body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "pdmesh"}},
-            "data": {KEY: base64.b64encode(new_secret().encode()).decode()}}
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
     headers = {"Content-Type": "application/json"}
     token = SA / "token"
     if token.is_file():

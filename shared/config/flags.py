@@ -92,7 +92,10 @@ FLAGS: list[Flag] = [
              {"choices": ("text", "json")}),
             ("--cluster-secret-file", "str", None, "the mesh's shared secret (a file; or "
              "PDMESH_CLUSTER_SECRET): internal gRPC calls must carry its token and registry "
-             "entries its signature (default: none, for one box on loopback)")),
+             "entries its signature (default: none, for one box on loopback)"),
+            ("--tls-dir", "str", None, "mutual TLS on internal gRPC: a folder with ca.pem, "
+             "cert.pem and key.pem (pdmesh cluster-secret --tls makes them; or "
+             "PDMESH_TLS_DIR; default: plain text, for one box on loopback)")),
     # -- the model ----------------------------------------------------------------------
     Flag("--model", "str", MODEL_COMMANDS, None, "the model folder (or first positional "
          "argument, as `vllm serve MODEL`)", aliases=("--model-path",)),

@@ -102,7 +102,9 @@ def aio_server_interceptors() -> list[Any]:
 
 def channel(address: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
     """A sync channel to an internal service, carrying the call token."""
-    ch = grpc.insecure_channel(address, options=options)
+    from pdmesh.shared.infra import tls
+
+    ch = tls.channel(address, options=options)
     token = call_token()
     return ch if token is None else grpc.intercept_channel(ch, _SyncToken(token))
 

@@ -102,13 +102,13 @@ async def _serve(config: EdgeConfig, add_servicer: AddServicer) -> int:
     sock = socket.socket(fileno=config.fd)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     client = RemoteEngineClient(reader, writer)
-    from pdmesh.shared.infra import cluster_auth
+    from pdmesh.shared.infra import cluster_auth, tls
 
     server = grpc.aio.server(interceptors=cluster_auth.aio_server_interceptors())
     add_servicer(server, client, config)
     host = f"[{config.host}]" if ":" in config.host else config.host
     try:
-        port = server.add_insecure_port(f"{host}:{config.port}")
+        port = tls.add_port(server, f"{host}:{config.port}")
     except RuntimeError as e:  # the engine process reports it (and exits with it)
         writer.write(encode(EdgeFailed(f"--port: cannot listen on {config.host}:"
                                        f"{config.port} ({e})")))

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.shared.infra import tls
 from pdmesh.shared.infra.registry import Heartbeat, Instance, Registry
 from pdmesh.shared.infra.signals import SignalStop
 
@@ -92,7 +93,7 @@ class ServiceHost:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                              interceptors=cluster_auth.server_interceptors())
         add(server)
-        self.port = self._bind(server.add_insecure_port)
+        self.port = self._bind(lambda address: tls.add_port(server, address))
         server.start()
         self._closers.append(lambda: server.stop(grace=2).wait())
         return self.port
@@ -112,7 +113,7 @@ class ServiceHost:
             server = grpc.aio.server(options=options,
                                      interceptors=cluster_auth.aio_server_interceptors())
             add(server, aio)
-            port = self._bind(server.add_insecure_port)
+            port = self._bind(lambda address: tls.add_port(server, address))
             await server.start()
             return server, port
 

@@ -54,12 +54,13 @@ def test_compose_is_valid_and_complete():
         assert "cluster-secret:/run/pdmesh:ro" in volumes
         assert svc["environment"]["PDMESH_CLUSTER_SECRET_FILE"] == "/run/pdmesh/cluster-secret"
         assert svc["environment"]["PDMESH_REDIS_PASSWORD_FILE"] == "/run/pdmesh/cluster-secret"
+        assert svc["environment"]["PDMESH_TLS_DIR"] == "/run/pdmesh"  # mutual TLS
         for dep_name, dep in svc.get("depends_on", {}).items():
             assert dep["condition"] == ("service_completed_successfully"
                                         if dep_name == "cluster-secret" else "service_healthy")
     maker = services["cluster-secret"]
     parses(maker["command"])
-    assert maker["command"][1] == "/run/pdmesh/cluster-secret"
+    assert maker["command"][1:] == ["/run/pdmesh/cluster-secret", "--tls"]
     assert maker["volumes"] == ["cluster-secret:/run/pdmesh:rw"]  # it alone writes it
     assert maker["restart"] == "no"
     first = {n for n, s in services.items() if "redis" in s.get("depends_on", {})}
@@ -182,7 +183,9 @@ def test_k8s_cluster_secret_is_on_with_no_user_step():
     assert "--requirepass" in redis_cmd["command"][-1]
     job = by[("Job", "pdmesh-cluster-secret")]["spec"]["template"]["spec"]
     parses(job["containers"][0]["args"])
-    assert job["containers"][0]["args"][-1] == "pdmesh-cluster-secret"
+    args = job["containers"][0]["args"]
+    assert args[args.index("--k8s-secret") + 1] == "pdmesh-cluster-secret"
+    assert "--tls" in args and flags["PDMESH_TLS_DIR"] == "/run/pdmesh"  # mutual TLS
     assert job["serviceAccountName"] == "pdmesh-cluster-secret"
     assert by[("Role", "pdmesh-cluster-secret")]["rules"] == [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]

@@ -58,3 +58,33 @@ def test_a_k8s_secret_is_created_once(api):
     assert create_k8s_secret("pdmesh-cluster-secret", "mesh", api) is False  # 409: kept
     assert base64.b64decode(_Api.secrets["pdmesh-cluster-secret"]["data"][KEY]).decode() \
         == value
+
+
+def test_with_tls_the_secret_holds_a_ca_and_the_mesh_certificate(api, tmp_path, monkeypatch):
+    """--tls: ca.pem, cert.pem, key.pem in the same Secret; written out as the pod's
+    mount would show them, they are what the services load, and the certificate is the
+    CA's, for the mesh's name, for servers and clients."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from pdmesh.shared.infra import tls
+
+    assert create_k8s_secret("with-tls", "mesh", api, with_tls=True) is True
+    data = {k: base64.b64decode(v) for k, v in _Api.secrets["with-tls"]["data"].items()}
+    assert set(data) == {KEY, *tls.FILES}
+    for name in tls.FILES:
+        (tmp_path / name).write_bytes(data[name])
+    monkeypatch.setenv(tls.TLS_DIR_ENV, str(tmp_path))
+    loaded = tls.files()
+    ca = x509.load_pem_x509_certificate(loaded.ca)
+    cert = x509.load_pem_x509_certificate(loaded.cert)
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == [tls.SERVER_NAME]
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
+    # a folder made by the file path way is kept as it is on the next run
+    assert tls.write(tmp_path / "run") is True
+    first = (tmp_path / "run" / "key.pem").read_bytes()
+    assert tls.write(tmp_path / "run") is False
+    assert (tmp_path / "run" / "key.pem").read_bytes() == first
