@@ -61,6 +61,9 @@ COMMANDS = [
     Command(("up",), "pdmesh.shared.cli.up", "the whole mesh as local processes", True),
     Command(("serve",), "pdmesh.shared.cli.up",
             "vllm serve's command line: one mixed instance behind the gateway", True),
+    Command(("sglang",), "pdmesh.shared.cli.sglang",
+            "SGLang's launch_server command line: serve, or a prefill / decode instance",
+            True),
     Command(("health",), "pdmesh.shared.cli.health", "probe a service (for healthchecks)",
             False),
     Command(("status",), "pdmesh.shared.cli.status", "live instances, pool and EPLB at a glance",
@@ -208,6 +211,11 @@ BOUND = frozenset({"kvstore", "prefill", "decode", "mixed"})
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = _sglang_line(argv)
+    except ValueError as e:
+        print(f"pdmesh: error: {e}", file=sys.stderr)
+        return 2
     _bind_natively(argv)
     options, command, config = parse_args(argv)
     from pdmesh.shared.infra.logs import setup_logging
@@ -231,6 +239,22 @@ def main(argv: list[str] | None = None) -> int:
         for problem in _problems(e):
             print(f"pdmesh: error: {problem}", file=sys.stderr)
         return 2
+
+
+def _sglang_line(argv: list[str]) -> list[str]:
+    """`pdmesh sglang ...` rewritten into the pdmesh command it describes."""
+    try:
+        options, command, rest = _split(argv)
+    except UsageError:
+        return argv
+    if command is None or command.words != ("sglang",):
+        return argv
+    from pdmesh.shared.cli.sglang import translate
+
+    line, warnings = translate(rest)
+    for warning in warnings:
+        print(f"pdmesh sglang: {warning}", file=sys.stderr)
+    return [*argv[:len(argv) - len(rest) - 1], *line]
 
 
 if __name__ == "__main__":

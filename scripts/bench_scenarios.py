@@ -8,7 +8,12 @@ group; systems interleaved within each round so a noisy machine hurts all alike.
         --vllm "/tmp/anchor/venv-vllm/bin/python /tmp/anchor/vllm_cli.py serve" \\
         --vllm-env /tmp/anchor/vllm_env.sh --out /tmp/scenarios.json
 
-Prints one markdown table per scenario (median over rounds; ratios to vLLM where run).
+``pd-base`` is `pdmesh up` of another tree (``--base-tree``: a folder holding a
+``pdmesh`` package with its ``shared`` and ``services`` inside, e.g. an earlier commit's
+snapshot), for before / after comparisons of pdmesh itself.
+
+Prints one markdown table per scenario (median over rounds; ratios to vLLM where run, else
+to pd-base where run).
 The scenarios' sizes below keep a round of all of them to minutes on a 2-core box.
 """
 
@@ -70,6 +75,11 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
             time.sleep(0.5)
         stop(proc)
         raise RuntimeError(f"vllm serve never came up (see {logs / 'vllm.log'})")
+    if system == "pd-base":
+        if not a.base_tree:
+            raise ValueError("--base-tree: pd-base needs the tree to run")
+        env = {**os.environ, "PYTHONPATH": a.base_tree}
+        return start_pdmesh("up", a.model, logs, env)
     return start_pdmesh({"pd": "up", "mixed": "serve"}[system], a.model, logs)
 
 
@@ -135,6 +145,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--vllm", default=None, help="the `vllm serve` command (without MODEL)")
     p.add_argument("--vllm-env", default=None, help="a script to source for vLLM's env")
+    p.add_argument("--base-tree", default=None, help="PYTHONPATH of the pd-base system")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     scenarios = a.scenarios.split(",")
@@ -165,12 +176,13 @@ def main() -> None:
         print("|---|" + "---|" * len(FIGURES))
         med = {sy: {k: statistics.median(x[k] or 0 for x in runs) for k, _ in FIGURES}
                for sy, runs in results[sc].items() if runs}
+        ref = "vllm" if "vllm" in med else "pd-base"
         for sy, figs in med.items():
             cells = []
             for k, _ in FIGURES:
                 cell = f"{figs[k]:.0%}" if k.endswith("fraction") else f"{figs[k]:,.1f}"
-                if "vllm" in med and sy != "vllm" and med["vllm"][k]:
-                    cell += f" ({figs[k] / med['vllm'][k]:.2f}x)"
+                if ref in med and sy != ref and med[ref][k]:
+                    cell += f" ({figs[k] / med[ref][k]:.2f}x)"
                 cells.append(cell)
             print(f"| {sy} | " + " | ".join(cells) + " |")
 

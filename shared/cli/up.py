@@ -127,12 +127,13 @@ def run(cfg: ServeConfig) -> int:
     p = plan(cfg)
     stop = SignalStop().install()
     started: list[Service] = []
-    redis_proc = None
+    redis = None
     try:
         if cfg.redis_url:
             redis_url = cfg.redis_url
         else:
-            redis_proc, redis_url = _start_redis(p.log_dir)
+            redis = MeshRedis(p.log_dir)
+            redis_url = redis.url
         print(f"[up] redis at {redis_url}; logs in {p.log_dir}", flush=True)
         reg = ["--redis-url", redis_url, "--registry-prefix", cfg.registry_prefix]
         trace = to_words(cfg.flags, ["--enable-trace", "--otlp-traces-endpoint"])
@@ -156,27 +157,42 @@ def run(cfg: ServeConfig) -> int:
         started.append(gw)
         _wait_healthy(gw.info["http"])
         _say_ready(gw.info["http"], p.names[0])
-        redis_port = urlparse(redis_url).port
-
-        def redis_check() -> None:  # our own redis: started again on its port if it died
-            nonlocal redis_proc
-            if redis_proc is not None and redis_proc.poll() is not None:
-                print(f"[up] redis exited with {redis_proc.returncode}; restarting",
-                      file=sys.stderr, flush=True)
-                try:
-                    redis_proc, _ = _start_redis(p.log_dir, redis_port)
-                except RuntimeError as e:
-                    print(f"[up] redis did not come back: {e}", file=sys.stderr, flush=True)
-
-        _watch(started, stop, redis_check)
+        _watch(started, stop, redis.check if redis is not None else lambda: None)
     finally:
         print("[up] stopping", flush=True)
         for svc in reversed(started):
             svc.stop()
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(10)
+        if redis is not None:
+            redis.stop()
     return 0
+
+
+class MeshRedis:
+    """The redis `up` uses: the one on 127.0.0.1:6379 if it listens (then not ours:
+    ``proc`` is None), else a redis-server of ours (on ``port``, default a free one),
+    started again on its port by ``check`` when it died."""
+
+    def __init__(self, log_dir: Path, port: int | None = None):
+        self.log_dir = log_dir
+        self.proc, self.url = _start_redis(log_dir, port)
+        self.port = urlparse(self.url).port
+        self.restarts = 0
+
+    def check(self) -> None:
+        if self.proc is None or self.proc.poll() is None:
+            return
+        print(f"[up] redis exited with {self.proc.returncode}; restarting",
+              file=sys.stderr, flush=True)
+        try:
+            self.proc, _ = _start_redis(self.log_dir, self.port)
+            self.restarts += 1
+        except RuntimeError as e:  # tried again at the next check
+            print(f"[up] redis did not come back: {e}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
 
 
 def _start_pool(cfg: ServeConfig, reg: list[str], p: Plan, started: list[Service]) -> str:

@@ -19,7 +19,7 @@ def engine_config(f: Any) -> EngineConfig:
     return EngineConfig(
         model=f.model, device=f.device, dtype=f.dtype, seed=f.seed, block_size=f.block_size,
         max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
-        max_num_batched_tokens=f.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens(f),
         enable_prefix_caching=f.enable_prefix_caching and not getattr(
             f, "disable_radix_cache", False),
         scheduling_policy=f.scheduling_policy, num_kv_blocks=f.num_kv_blocks,
@@ -43,12 +43,24 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     return config
 
 
+def step_tokens(f: Any) -> int | None:
+    """The prompt tokens a step computes at most, as the command line says:
+    --max-num-batched-tokens, else the least of SGLang's --chunked-prefill-size and
+    --max-prefill-tokens (None: the engine's default)."""
+    if f.max_num_batched_tokens is not None:
+        return f.max_num_batched_tokens
+    said = [n for n in (getattr(f, "chunked_prefill_size", None),
+                        getattr(f, "max_prefill_tokens", None)) if n is not None and n > 0]
+    return min(said) if said else None
+
+
 def serving_defaults(f: Any, device: str | None) -> dict[str, Any]:
     """EngineConfig fields whose default differs when serving, as in vLLM: on CPU a step
     computes at most 2,048 tokens unless --max-num-batched-tokens says otherwise, so a
     burst of prompts is prefilled in chunks and the first ones answer early, not all
     together after one long step."""
-    if f.max_num_batched_tokens is None and device == "cpu":
+    if step_tokens(f) is None and device == "cpu" and getattr(
+            f, "chunked_prefill_size", None) != -1:  # (-1: SGLang's "no chunking")
         return {"max_num_batched_tokens": CPU_SERVING_MAX_NUM_BATCHED_TOKENS}
     return {}
 

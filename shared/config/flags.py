@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.shared.config.sglang_flags import WITHOUT_EFFECT
+
 ENGINES = frozenset({"prefill", "decode", "mixed"})
 SERVICES = ENGINES | {"gateway", "kvstore", "eplb"}
 LAUNCHERS = frozenset({"up", "serve"})  # start the mesh; `serve` takes vllm serve's flags
@@ -137,6 +139,10 @@ FLAGS: list[Flag] = [
              {"aliases": ("--max-running-requests",)}),
             ("--max-num-batched-tokens", "int", None, "tokens one step computes at most "
              "(serving on CPU: 2,048 by default, as vllm serve)"),
+            ("--chunked-prefill-size", "int", None, "SGLang's: prompt tokens one step "
+             "computes at most (-1: no chunking); --max-num-batched-tokens wins"),
+            ("--max-prefill-tokens", "int", None, "SGLang's: prompt tokens one prefill "
+             "batch holds at most; --max-num-batched-tokens wins"),
             ("--enable-prefix-caching", "bool", True, "reuse the KV of shared prefixes"),
             ("--scheduling-policy", "str", "fcfs", "fcfs, or priority (lower values first)",
              {"choices": ("fcfs", "priority")}),
@@ -284,6 +290,8 @@ FLAGS: list[Flag] = [
             ("--runs", "int", 3, "timed runs (the median is reported)"),
             ("--no-hf", "bool", False, "skip the transformers baseline"),
             ("--json", "str", None, "also write the figures here")),
+    # -- SGLang's launch_server flags (Ascend-supported) accepted without effect ---------
+    *_compat(*WITHOUT_EFFECT),
     # -- `vllm serve` flags accepted without effect -------------------------------------
     *_compat(("--speculative-config", "json"), ("--data-parallel-size-local", "int"),
              ("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
@@ -297,10 +305,11 @@ FLAGS: list[Flag] = [
              ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),
              ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
-             ("--kv-cache-dtype", "str"), ("--tokenizer", "str"),
+             ("--kv-cache-dtype", "str"), ("--tokenizer", "str", ("--tokenizer-path",)),
              ("--trust-request-chat-template", "bool"), ("--chat-template", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
-             ("--disable-log-stats", "bool"), ("--enable-log-requests", "bool"),
+             ("--disable-log-stats", "bool"),
+             ("--enable-log-requests", "bool", ("--log-requests",)),
              ("--uvicorn-log-level", "str"), ("--generation-config", "str"),
              ("--hf-overrides", "json"), ("--load-format", "str"), ("--download-dir", "str"),
              ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),

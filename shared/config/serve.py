@@ -133,6 +133,11 @@ def resolve(config: ServeConfig) -> ServeConfig:
     """What the command will run, with what pdmesh cannot run (yet) refused."""
     f = config.flags
     _at_least(f, "max_queued_requests", 1)
+    _at_least(f, "max_prefill_tokens", 1)
+    chunk = getattr(f, "chunked_prefill_size", None)
+    if chunk is not None and chunk != -1 and chunk < 1:
+        raise ValueError(f"--chunked-prefill-size: must be >= 1, or -1 (no chunking), got "
+                         f"{chunk}")
     timeout = getattr(f, "kv_load_timeout", None)
     if timeout is not None and not 0 <= timeout < float("inf"):
         raise ValueError(f"--kv-load-timeout: must be a number of seconds >= 0 (0: no "

@@ -201,3 +201,28 @@ def _command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_up_starts_its_own_redis_again_on_its_port(tmp_path):
+    """The redis `pdmesh up` started itself (none listened) is started again on the same
+    port when it dies, so every service's --redis-url stays right."""
+    import redis as redis_client
+
+    from pdmesh.shared.cli.up import MeshRedis
+    from tests.processes import free_port
+
+    own = MeshRedis(tmp_path, port=free_port())
+    try:
+        first = own.proc.pid
+        client = redis_client.Redis.from_url(own.url, socket_timeout=3)
+        assert client.ping()
+        own.proc.kill()
+        own.proc.wait(10)
+        own.check()
+        assert own.restarts == 1 and own.proc.pid != first and alive(own.proc.pid)
+        assert client.ping()  # the same URL
+        own.check()  # alive: nothing to do
+        assert own.restarts == 1
+    finally:
+        own.stop()
+    assert not alive(own.proc.pid)

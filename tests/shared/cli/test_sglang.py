@@ -1,0 +1,117 @@
+"""`pdmesh sglang`: SGLang's launch_server line. Every flag the seeds mark supported on
+Ascend is accepted; those pdmesh implements take effect under their SGLang names, the
+rest are listed as without effect; the disaggregation mode picks the instance."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdmesh.cli import _sglang_line, parse_args
+from pdmesh.shared.cli.sglang import translate
+
+FLAGS = Path(__file__).parents[1] / "config" / "data" / "sglang_ascend_flags.tsv"
+DISAGGREGATION = {"--disaggregation-mode", "--disaggregation-transfer-backend",
+                  "--disaggregation-bootstrap-port"}
+
+
+def seed_flags() -> list[tuple[str, str]]:
+    rows = [ln.split("\t") for ln in FLAGS.read_text().splitlines() if not ln.startswith("#")]
+    return [(name, value) for name, value in rows]
+
+
+def test_the_seed_lists_119_supported_flags():
+    assert len(seed_flags()) == 119
+
+
+@pytest.mark.parametrize(("flag", "value"), seed_flags(), ids=[f for f, _ in seed_flags()])
+def test_every_ascend_supported_flag_is_accepted(flag, value):
+    words = ["sglang", "--model-path", "/m", flag, *([value] if value else [])]
+    line = _sglang_line(words)
+    assert line[0] == "serve"
+    _, command, flags = parse_args(line, resolve=False)  # read by the one table
+    assert command.name == "serve"
+    if flag not in DISAGGREGATION:
+        assert flag in line
+
+
+def test_implemented_flags_take_effect_and_the_rest_are_listed():
+    line = _sglang_line(["sglang", "--model-path", "/tmp/m", "--device", "cpu",
+                         "--chunked-prefill-size", "512", "--max-running-requests", "7",
+                         "--page-size", "32", "--context-length", "256",
+                         "--mem-fraction-static", "0.5", "--disable-radix-cache",
+                         "--tp-size", "1", "--enable-dp-attention", "--speculative-algorithm",
+                         "NEXTN", "--cuda-graph-bs", "1", "2", "4"])
+    _, _, cfg = parse_args(["config", "check", "--role", "mixed", *line[1:]])
+    engine = cfg.engine
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.block_size,
+            engine.max_model_len, engine.gpu_memory_utilization,
+            engine.enable_prefix_caching) == (512, 7, 32, 256, 0.5, False)
+    assert {"--enable-dp-attention", "--speculative-algorithm", "--cuda-graph-bs"} <= set(
+        cfg.accepted_without_effect)
+    # --max-num-batched-tokens wins; -1 is SGLang's "no chunking" (no CPU default cap)
+    _, _, both = parse_args(["config", "check", "--role", "mixed", "--model", "/tmp/m",
+                             "--device", "cpu", "--max-num-batched-tokens", "100",
+                             "--max-prefill-tokens", "50"])
+    assert both.engine.max_num_batched_tokens == 100
+    _, _, off = parse_args(["config", "check", "--role", "mixed", "--model", "/tmp/m",
+                            "--device", "cpu", "--chunked-prefill-size", "-1"])
+    assert off.engine.max_num_batched_tokens is None
+
+
+def test_the_disaggregation_mode_picks_the_instance():
+    assert translate(["--model-path", "m"])[0] == ["serve", "--model-path", "m", "--port",
+                                                   "30000"]
+    assert translate(["--model-path", "m", "--port", "8000"])[0][-2:] == ["--port", "8000"]
+    line, warnings = translate(["--model-path", "m", "--disaggregation-mode=prefill",
+                                "--disaggregation-transfer-backend", "ascend",
+                                "--disaggregation-bootstrap-port", "8998",
+                                "--kvstore", "127.0.0.1:1"])
+    assert line == ["prefill", "--model-path", "m", "--kvstore", "127.0.0.1:1"]
+    assert any("bootstrap-port" in w for w in warnings)
+    assert translate(["--disaggregation-mode", "decode"])[0][0] == "decode"
+    with pytest.raises(ValueError, match="--disaggregation-mode: must be one of"):
+        translate(["--disaggregation-mode", "both"])
+    with pytest.raises(ValueError, match="--disaggregation-transfer-backend: .* 'nixl'"):
+        translate(["--disaggregation-transfer-backend", "nixl"])
+    with pytest.raises(ValueError, match="--disaggregation-mode: needs a value"):
+        translate(["--disaggregation-mode"])
+
+
+def run(*words: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdmesh", *words], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_misspelt_flag_gets_a_did_you_mean():
+    r = run("sglang", "--model-path", "/m", "--chunked-prefil-size", "512")
+    assert r.returncode == 2 and "did you mean --chunked-prefill-size" in r.stderr
+    r = run("sglang", "--model-path", "/m", "--disaggregation-transfer-backend", "nixl")
+    assert r.returncode == 2 and "--disaggregation-transfer-backend" in r.stderr
+
+
+def test_an_sglang_line_serves(qwen3_path, tmp_path, registry_prefix):
+    """A seed-like SGLang line starts a real mesh (mixed instance + gateway) and serves;
+    the flags beyond it are listed at start-up."""
+    from tests.shared.cli.test_up import kill_all, launch
+
+    proc, url, out = launch("sglang", "--model-path", str(qwen3_path), "--port", "0",
+                            "--registry-prefix", registry_prefix + "-sgl", "--log-dir",
+                            str(tmp_path), "--device", "cpu", "--tp-size", "1",
+                            "--mem-fraction-static", "0.8", "--chunked-prefill-size", "256",
+                            "--max-running-requests", "16", "--enable-dp-attention",
+                            "--disable-cuda-graph", "--trust-remote-code")
+    try:
+        assert url, "".join(out)
+        text = "".join(out)
+        assert "--enable-dp-attention" in text and "--disable-cuda-graph" in text
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": qwen3_path.name, "prompt": [5, 6, 7, 8], "max_tokens": 4,
+            "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        kill_all(proc, registry_prefix + "-sgl")
