@@ -12,7 +12,9 @@ later call over. Calls made while the master is away fail fast with ``PoolUnavai
     watcher (every interval)   current master answers? -> nothing to do
                                else resolve() -> (master, metadata) elsewhere?
                                     -> connect, register the tensors, swap;
-                                       the old client is closed once no call uses it
+                                       the old client goes once no call uses it
+                                       (MooncakePool.close keeps one whose master is
+                                       gone: closing it would stop the process)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class FollowingPool(KVPool):
         self._busy: dict[int, int] = {id(first): 0}  # calls in flight per client
         self._retired: list[KVPool] = []
         self._moved = 0
+        self._carried = PoolStats(keys=-1, bytes=-1, hits=0, misses=0)  # of old clients
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(interval_s,),
                                          name="kv-pool-follow", daemon=True)
@@ -83,7 +86,11 @@ class FollowingPool(KVPool):
         return self._call("clear")
 
     def stats(self) -> PoolStats:
-        return self._call("stats")
+        """The current client's, with the hits and misses of those before it (counters
+        never go back when it moves)."""
+        now = self._call("stats")
+        return PoolStats(keys=now.keys, bytes=now.bytes, hits=now.hits + self._carried.hits,
+                         misses=now.misses + self._carried.misses)
 
     def register(self, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -124,6 +131,9 @@ class FollowingPool(KVPool):
         for t in tensors:
             fresh.register(t)
         with self._lock:
+            old = current.stats()
+            self._carried = PoolStats(-1, -1, self._carried.hits + old.hits,
+                                      self._carried.misses + old.misses)
             self._current = fresh
             self._busy[id(fresh)] = 0
             self._retired.append(current)

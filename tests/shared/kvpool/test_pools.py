@@ -217,6 +217,9 @@ def test_following_pool_moves_to_a_master_that_came_back_elsewhere(tmp_path):
             pool.register(t)
         assert pool.put(["before"], [src.regions(0)]) == [True]
         assert not pool.follow()  # its master answers: nothing to do
+        assert pool.exists(["before"]) == [True]
+        hits_before = pool.stats().hits
+        assert hits_before >= 1
         first.stop()
         where[0] = None  # nobody knows yet
         time.sleep(0.6)
@@ -231,6 +234,7 @@ def test_following_pool_moves_to_a_master_that_came_back_elsewhere(tmp_path):
             time.sleep(0.1)
         assert pool.moves == 1 and pool.master_address == second.ports.master_address
         assert pool.put(["after"], [src.regions(2)]) == [True]
+        assert pool.stats().hits >= hits_before  # counters never go back
         reader = connect(where[0])
         dst = CacheRegions(caches(None))
         for t in dst.tensors:
