@@ -40,7 +40,8 @@ def parse_additional_config(
     ``raw`` is the flag's JSON text or an already-decoded mapping (the offline
     ``additional_config=`` argument). ``env`` (default: ``os.environ``) supplies the
     deprecated environment variables. ``device`` is the resolved device ("cpu", "cuda" or
-    "npu"); keys that only act on Ascend are listed in ``inactive_keys`` elsewhere.
+    "npu"); keys that only act in vLLM-Ascend's Ascend runtime are listed in
+    ``inactive_keys`` on every device (the warning says why).
     ``engine_args`` are the engine flags the cross-key rules need.
 
     Raises ``ConfigError`` listing every unknown key, bad value and forbidden combination.
@@ -65,17 +66,46 @@ def parse_additional_config(
 
     for path, value in findings.overrides.items():
         config = _replace_path(config, path, value)
-    npu_only = [] if device == "npu" else ascend_only_keys(ctx.explicit)
+    npu_only = ascend_only_keys(ctx.explicit)
     warnings = ctx.warnings + findings.warnings
-    if npu_only:
+    if npu_only and device == "npu":
+        warnings.append(f"{len(npu_only)} key(s) set vLLM-Ascend's own graph passes, fused "
+                        "operators, communication or runtime, which pdmesh's npu backend "
+                        f"does not implement; without effect: {', '.join(npu_only)}")
+    elif npu_only:
         warnings.append(f"{len(npu_only)} key(s) only act on Ascend NPUs and are inactive on "
                         f"{device}: {', '.join(npu_only)}")
-    inactive = (*sorted(removed), *npu_only)
+    unbuilt = unimplemented_keys(ctx.explicit)
+    if unbuilt:
+        warnings.append(f"{len(unbuilt)} key(s) pdmesh does not implement yet; without "
+                        f"effect: {', '.join(unbuilt)}")
+    inactive = (*sorted(removed), *npu_only, *unbuilt)
     return dataclasses.replace(config, warnings=tuple(warnings), inactive_keys=inactive)
 
 
+# vLLM-Ascend keys for any device that pdmesh validates but does not act on (yet): the
+# speculative-decoding and fine-grained TP sections wait for those features; the rest
+# have no counterpart in pdmesh's scheduler or EPLB controller (`pdmesh eplb
+# --interval-s` sets the controller's interval)
+UNIMPLEMENTED = ("rejection_sampler_config", "dynamic_spec_config", "finegrained_tp_config",
+                 "enable_shared_expert_dp", "enable_force_eplb", "mix_placement",
+                 "enable_context_parallel", "enable_reduce_sample", "draft_window_size",
+                 "SLO_limits_for_dynamic_batch", "scheduler_config.enable_balance_scheduling",
+                 "scheduler_config.profiling_chunk_config",
+                 "scheduler_config.batch_job_sched_config",
+                 "eplb_config.algorithm_execution_interval", "eplb_config.eplb_policy_type")
+
+
+def unimplemented_keys(explicit: set[str] | frozenset[str]) -> list[str]:
+    """The explicitly set keys pdmesh does not act on, a section standing for its keys."""
+    return sorted(key for key in UNIMPLEMENTED
+                  if any(p == key or p.startswith(key + ".") for p in explicit))
+
+
 def ascend_only_keys(explicit: set[str] | frozenset[str]) -> list[str]:
-    """The explicitly set keys that only act on Ascend, a section standing for its keys."""
+    """The explicitly set keys that only act on Ascend, a section standing for its keys.
+    None of them acts in pdmesh (on npu either: they tune vLLM-Ascend's own runtime); a
+    key pdmesh's npu backend comes to implement loses its ``ascend_only`` mark."""
     found = []
     for path in sorted(explicit, key=lambda p: (p.count("."), p)):
         if any(path.startswith(done + ".") for done in found):

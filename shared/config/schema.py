@@ -1,8 +1,9 @@
 """``AdditionalConfig``: every top-level key of vLLM-Ascend's ``--additional-config``.
 
 Defaults are vLLM-Ascend's. ``ascend_only=True`` marks keys whose effect is an Ascend
-kernel, communication op, graph mode or runtime setting; on cpu or cuda they are accepted,
-validated and reported as inactive. Nested sections live in ``scheduler_schema`` and
+kernel, communication op, graph mode or runtime setting of vLLM-Ascend's; they are
+accepted, validated and reported as without effect - on cpu and cuda, and on npu too,
+where pdmesh's backend does not implement them. Nested sections live in ``scheduler_schema`` and
 ``feature_schema``; deprecated and removed spellings in ``legacy``.
 """
 

@@ -74,7 +74,7 @@ class ServeConfig:
     def log_warnings(self) -> None:
         """What a service says at start-up about its flags."""
         if self.accepted_without_effect:
-            log.warning("accepted for vLLM compatibility, without effect: %s",
+            log.warning("accepted for vLLM / SGLang compatibility, without effect: %s",
                         ", ".join(self.accepted_without_effect))
         for w in self.flag_warnings:
             log.warning("%s", w)
@@ -108,6 +108,10 @@ def read_config(flags: Flags, *, device: str | None = None,
                          f"instance (expected {ROLE_KV[role]!r})")
     if flags.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size: must be >= 1, got {flags.data_parallel_size}")
+    from pdmesh.shared.config import kv_transfer as kv_transfer_fields
+
+    kv_warnings = kv_transfer_fields.check(kv_transfer, role, flags.data_parallel_size,
+                                           flags.tensor_parallel_size) if kv_transfer else []
     prio = priority_scheduling(flags)
     policy = prio.policy
     engine_args = EngineArgs(
@@ -126,7 +130,8 @@ def read_config(flags: Flags, *, device: str | None = None,
                        engine_args, prio.low_values_first, prio.preemption_threshold,
                        prio.default_priority, device, env=dict(env or {}),
                        warnings=tuple(additional.warnings),
-                       flag_warnings=prio.warnings, accepted_without_effect=compat)
+                       flag_warnings=(*prio.warnings, *kv_warnings),
+                       accepted_without_effect=compat)
 
 
 def resolve(config: ServeConfig) -> ServeConfig:

@@ -168,16 +168,25 @@ def test_removed_key_values_are_still_type_checked() -> None:
                                "torchair_graph_config.graph_batch_sizes[0]")
 
 
-def test_ascend_only_keys_are_inactive_off_npu() -> None:
+def test_ascend_only_keys_are_without_effect_everywhere() -> None:
+    """Off npu they are inactive; on npu too, since pdmesh's backend implements none of
+    vLLM-Ascend's runtime settings - never silently accepted."""
     raw = {"enable_cpu_binding": True, "ascend_compilation_config": {"fuse_muls_add": False},
            "scheduler_config": {"enable_balance_scheduling": True}, "enable_kv_nz": False}
+    unbuilt = ("1 key(s) pdmesh does not implement yet; without effect: "
+               "scheduler_config.enable_balance_scheduling")
     on_npu = parse(raw, device="npu")
-    assert on_npu.inactive_keys == () and on_npu.warnings == ()
+    assert on_npu.inactive_keys == ("ascend_compilation_config", "enable_cpu_binding",
+                                    "enable_kv_nz", "scheduler_config.enable_balance_scheduling")
+    assert len(on_npu.warnings) == 2 and "npu backend does not implement" in \
+        on_npu.warnings[0] and on_npu.warnings[0].endswith(
+            "without effect: ascend_compilation_config, enable_cpu_binding, enable_kv_nz")
+    assert on_npu.warnings[1] == unbuilt
     on_cpu = parse(raw, device="cpu")
-    assert on_cpu.inactive_keys == ("ascend_compilation_config", "enable_cpu_binding",
-                                    "enable_kv_nz")
+    assert on_cpu.inactive_keys == on_npu.inactive_keys
     assert on_cpu.warnings == ("3 key(s) only act on Ascend NPUs and are inactive on cpu: "
-                               "ascend_compilation_config, enable_cpu_binding, enable_kv_nz",)
+                               "ascend_compilation_config, enable_cpu_binding, enable_kv_nz",
+                               unbuilt)
     assert on_cpu == on_npu  # same values; only the report differs
 
 

@@ -225,13 +225,18 @@ def test_resolved_values(raw, engine, path: str, value, warned: bool) -> None:
     for name in path.split("."):
         got = getattr(got, name)
     assert got == value
+    # (keys pdmesh validates but does not act on are listed as such: not what this checks)
+    said = [w for w in config.warnings if "does not implement yet" not in w]
     if warned:
-        assert any(path.rpartition(".")[2] in w for w in config.warnings), config.warnings
+        assert any(path.rpartition(".")[2] in w for w in said), config.warnings
     else:
-        assert config.warnings == ()
+        assert said == []
 
 
 def test_rl_mode_disabled_ignores_its_other_fields_with_a_warning() -> None:
     config = parse({"rl_config": {"enabled": False, "enable_batch_invariant": True}})
-    assert config.warnings == (
-        "rl_config.enable_batch_invariant: ignored because rl_config.enabled is false",)
+    assert config.warnings[0] == (
+        "rl_config.enable_batch_invariant: ignored because rl_config.enabled is false")
+    assert config.warnings[1:] == ("1 key(s) set vLLM-Ascend's own graph passes, fused "
+                                   "operators, communication or runtime, which pdmesh's npu "
+                                   "backend does not implement; without effect: rl_config",)
