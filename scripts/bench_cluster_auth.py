@@ -56,18 +56,22 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--rounds", type=int, default=1, help="A B C C B A blocks")
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--loads", default=",".join(LOADS), help=f"some of {', '.join(LOADS)}")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     arms = a.arms.split(",")
     if not arms or set(arms) - set(ARMS):
         p.error(f"--arms: some of {', '.join(ARMS)}")
+    loads = {name: LOADS[name] for name in a.loads.split(",") if name in LOADS}
+    if not loads:
+        p.error(f"--loads: some of {', '.join(LOADS)}")
     results: dict[str, dict[str, list[dict]]] = {arm: {} for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             for arm in (arms + arms[::-1]):
                 proc, url = up(a.model, arm, tmp)
                 try:
-                    for name, load in LOADS.items():
+                    for name, load in loads.items():
                         got = bench(url, a.model, load, os.path.join(tmp, "b.json"))
                         if got["failed"]:
                             raise RuntimeError(f"{arm} {name}: {got['errors']}")
@@ -80,7 +84,7 @@ def main() -> int:
                     stop(proc)
     summary: dict[str, dict[str, dict[str, float]]] = {}
     base = arms[0]
-    for name in LOADS:
+    for name in loads:
         for arm in arms:
             runs = results[arm][name]
             tok_s = statistics.median(x["output_tok_s"] for x in runs)
