@@ -173,7 +173,31 @@ def test_session_serves_many_requests_one_message_per_step(mesh, expected):
     assert "top_p" in errors["bad"][1]
     assert finished == {f"s{i}": "length" for i in range(len(PROMPTS))}
     assert [tokens[f"s{i}"] for i in range(len(PROMPTS))] == expected
+    assert max(sizes) <= len(PROMPTS)
+    assert _wait_idle(dec).running == 0
+
+
+def test_session_sends_one_message_per_step(mesh):
+    """Requests that run together on a Session get a step's tokens in one message. Outputs
+    are long so that the requests overlap however their pool reads are scheduled."""
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    firsts = _prefilled(pre, sp, PROMPTS)
+    msgs = [decode_pb2.SessionRequest(generate=decode_pb2.GenerateRequest(
+        request_id=f"m{i}", prompt_token_ids=p, output_token_ids=[r.first_token],
+        block_keys=r.block_keys, sampling=sp))
+        for i, (p, r) in enumerate(zip(PROMPTS, firsts, strict=True))]
+    counts = {f"m{i}": 1 for i in range(len(PROMPTS))}
+    sizes = []
+    for out in dec.Session(iter(msgs), timeout=120):
+        rids = [o.request_id for o in out.outputs]
+        assert len(rids) == len(set(rids)) and not any(o.error_code for o in out.outputs)
+        sizes.append(len(rids))
+        for o in out.outputs:
+            counts[o.request_id] += len(o.chunk.token_ids)
+    assert counts == {f"m{i}": 300 for i in range(len(PROMPTS))}
     assert max(sizes) == len(PROMPTS)  # a step's tokens for all requests in one message
+    assert len(sizes) < sum(counts.values()) // 2  # not a message per request per step
     assert _wait_idle(dec).running == 0
 
 
