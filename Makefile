@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 MODEL_DIR ?= .cache/models/tiny-qwen3
 
-.PHONY: install up test lint bench proto clean
+.PHONY: install up test test-compose image lint bench proto clean
 
 install:
 	@bash scripts/setup.sh
@@ -14,7 +14,16 @@ up: install
 test: install
 	@bash scripts/ensure_redis.sh
 	.venv/bin/ruff check pdmesh shared services tests
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/compose
+
+# the image (scripts/image.sh: offline, from a host-built wheelhouse; BASE=debian builds
+# the base with debootstrap), then the whole mesh under `docker compose`
+image: install
+	@bash scripts/ensure_docker.sh
+	BASE=$${BASE:-debian} bash scripts/image.sh
+
+test-compose: image
+	$(PY) -m pytest -q tests/compose
 
 lint: install
 	.venv/bin/ruff check pdmesh shared services tests

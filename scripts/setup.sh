@@ -15,6 +15,9 @@ fi
 apt_pkgs=()
 # Mooncake's wheel links libibverbs; redis backs the registry; venv for Debian's python3.
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || apt_pkgs+=(libibverbs1)
+# ... and its master links libcurl and libnuma
+ldconfig -p 2>/dev/null | grep -q 'libcurl.so.4 ' || apt_pkgs+=(libcurl4)
+ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1 ' || apt_pkgs+=(libnuma1)
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
 # the registry's TLS test makes its certificates with the openssl command
 command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
