@@ -27,10 +27,34 @@ def die_with_parent() -> None:
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
+READY_TIMEOUT_ENV = ("PDMESH_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S")
+READY_TIMEOUT_S = 600.0  # vLLM's default: a large checkpoint loads for minutes
+
+
+def ready_timeout_s() -> float:
+    """How long a started service or rank gets to say it is ready: PDMESH_READY_TIMEOUT_S,
+    else vLLM's VLLM_ENGINE_READY_TIMEOUT_S, else 600 s. A child that exits before is
+    reported at once, whatever the timeout. ValueError naming the variable for a value
+    that is not a positive number of seconds."""
+    for name in READY_TIMEOUT_ENV:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name}={raw!r}: expected a positive number of seconds")
+        return value
+    return READY_TIMEOUT_S
+
+
 class Service:
     """A `pdmesh <command>` child that prints "<role> ready: {json}" once serving."""
 
-    def __init__(self, role: str, args: list[str], log_dir: Path, timeout_s: float = 120.0,
+    def __init__(self, role: str, args: list[str], log_dir: Path,
+                 timeout_s: float | None = None,
                  env: dict[str, str] | None = None, wait: bool = True,
                  echo: str | None = None):
         """``wait`` False: return at once, ``wait_ready`` later (ranks that must all be
@@ -59,7 +83,8 @@ class Service:
                                         args=(self.proc, self.log_path, self._ready))
         self._reader.start()
 
-    def respawn(self, flags: dict[str, str] | None = None, timeout_s: float = 120.0) -> None:
+    def respawn(self, flags: dict[str, str] | None = None,
+                timeout_s: float | None = None) -> None:
         """Start the (exited) command again, ``flags`` replacing or adding values (its
         old ports, so that whoever knew its address finds it again); ready on return."""
         self.stop()
@@ -77,10 +102,15 @@ class Service:
         """Until the child's output is all in the log (after it exited)."""
         self._reader.join(timeout_s)
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            timeout_s = ready_timeout_s()
         if not self._ready.wait(timeout_s) or not self.info:
+            why = ("exited" if self.proc.poll() is not None else
+                   f"not within {timeout_s:.0f} s (PDMESH_READY_TIMEOUT_S)")
             self.stop()
-            raise RuntimeError(f"{self.role} did not become ready; log: {self.log_path}\n"
+            raise RuntimeError(f"{self.role} did not become ready ({why}); log: "
+                               f"{self.log_path}\n"
                                + self.log_path.read_text()[-3000:])
 
     def _read(self, proc: subprocess.Popen, log_path: Path, ready: threading.Event) -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.launcher import Service, ready_timeout_s
 from pdmesh.shared.infra.net import free_port, reachable_host
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
@@ -35,7 +35,7 @@ def launch_ranks(a: Any, role: str) -> int:
             for r in range(a.data_parallel_size):
                 ranks.append(Service(role, _rank_args(a, r, host, rpc_port), logs,
                                      wait=False, echo=f"[dp{r}] "))
-            _wait_for_ranks(ranks, timeout_s=300)
+            _wait_for_ranks(ranks, timeout_s=ready_timeout_s())
             launcher.ready(grpc=ranks[0].address, ranks=[s.address for s in ranks],
                            dp_size=a.data_parallel_size, pids=[s.proc.pid for s in ranks],
                            eplb_group=f"{role}@{host}:{rpc_port}",
@@ -79,7 +79,8 @@ def _wait_for_ranks(ranks: list[Service], timeout_s: float) -> None:
             if not s.info and s.proc.poll() is not None:
                 raise ValueError(f"data parallel rank {r} failed to start: {_why(s)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"data parallel ranks not ready after {timeout_s:.0f} s")
+            raise TimeoutError(f"data parallel ranks not ready after {timeout_s:.0f} s "
+                               "(PDMESH_READY_TIMEOUT_S / VLLM_ENGINE_READY_TIMEOUT_S)")
         time.sleep(0.05)
 
 
