@@ -5,6 +5,7 @@ and every service command against pdmesh's own command line."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 import subprocess
@@ -204,3 +205,22 @@ def test_k8s_cluster_secret_is_on_with_no_user_step():
                                          "prometheus"}
     assert sources("pdmesh-kvstore") == {"prefill", "decode", "kvstore", "prometheus"}
     assert "gateway" not in sources("pdmesh-kvstore") | sources("pdmesh-eplb")
+
+
+def test_configmap_configs_reach_prefill_and_decode():
+    """ADDITIONAL_CONFIG and KV_TRANSFER_CONFIG in the configmap are what prefill and decode
+    run with: set them, and the parsed command lines carry them."""
+    docs = k8s_docs(K8S / "base")
+    flags = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    additional = '{"ascend_scheduler_config": {"enabled": true}}'
+    transfer = '{"kv_connector": "MooncakeConnectorV1", "kv_role": "kv_both"}'
+    env = {**flags, "POD_IP": "10.0.0.7", "ADDITIONAL_CONFIG": additional,
+           "KV_TRANSFER_CONFIG": transfer}
+    for name in ("prefill", "decode"):
+        deployment = next(d for d in docs if d["kind"] == "Deployment"
+                          and d["metadata"]["name"] == name)
+        parsed = parse_args(container_args(deployment, env), resolve=False)[2]
+        for value, want in ((parsed.additional_config, additional),
+                            (parsed.kv_transfer_config, transfer)):
+            assert (value if isinstance(value, dict) else json.loads(value)) \
+                == json.loads(want), name
