@@ -175,7 +175,15 @@ FLAGS: list[Flag] = [
             ("--data-parallel-address", "str", None, "host of rank 0's process-group store "
              "(default: --host)"),
             ("--data-parallel-rpc-port", "int", None, "port of rank 0's process-group store "
-             "(default: a free one)"),
+             "(default: a free one; a multi-node instance names it on every node)"),
+            ("--data-parallel-size-local", "int", None, "ranks this node runs (default: all "
+             "of them); less than --data-parallel-size: one node of a multi-node instance, "
+             "local rank i on device i of the node (of ASCEND_RT_VISIBLE_DEVICES / "
+             "CUDA_VISIBLE_DEVICES)"),
+            ("--data-parallel-start-rank", "int", 0, "the first rank this node runs"),
+            ("--headless", "bool", False, "this node runs engine ranks only, no API server "
+             "(prefill and decode never run one: the gateway is its own service)",
+             {"effect": frozenset({"prefill", "decode", "config check"})}),
             ("--enable-expert-parallel", "bool", False, "MoE experts spread over the DP "
              "ranks"),
             ("--enable-eplb", "bool", False, "dynamic EPLB (upstream vLLM's switch)"),
@@ -293,12 +301,11 @@ FLAGS: list[Flag] = [
     # -- SGLang's launch_server flags (Ascend-supported) accepted without effect ---------
     *_compat(*WITHOUT_EFFECT),
     # -- `vllm serve` flags accepted without effect -------------------------------------
-    *_compat(("--speculative-config", "json"), ("--data-parallel-size-local", "int"),
+    *_compat(("--speculative-config", "json"),
              ("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
              ("--quantization", "str", ("-q",)),
              ("--compilation-config", "json"), ("--async-scheduling", "bool"),
-             ("--trust-remote-code", "bool"), ("--data-parallel-start-rank", "int"),
-             ("--headless", "bool"), ("--api-server-count", "int"),
+             ("--trust-remote-code", "bool"), ("--api-server-count", "int"),
              ("--tokenizer-mode", "str"), ("--tool-call-parser", "str"),
              ("--enable-auto-tool-choice", "bool"), ("--reasoning-parser", "str"),
              ("--safetensors-load-strategy", "str"), ("--model-loader-extra-config", "json"),

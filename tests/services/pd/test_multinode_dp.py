@@ -1,0 +1,81 @@
+"""A decode instance of two data-parallel ranks split over two "nodes" as vLLM's
+multi-node recipes launch it - node 0 with --data-parallel-size-local 1, node 1 with
+--data-parallel-start-rank 1 --headless, both dialling node 0's address and rpc port - on
+loopback: each launcher starts only its own rank, and every answer equals the
+single-process engine's (what single-node DP answers, tests/services/pd/test_data_parallel.py)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.net import free_port
+from pdmesh.shared.infra.registry import Registry
+
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
+          "--pool-segment-mb", "64"]
+MODEL = "tiny-moe"
+PROMPTS = [list(range(100 + 7 * i, 130 + 11 * i)) for i in range(6)]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    moe = str(tiny_models["qwen3_moe"])
+    logs = tmp_path_factory.mktemp("mn-dp-logs")
+    prefix = registry_prefix + "-mndp"
+    reg = ["--registry-prefix", prefix]
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+          "--data-parallel-address", "127.0.0.1",
+          "--data-parallel-rpc-port", str(free_port("127.0.0.1")), "--enable-expert-parallel"]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], logs)
+        started.append(kv)
+        started.append(Service("prefill", ["prefill", moe, "--kvstore", kv.address,
+                                           "--served-model-name", MODEL, *ENGINE, *reg], logs))
+        decode = ["decode", moe, "--kvstore", kv.address, "--served-model-name", MODEL,
+                  *dp, *ENGINE, *reg]
+        nodes = [Service("decode", decode, logs, wait=False),
+                 Service("decode", [*decode, "--data-parallel-start-rank", "1", "--headless"],
+                         logs, wait=False)]
+        started += nodes
+        for node in nodes:  # rank 0 is ready only once rank 1 joined its group
+            node.wait_ready()
+        gw = Service("gateway", ["gateway", moe, "--port", "0", "--served-model-name", MODEL,
+                                 *reg], logs)
+        started.append(gw)
+        yield {"url": gw.info["http"], "nodes": nodes, "prefix": prefix}
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+def test_each_node_runs_only_its_own_rank(mesh):
+    decode = Registry(prefix=mesh["prefix"]).instances("decode")
+    assert sorted((i.dp_rank, i.dp_size) for i in decode) == [(0, 2), (1, 2)]
+    by_rank = {i.dp_rank: i.address for i in decode}
+    assert [node.info["ranks"] for node in mesh["nodes"]] == [[by_rank[0]], [by_rank[1]]]
+    assert all(len(node.info["pids"]) == 1 for node in mesh["nodes"])
+
+
+def test_answers_equal_the_single_process_engine(mesh, tiny_models):
+    llm = LLM(str(tiny_models["qwen3_moe"]), device="cpu", dtype="float32", block_size=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    expected = [o.outputs[0].text for o in outs]
+    client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
+                           timeout=120)
+
+    def one(prompt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == expected
+    assert all(node.proc.poll() is None for node in mesh["nodes"])  # both nodes still up
