@@ -64,6 +64,9 @@ COMMANDS = [
     Command(("sglang",), "pdmesh.shared.cli.sglang",
             "SGLang's launch_server command line: serve, or a prefill / decode instance",
             True),
+    Command(("sglang-router",), "pdmesh.services.gateway.main",
+            "SGLang's router command line (launch_router --pd-disaggregation): the gateway",
+            True),
     Command(("health",), "pdmesh.shared.cli.health", "probe a service (for healthchecks)",
             False),
     Command(("status",), "pdmesh.shared.cli.status", "live instances, pool and EPLB at a glance",
@@ -242,18 +245,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sglang_line(argv: list[str]) -> list[str]:
-    """`pdmesh sglang ...` rewritten into the pdmesh command it describes."""
+    """`pdmesh sglang ...` / `pdmesh sglang-router ...` rewritten into the pdmesh command
+    they describe."""
     try:
         options, command, rest = _split(argv)
     except UsageError:
         return argv
-    if command is None or command.words != ("sglang",):
+    if command is None or command.words not in (("sglang",), ("sglang-router",)):
         return argv
-    from pdmesh.shared.cli.sglang import translate
+    from pdmesh.shared.cli.sglang import translate, translate_router
 
-    line, warnings = translate(rest)
+    name = command.words[0]
+    line, warnings = (translate if name == "sglang" else translate_router)(rest)
     for warning in warnings:
-        print(f"pdmesh sglang: {warning}", file=sys.stderr)
+        print(f"pdmesh {name}: {warning}", file=sys.stderr)
     return [*argv[:len(argv) - len(rest) - 1], *line]
 
 

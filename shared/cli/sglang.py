@@ -7,7 +7,9 @@
                   --disaggregation-transfer-backend mooncake --kvstore HOST:PORT ...
         -> a prefill or decode instance of the mesh (`pdmesh prefill` / `decode`); where
            SGLang's router (`sglang_router.launch_router --pd-disaggregation`) would
-           stand, `pdmesh gateway` routes over the registry
+           stand, `pdmesh gateway` routes over the registry:
+    pdmesh sglang-router --pd-disaggregation --prefill URL --decode URL --model-path M ...
+        -> `pdmesh gateway M` on the router's port 30000 (translate_router)
 
 The line is rewritten into that command's and read by the one flag table: the flags
 pdmesh implements take effect under their SGLang names, the others are listed at
@@ -65,3 +67,104 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
                                       for w in rest):
         rest += ["--port", SGLANG_PORT]
     return [command, *rest], warnings
+
+
+# -- SGLang's router ---------------------------------------------------------------------
+# `python -m sglang_router.launch_router` flags (sgl-router's RouterArgs): how many values
+# each takes ("?" one or two, "*" any, "+" one or more) and what pdmesh's gateway does
+# with it.
+ROUTER_PORT = "30000"
+_ROUTER_TAKEN = {  # flag -> the gateway's
+    "--host": "--host", "--port": "--port", "--max-payload-size": "--max-request-body-bytes",
+    "--max-concurrent-requests": "--max-queued-requests", "--log-level": "--log-level",
+}
+_ROUTER_MODEL = ("--model-path", "--tokenizer-path")
+_ROUTER_WORKERS = {"--prefill": "?", "--decode": 1, "--worker-urls": "*"}
+_ROUTER_IDLE = {  # accepted, without effect: pdmesh's gateway has its own way
+    "--policy": 1, "--prefill-policy": 1, "--decode-policy": 1, "--mini-lb": 0,
+    "--worker-startup-timeout-secs": 1, "--worker-startup-check-interval": 1,
+    "--cache-threshold": 1, "--balance-abs-threshold": 1, "--balance-rel-threshold": 1,
+    "--eviction-interval-secs": 1, "--max-tree-size": 1, "--dp-aware": 0,
+    "--enable-igw": 0, "--api-key": 1, "--log-dir": 1, "--service-discovery": 0,
+    "--selector": "+", "--service-discovery-port": 1, "--service-discovery-namespace": 1,
+    "--prefill-selector": "+", "--decode-selector": "+", "--bootstrap-port-annotation": 1,
+    "--prometheus-port": 1, "--prometheus-host": 1, "--request-id-headers": "*",
+    "--request-timeout-secs": 1, "--queue-size": 1, "--queue-timeout-secs": 1,
+    "--rate-limit-tokens-per-second": 1, "--cors-allowed-origins": "*",
+    "--retry-max-retries": 1, "--retry-initial-backoff-ms": 1, "--retry-max-backoff-ms": 1,
+    "--retry-backoff-multiplier": 1, "--retry-jitter-factor": 1, "--disable-retries": 0,
+    "--cb-failure-threshold": 1, "--cb-success-threshold": 1,
+    "--cb-timeout-duration-secs": 1, "--cb-window-duration-secs": 1,
+    "--disable-circuit-breaker": 0, "--health-failure-threshold": 1,
+    "--health-success-threshold": 1, "--health-check-timeout-secs": 1,
+    "--health-check-interval-secs": 1, "--health-check-endpoint": 1,
+}
+_WHY_IDLE = {
+    "--api-key": "it authorises the router with its workers; pdmesh's internal calls carry "
+                 "the cluster secret, and the gateway's own key is --api-key after the "
+                 "router's flags are read (or PDMESH_API_KEY)",
+    "--prometheus-port": "the gateway serves /metrics on its own port",
+    "--prometheus-host": "the gateway serves /metrics on its own port",
+}
+
+
+def _values(words: list[str], i: int, arity: int | str) -> tuple[list[str], int]:
+    """The values of the flag at ``words[i]`` and the index after them."""
+    name, eq, value = words[i].partition("=")
+    if eq:
+        return [value], i + 1
+    j = i + 1
+    while j < len(words) and not words[j].startswith("--"):
+        j += 1
+    got = words[i + 1:j]
+    most = {0: 0, 1: 1, "?": 2}.get(arity, len(got))  # type: ignore[call-overload]
+    least = {"*": 0, 0: 0}.get(arity, 1)  # type: ignore[call-overload]
+    got = got[:most]
+    if len(got) < least:
+        raise ValueError(f"{name}: needs a value")
+    return got, i + 1 + len(got)
+
+
+def translate_router(words: list[str]) -> tuple[list[str], list[str]]:
+    """(the `pdmesh gateway` command line, warnings) for SGLang router flags (``python -m
+    sglang_router.launch_router --pd-disaggregation --prefill URL --decode URL ...``).
+    The gateway finds prefill and decode instances in the registry, so the worker URLs are
+    not dialled; it needs the model (its tokenizer): --model-path or --tokenizer-path.
+    Flags that are not the router's pass through to the gateway (--redis-url, ...), whose
+    parser names any unknown one."""
+    out: list[str] = []
+    model = None
+    warnings: list[str] = []
+    workers: list[str] = []
+    i = 0
+    while i < len(words):
+        name = words[i].partition("=")[0]
+        if name == "--pd-disaggregation":  # pdmesh always is
+            i += 1
+        elif name in _ROUTER_MODEL:
+            (value,), i = _values(words, i, 1)
+            model = value if name == "--model-path" or model is None else model
+        elif name in _ROUTER_TAKEN:
+            (value,), i = _values(words, i, 1)
+            if name == "--log-level":
+                value = value.upper()
+            out += [_ROUTER_TAKEN[name], value]
+        elif name in _ROUTER_WORKERS:
+            got, i = _values(words, i, _ROUTER_WORKERS[name])
+            workers += [f"{name} {' '.join(got)}".strip()]
+        elif name in _ROUTER_IDLE:
+            _, i = _values(words, i, _ROUTER_IDLE[name])
+            why = _WHY_IDLE.get(name, "pdmesh's gateway routes by its own policy")
+            warnings.append(f"{name}: without effect ({why})")
+        else:
+            out.append(words[i])
+            i += 1
+    if model is None:
+        raise ValueError("--model-path: pdmesh's gateway tokenizes, so it needs the model "
+                         "(or --tokenizer-path)")
+    if workers:
+        warnings.append(f"{', '.join(workers)}: not dialled - the gateway finds prefill and "
+                        "decode instances in the registry (--redis-url)")
+    if "--port" not in out:
+        out += ["--port", ROUTER_PORT]
+    return ["gateway", model, *out], warnings

@@ -115,3 +115,70 @@ def test_an_sglang_line_serves(qwen3_path, tmp_path, registry_prefix):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
         kill_all(proc, registry_prefix + "-sgl")
+
+
+def test_the_router_line_becomes_the_gateway():
+    from pdmesh.shared.cli.sglang import translate_router
+
+    line, warnings = translate_router([
+        "--pd-disaggregation", "--prefill", "http://p0:30000", "8998", "--prefill",
+        "http://p1:30000", "--decode", "http://d0:30001", "--host", "0.0.0.0",
+        "--port", "8000", "--policy", "cache_aware", "--model-path", "/models/m",
+        "--max-payload-size", "1048576", "--log-level", "info", "--prometheus-port", "29000",
+        "--request-id-headers", "x-request-id", "x-trace-id", "--redis-url", "redis://r:6379/0"])
+    assert line == ["gateway", "/models/m", "--host", "0.0.0.0", "--port", "8000",
+                    "--max-request-body-bytes", "1048576", "--log-level", "INFO",
+                    "--redis-url", "redis://r:6379/0"]
+    text = "\n".join(warnings)
+    for flag in ("--policy", "--prometheus-port", "--request-id-headers"):
+        assert f"{flag}: without effect" in text
+    assert ("--prefill http://p0:30000 8998, --prefill http://p1:30000, "
+            "--decode http://d0:30001: not dialled") in text
+    line, _ = translate_router(["--tokenizer-path", "/t", "--pd-disaggregation"])
+    assert line == ["gateway", "/t", "--port", "30000"]  # the router's port
+
+
+def test_a_router_line_without_the_model_or_a_value_is_refused():
+    from pdmesh.shared.cli.sglang import translate_router
+
+    with pytest.raises(ValueError, match="--model-path"):
+        translate_router(["--pd-disaggregation", "--decode", "http://d:1"])
+    with pytest.raises(ValueError, match="--decode: needs a value"):
+        translate_router(["--model-path", "/m", "--decode"])
+    r = run("sglang-router", "--model-path", "/m", "--polcy", "random")
+    assert r.returncode == 2 and "--polcy" in r.stderr
+
+
+def test_sglang_pd_shape_serves(qwen3_path, tmp_path, registry_prefix):
+    """SGLang's PD launch shape - a prefill and a decode `launch_server` line and the
+    router's line - runs as the mesh and answers like the offline engine."""
+    from pdmesh.shared.engine import LLM, SamplingParams
+    from pdmesh.shared.infra.launcher import Service
+
+    reg = ["--registry-prefix", registry_prefix + "-sglpd"]
+    started: list[Service] = []
+    try:
+        kv = Service("kvstore", ["kvstore", *reg], tmp_path)
+        started.append(kv)
+        for mode in ("prefill", "decode"):
+            started.append(Service(mode, [
+                "sglang", "--model-path", str(qwen3_path), "--disaggregation-mode", mode,
+                "--disaggregation-transfer-backend", "mooncake", "--kvstore", kv.address,
+                "--device", "cpu", "--port", "0", "--page-size", "16", *reg], tmp_path))
+        router = Service("gateway", [
+            "sglang-router", "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000",
+            "--decode", "http://127.0.0.1:30001", "--host", "127.0.0.1", "--port", "0",
+            "--model-path", str(qwen3_path), "--policy", "round_robin", *reg], tmp_path)
+        started.append(router)
+        r = httpx.post(router.info["http"] + "/v1/completions", timeout=60, json={
+            "model": str(qwen3_path), "prompt": [5, 6, 7, 8], "max_tokens": 6,  # SGLang's
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        want = LLM(str(qwen3_path), device="cpu", block_size=16).generate(
+            [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        log = router.log_path.read_text()
+        assert "--policy: without effect" in log and "not dialled" in log
+    finally:
+        for s in reversed(started):
+            s.stop()
