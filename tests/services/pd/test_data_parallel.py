@@ -47,11 +47,29 @@ def mesh(tiny_models, tmp_path_factory, registry_prefix):
             s.stop()
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_models):
-    llm = LLM(str(tiny_models["qwen3_moe"]), device="cpu", dtype="float32", block_size=16)
+def offline_answers(model: str) -> list[str]:
+    """PROMPTS through the single-process engine."""
+    llm = LLM(model, device="cpu", dtype="float32", block_size=16)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     return [o.outputs[0].text for o in outs]
+
+
+def concurrent_answers(url: str) -> list[str]:
+    """PROMPTS through the gateway at ``url``, all at once."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def one(prompt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    return offline_answers(str(tiny_models["qwen3_moe"]))
 
 
 def test_both_ranks_register_as_decode_instances(mesh):
@@ -61,17 +79,7 @@ def test_both_ranks_register_as_decode_instances(mesh):
 
 
 def test_concurrent_requests_equal_the_single_process_engine(mesh, expected):
-    client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
-                           timeout=120)
-
-    def one(prompt):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
-                                      temperature=0, extra_body={"ignore_eos": True})
-        return r.choices[0].text
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(one, PROMPTS))
-    assert got == expected
+    assert concurrent_answers(mesh["url"]) == expected
 
 
 def test_stopping_the_instance_stops_every_rank(mesh):

@@ -6,21 +6,17 @@ single-process engine's (what single-node DP answers, tests/services/pd/test_dat
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-import openai
 import pytest
 
-from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.net import free_port
 from pdmesh.shared.infra.registry import Registry
-
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
-          "--pool-segment-mb", "64"]
-MODEL = "tiny-moe"
-PROMPTS = [list(range(100 + 7 * i, 130 + 11 * i)) for i in range(6)]
-NEW = 10
+from tests.services.pd.test_data_parallel import (
+    ENGINE,
+    MODEL,
+    concurrent_answers,
+    offline_answers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +60,6 @@ def test_each_node_runs_only_its_own_rank(mesh):
 
 
 def test_answers_equal_the_single_process_engine(mesh, tiny_models):
-    llm = LLM(str(tiny_models["qwen3_moe"]), device="cpu", dtype="float32", block_size=16)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
-    expected = [o.outputs[0].text for o in outs]
-    client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
-                           timeout=120)
-
-    def one(prompt):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
-                                      temperature=0, extra_body={"ignore_eos": True})
-        return r.choices[0].text
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(one, PROMPTS))
-    assert got == expected
+    expected = offline_answers(str(tiny_models["qwen3_moe"]))
+    assert concurrent_answers(mesh["url"]) == expected
     assert all(node.proc.poll() is None for node in mesh["nodes"])  # both nodes still up
