@@ -92,7 +92,8 @@ def _global_parser() -> argparse.ArgumentParser:
 
 
 def usage() -> str:
-    lines = ["usage: pdmesh [--log-level LEVEL] [--log-format text|json] COMMAND ...", "",
+    lines = ["usage: pdmesh [--log-level LEVEL] [--log-format text|json] COMMAND ...",
+             "       pdmesh --version", "",
              "commands:"]
     lines += [f"  {c.name:<18} {c.help}" for c in COMMANDS]
     return "\n".join(lines) + "\n"
@@ -214,6 +215,11 @@ BOUND = frozenset({"kvstore", "prefill", "decode", "mixed"})
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:  # as `vllm --version`
+        from importlib.metadata import version
+
+        print(version("pdmesh"))
+        return 0
     try:
         argv = _sglang_line(argv)
     except ValueError as e:

@@ -36,3 +36,14 @@ def test_model_missing_is_an_error(command, capsys):
 
 def test_up_defaults_to_the_demo_model():
     assert parsed(["up"]).model is None
+
+
+def test_version_is_the_installed_package_version():
+    """`pdmesh --version`, as `vllm --version`: the distribution's version, nothing else."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    run = subprocess.run([sys.executable, "-m", "pdmesh", "--version"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == version("pdmesh") + "\n", run.stderr
