@@ -59,15 +59,16 @@ if [ "$(cat $WHEELS/.key 2>/dev/null)" != "$key" ]; then
   find $WHEELS -name '*.whl' ! -name 'pdmesh-*' -delete
   pins=""
   [ "$TARGET" = cpu ] && pins="-r /src/requirements/cpu.txt"  # the CPU torch, never a CUDA one
+  find_links="${PIP_FIND_LINKS:-} $($PY -m pip config get global.find-links 2>/dev/null || true)"
   links=()
-  for d in ${PIP_FIND_LINKS:-} $($PY -m pip config get global.find-links 2>/dev/null || true); do
+  for d in $find_links; do
     [ -d "$d" ] && links+=(-v "$d:$d:ro")
   done
   cert=${PIP_CERT:-$($PY -m pip config get global.cert 2>/dev/null || true)}
   [ -f "$cert" ] && links+=(-v "$cert:/etc/pdmesh-pip-ca.pem:ro" -e PIP_CERT=/etc/pdmesh-pip-ca.pem)
   docker run --rm --network host -v "$PWD/requirements:/src/requirements:ro" \
     -v "$PWD/$WHEELS:/wheels" "${links[@]}" \
-    -e PIP_FIND_LINKS="/wheels ${PIP_FIND_LINKS:-} $($PY -m pip config get global.find-links 2>/dev/null || true)" \
+    -e PIP_FIND_LINKS="/wheels $find_links" \
     -e PIP_INDEX_URL="${PIP_INDEX_URL:-$($PY -m pip config get global.index-url 2>/dev/null || true)}" \
     -e PIP_DISABLE_PIP_VERSION_CHECK=1 "$BASE" sh -ec "
       python3 -m venv /tmp/v && /tmp/v/bin/pip wheel -q --wheel-dir /wheels $pins 'pdmesh[$TARGET]'

@@ -82,7 +82,7 @@ def launch_ranks(a: Any, role: str) -> int:
     mine = local_ranks(a)
     host = a.data_parallel_address or reachable_host(a.host)
     rpc_port = a.data_parallel_rpc_port or free_port(host)
-    device = a.device or _device_kind(a.flags.device)  # resolved for engine roles
+    device = a.device  # resolved by the engine roles' config before ranks are launched
     logs = Path(tempfile.mkdtemp(prefix=f"pdmesh-{role}-dp-"))
     ranks: list[Service] = []
     with ServiceHost(HostSettings(role, a.host)) as launcher:
@@ -105,14 +105,6 @@ def launch_ranks(a: Any, role: str) -> int:
             return 0
         finally:
             _stop_ranks(ranks, a.shutdown_timeout)
-
-
-def _device_kind(device: str) -> str:
-    if device != "auto":
-        return device
-    from pdmesh.shared.kernels import resolve_device
-
-    return resolve_device(device)
 
 
 def _rank_args(a: Any, rank: int, local_index: int, host: str, rpc_port: int) -> list[str]:
