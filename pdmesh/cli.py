@@ -177,7 +177,8 @@ def _model_positional(cmd: argparse.ArgumentParser) -> None:
 
 def _bind_natively(argv: list[str]) -> None:
     """For a command in BOUND: native libraries bind --host too (shared.infra.bindhost);
-    may re-execute this process. A bad command line is left to parse_args to report."""
+    may re-execute this process (with ``argv``: an SGLang line already rewritten). A bad
+    command line is left to parse_args to report."""
     try:
         _, command, rest = _split(argv)
         if command is None or command.name not in BOUND:
@@ -189,7 +190,7 @@ def _bind_natively(argv: list[str]) -> None:
         return
     from pdmesh.shared.infra.bindhost import ensure_bound
 
-    ensure_bound(host)
+    ensure_bound(host, argv)
 
 
 def _log_settings(options: argparse.Namespace, command: Command, config: Any

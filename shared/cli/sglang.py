@@ -4,8 +4,9 @@
         -> one mixed instance behind the OpenAI gateway (`pdmesh serve`), on SGLang's
            port 30000 unless --port says otherwise
     pdmesh sglang --model-path M --disaggregation-mode prefill|decode \\
-                  --disaggregation-transfer-backend mooncake --kvstore HOST:PORT ...
-        -> a prefill or decode instance of the mesh (`pdmesh prefill` / `decode`); where
+                  --disaggregation-transfer-backend mooncake ...
+        -> a prefill or decode instance of the mesh (`pdmesh prefill` / `decode`; the
+           kvstore is the registry's unless --kvstore names one); where
            SGLang's router (`sglang_router.launch_router --pd-disaggregation`) would
            stand, `pdmesh gateway` routes over the registry:
     pdmesh sglang-router --pd-disaggregation --prefill URL --decode URL --model-path M ...

@@ -9,6 +9,13 @@ gateway instead: a `vllm serve` command line, with `vllm` replaced by `pdmesh`, 
 as it is (--host, --port, --api-key go to the gateway; the engine flags to the
 instance). Each engine's command line is checked the way the engine checks it before
 anything starts. Without a model it makes the tiny demo model first.
+
+A `vllm serve` line of a PD deployment (--kv-transfer-config with kv_role "kv_producer"
+or "kv_consumer", as the seeds' P and D nodes run it) becomes that instance of the mesh
+instead: this process turns into `pdmesh prefill` / `pdmesh decode` with the line's
+flags (--host and --port its gRPC listener), which finds the kvstore in the registry;
+`pdmesh gateway` stands where vLLM's PD proxy would. The gateway's own flags are listed
+as without effect there.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from urllib.parse import urlparse
 
 from pdmesh.shared.config.command_line import to_words
 from pdmesh.shared.config.flags import FLAGS
-from pdmesh.shared.config.serve import ServeConfig, api_key, serve_config
+from pdmesh.shared.config.serve import KV_ROLE_OF, ServeConfig, api_key, serve_config
 from pdmesh.shared.infra.bindhost import bound_env
 from pdmesh.shared.infra.launcher import Service, die_with_parent
 from pdmesh.shared.infra.signals import SignalStop
@@ -115,15 +122,17 @@ def plan(cfg: ServeConfig) -> Plan:
              "decode": [*common, *cfg.decode_flags.split()],
              "mixed": [*common, *cfg.decode_flags.split()]}
     ranks = {}
-    for role, _ in roles:  # (the kvstore's address is not known yet; each engine finds its
-        pool = [] if role == "mixed" else ["--kvstore", "127.0.0.1:1"]  # device itself)
-        checked = serve_config(role, [str(model), *pool, *words[role]], device="cpu")
+    for role, _ in roles:  # (each engine finds its device itself)
+        checked = serve_config(role, [str(model), *words[role]], device="cpu")
         ranks[role] = checked.data_parallel_size
     return Plan(model, cfg.served_model_name or (model.name,), roles, words, ranks, log_dir)
 
 
 def run(cfg: ServeConfig) -> int:
-    """`pdmesh up`: the PD mesh; `pdmesh serve`: one mixed instance (no pool)."""
+    """`pdmesh up`: the PD mesh; `pdmesh serve`: one mixed instance (no pool), or the
+    prefill / decode instance its kv_role names."""
+    if cfg.command == "serve" and cfg.kv_role in KV_ROLE_OF:
+        return _become_pd_instance(cfg)
     p = plan(cfg)
     stop = SignalStop().install()
     started: list[Service] = []
@@ -165,6 +174,30 @@ def run(cfg: ServeConfig) -> int:
         if redis is not None:
             redis.stop()
     return 0
+
+
+def pd_instance_line(cfg: ServeConfig) -> tuple[list[str], list[str]]:
+    """(the `pdmesh prefill` / `decode` line a PD `serve` line stands for, the flags it
+    gives that only the gateway takes)."""
+    role = KV_ROLE_OF[cfg.kv_role]
+    taken = [f.name for f in FLAGS if role in f.commands]
+    words = [role, *to_words(cfg.flags, taken)]
+    if cfg.model and "--model" not in words:
+        words.insert(1, str(cfg.model))
+    idle = sorted(n for n in cfg.flags.shown if n not in taken)
+    return words, idle
+
+
+def _become_pd_instance(cfg: ServeConfig) -> int:
+    words, idle = pd_instance_line(cfg)
+    print(f"[serve] kv_role {cfg.kv_role!r}: a {words[0]} instance of the mesh (vLLM's "
+          f"{'P' if words[0] == 'prefill' else 'D'} node; `pdmesh gateway` is the PD proxy)",
+          flush=True)
+    for name in idle:
+        print(f"[serve] {name}: without effect on a {words[0]} instance (a gateway flag: "
+              f"give it to `pdmesh gateway`)", file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "pdmesh", *words])
+    return 0  # (not reached)
 
 
 class MeshRedis:

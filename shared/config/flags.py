@@ -157,8 +157,9 @@ FLAGS: list[Flag] = [
          "SGLang's spelling of --no-enable-prefix-caching"),
     # -- serving an engine --------------------------------------------------------------
     *_flags(ENGINE_LINE,
-            ("--kvstore", "str", None, "the kvstore service's gRPC address (prefill and "
-             "decode need one; a mixed instance runs without a pool)", POOLED),
+            ("--kvstore", "str", None, "the kvstore service's gRPC address (default: the "
+             "one the registry lists, waited for; a mixed instance runs without a pool)",
+             POOLED),
             ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool",
              POOLED),
             ("--kv-load-timeout", "float", 10.0, "seconds a prompt's read from the KV pool "

@@ -123,7 +123,7 @@ def read_config(flags: Flags, *, device: str | None = None,
         eplb_config=flags.eplb_config or {}, scheduling_policy=policy,
         enforce_eager=flags.enforce_eager,
         speculative_method=(flags.speculative_config or {}).get("method"))
-    device = device or _device(flags.device)
+    device = device or _device(flags.device, checking=flags.command == "config check")
     additional = parse_additional_config(flags.additional_config, env=env, device=device,
                                          engine_args=engine_args)
     return ServeConfig(flags.command, flags, role, kv_role, kv_transfer, additional,
@@ -161,8 +161,6 @@ def resolve(config: ServeConfig) -> ServeConfig:
     if f.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size: {f.tensor_parallel_size} is not supported "
                          "yet; pdmesh runs one model replica per instance (use 1)")
-    if config.command in ENGINES and config.role != "mixed" and not f.kvstore:
-        raise ValueError(f"--kvstore: a {config.role} instance needs the kvstore's address")
     from pdmesh.shared.config.engine_config import serving_engine_config
 
     return dataclasses.replace(config, engine=serving_engine_config(config))
@@ -264,7 +262,11 @@ def api_key(f: Any, env: Mapping[str, str] | None = None) -> str | None:
     return next((env[name] for name in API_KEY_ENV if env.get(name)), None)
 
 
-def _device(device: str) -> str:
+def _device(device: str, checking: bool = False) -> str:
+    """The device ``--device`` resolves to; `config check` takes a named one as it is (it
+    checks a line for that device, which this machine need not have)."""
+    if checking and device != "auto":
+        return device
     from pdmesh.shared.kernels import resolve_device
 
     return resolve_device(device)

@@ -68,17 +68,18 @@ def bound_env(host: str, env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def ensure_bound(host: str) -> None:
-    """Re-execute this process (``python -m pdmesh`` with the same arguments, the same
-    pid) with ``bound_env(host)``, unless it runs with it already. Returns only when
-    nothing had to change."""
+def ensure_bound(host: str, argv: list[str] | None = None) -> None:
+    """Re-execute this process (``python -m pdmesh`` with ``argv``, default the same
+    arguments; the same pid) with ``bound_env(host)``, unless it runs with it already.
+    Returns only when nothing had to change."""
     env = bound_env(host)
     if env == dict(os.environ):
         return
     if HOST_VAR in env and os.environ.get(HOST_VAR) != host:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "pdmesh", *sys.argv[1:]], env)
+        args = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "pdmesh", *args], env)
     os.environ.update(env)  # no shim to preload: the variables still help
     if shim_path() is None and host not in WILDCARDS and is_address(host):
         log.warning("built without the bind shim (no C compiler at install): Mooncake's "

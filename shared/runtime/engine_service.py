@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdmesh.shared.config.serve import ServeConfig
+from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.infra.tracing import endpoint_from_args
 from pdmesh.shared.kvpool.base import KVPool
 from pdmesh.shared.runtime.edge import EdgeConfig, edge_port, start_edge, stop_edge
@@ -84,7 +86,9 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
 
     pool = None
     if role.name != "mixed":
-        pool = connect_pool(cfg, host.settings.reach)
+        pool = connect_pool(cfg, host.settings.reach, host.signals)
+        if pool is None:
+            return 0  # stopped before a kvstore came
         host.at_close(pool.close)
     engine = EngineCore(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
     eplb = _rank_eplb(cfg, role.name, engine)
@@ -169,21 +173,31 @@ def _rank_eplb(a: ServeConfig, role: str, engine):
                     record_path=config.expert_map_record_path)
 
 
-def connect_pool(cfg: ServeConfig, host: str) -> KVPool:
+def connect_pool(cfg: ServeConfig, host: str, stop: SignalStop) -> KVPool | None:
     """Ask the kvstore where its Mooncake master is, join the pool, and follow the
     master should it come back elsewhere (the kvstore at ``--kvstore``, or any kvstore
-    the registry lists, says where)."""
+    the registry lists, says where). Without ``--kvstore`` (vLLM's and SGLang's PD lines
+    name none) the registry's kvstore, waited for as long as the ready timeout; None:
+    ``stop`` came first."""
+    from pdmesh.shared.infra.launcher import ready_timeout_s
     from pdmesh.shared.kvpool.following import FollowingPool
     from pdmesh.shared.kvpool.mooncake import MooncakePool
 
-    if not cfg.kvstore:
-        raise ValueError("--kvstore: prefill and decode instances need the kvstore's "
-                         "address")
     resolve = MasterFinder(cfg.kvstore, cfg.redis_url, cfg.registry_prefix)
     first = resolve()
+    if first is None and not cfg.kvstore:
+        timeout_s = ready_timeout_s()
+        log.warning("no --kvstore and none in the registry yet (%s, prefix %r): waiting up "
+                    "to %.0f s for one", cfg.redis_url, cfg.registry_prefix, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while first is None and time.monotonic() < deadline:
+            if stop.wait(0.5):
+                return None
+            first = resolve()
     if first is None:
-        raise ConnectionError(f"--kvstore: no kvstore answers at {cfg.kvstore} (nor any "
-                              "the registry lists)")
+        where = (f"at {cfg.kvstore} (nor any the registry lists)" if cfg.kvstore else
+                 f"in the registry ({cfg.redis_url}, prefix {cfg.registry_prefix!r})")
+        raise ConnectionError(f"--kvstore: no kvstore answers {where}")
 
     def connect(master: tuple[str, str]) -> KVPool:
         return MooncakePool(*master, local_hostname=host,
@@ -193,10 +207,11 @@ def connect_pool(cfg: ServeConfig, host: str) -> KVPool:
 
 
 class MasterFinder:
-    """Where the Mooncake master is now: the Stats of the kvstore at ``address``, else
-    of the kvstores in the registry (the most recently heard first)."""
+    """Where the Mooncake master is now: the Stats of the kvstore at ``address`` (if one
+    is given), else of the kvstores in the registry (the most recently heard first)."""
 
-    def __init__(self, address: str, redis_url: str, prefix: str, timeout_s: float = 2.0):
+    def __init__(self, address: str | None, redis_url: str, prefix: str,
+                 timeout_s: float = 2.0):
         self.address = address
         self.redis_url = redis_url
         self.prefix = prefix
@@ -204,7 +219,7 @@ class MasterFinder:
         self._registry = None
 
     def __call__(self) -> tuple[str, str] | None:
-        for address in [self.address, *self._registered()]:
+        for address in [*filter(None, [self.address]), *self._registered()]:
             found = self._ask(address)
             if found is not None:
                 return found

@@ -43,3 +43,19 @@ def test_short_request_first_with_sglang_priority_scheduling_is_refused():
     assert r.returncode == 2
     assert "short_request_first_config.enabled" in r.stderr
     assert "--enable-priority-scheduling" in r.stderr
+
+
+def test_checks_a_line_for_a_device_this_machine_lacks():
+    """--device npu checks what an Ascend instance would run (this machine has no NPU):
+    the Ascend-only keys are listed as without effect there too, by name."""
+    ascend = ('{"enable_cpu_binding": true, "multistream_overlap_shared_expert": false, '
+              '"ascend_compilation_config": {"enable_npugraph_ex": true}}')
+    r = check("--device", "npu", "--role", "decode", "--additional-config", ascend)
+    assert r.returncode == 0, r.stderr
+    inactive = next(line for line in r.stderr.splitlines() if line.startswith("inactive on"))
+    assert inactive.startswith("inactive on npu: ")
+    assert set(inactive.split(": ", 1)[1].split(", ")) == {
+        "ascend_compilation_config", "enable_cpu_binding", "multistream_overlap_shared_expert"}
+    assert "npu backend does not implement" in r.stderr
+    r = check("--device", "tpu")
+    assert r.returncode == 2 and "--device" in r.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -69,9 +70,8 @@ def test_the_disaggregation_mode_picks_the_instance():
     assert translate(["--model-path", "m", "--port", "8000"])[0][-2:] == ["--port", "8000"]
     line, warnings = translate(["--model-path", "m", "--disaggregation-mode=prefill",
                                 "--disaggregation-transfer-backend", "ascend",
-                                "--disaggregation-bootstrap-port", "8998",
-                                "--kvstore", "127.0.0.1:1"])
-    assert line == ["prefill", "--model-path", "m", "--kvstore", "127.0.0.1:1"]
+                                "--disaggregation-bootstrap-port", "8998"])
+    assert line == ["prefill", "--model-path", "m"]
     assert any("bootstrap-port" in w for w in warnings)
     assert translate(["--disaggregation-mode", "decode"])[0][0] == "decode"
     with pytest.raises(ValueError, match="--disaggregation-mode: must be one of"):
@@ -151,20 +151,29 @@ def test_a_router_line_without_the_model_or_a_value_is_refused():
 
 def test_sglang_pd_shape_serves(qwen3_path, tmp_path, registry_prefix):
     """SGLang's PD launch shape - a prefill and a decode `launch_server` line and the
-    router's line - runs as the mesh and answers like the offline engine."""
+    router's line, as SGLang writes them (no kvstore address: each instance finds the
+    kvstore in the registry, waiting for one started after it) - runs as the mesh and
+    answers like the offline engine."""
     from pdmesh.shared.engine import LLM, SamplingParams
     from pdmesh.shared.infra.launcher import Service
 
     reg = ["--registry-prefix", registry_prefix + "-sglpd"]
     started: list[Service] = []
     try:
-        kv = Service("kvstore", ["kvstore", *reg], tmp_path)
-        started.append(kv)
         for mode in ("prefill", "decode"):
             started.append(Service(mode, [
                 "sglang", "--model-path", str(qwen3_path), "--disaggregation-mode", mode,
-                "--disaggregation-transfer-backend", "mooncake", "--kvstore", kv.address,
-                "--device", "cpu", "--port", "0", "--page-size", "16", *reg], tmp_path))
+                "--disaggregation-transfer-backend", "mooncake", "--device", "cpu",
+                "--port", "0", "--page-size", "16", *reg], tmp_path, wait=False))
+        engines = list(started)
+        deadline = time.monotonic() + 120
+        while not all("waiting up to" in e.log_path.read_text() for e in engines):
+            assert time.monotonic() < deadline, "an engine did not wait for the kvstore"
+            assert all(e.proc.poll() is None for e in engines), "an engine exited"
+            time.sleep(0.2)
+        started.append(Service("kvstore", ["kvstore", *reg], tmp_path))
+        for engine in engines:
+            engine.wait_ready()
         router = Service("gateway", [
             "sglang-router", "--pd-disaggregation", "--prefill", "http://127.0.0.1:30000",
             "--decode", "http://127.0.0.1:30001", "--host", "127.0.0.1", "--port", "0",

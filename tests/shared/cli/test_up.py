@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -141,6 +142,54 @@ def test_serve_runs_a_vllm_serve_command_line(qwen3_path, tmp_path, registry_pre
         assert "without effect: --trust-remote-code" in mixed_log
     finally:
         shut(proc, prefix)
+
+
+def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
+                                                      registry_prefix):
+    """The seeds' P and D lines (`vllm serve` with kv_role kv_producer / kv_consumer, no
+    kvstore address) start a prefill and a decode instance of the mesh, which find the
+    kvstore in the registry; the gateway, as the PD proxy, answers like the offline
+    engine. A gateway flag on such a line is listed as without effect."""
+    from pdmesh.shared.infra.launcher import Service
+    from pdmesh.shared.infra.registry import Registry
+
+    reg = ["--registry-prefix", registry_prefix + "-vllmpd"]
+    seed = ["--enable-expert-parallel", "--seed", "1024", "--max-num-batched-tokens", "120",
+            "--block-size", "16", "--trust-remote-code", "--device", "cpu",
+            "--host", "127.0.0.1", "--port", "0", *reg]
+    started: list[Service] = []
+    try:
+        started.append(Service("kvstore", ["kvstore", *reg], tmp_path))
+        for role, kv_role, extra in (
+                ("prefill", "kv_producer", ["--max-num-seqs", "16", "--enforce-eager"]),
+                ("decode", "kv_consumer", ["--max-num-seqs", "60", "--no-enable-prefix-caching",
+                                           "--stall-timeout", "30"])):
+            transfer = {"kv_connector": "MooncakeHybridConnector", "kv_role": kv_role,
+                        "kv_port": "30000", "engine_id": "0"}
+            started.append(Service(role, ["serve", str(qwen3_path), *seed, *extra,
+                                          "--kv-transfer-config", json.dumps(transfer)],
+                                   tmp_path))
+        prefill_log, decode_log = (s.log_path.read_text() for s in started[1:])
+        assert "a prefill instance of the mesh" in prefill_log
+        assert "a decode instance of the mesh" in decode_log
+        assert "--stall-timeout: without effect on a decode instance" in decode_log
+        gateway = Service("gateway", ["gateway", str(qwen3_path), "--host", "127.0.0.1",
+                                      "--port", "0", *reg], tmp_path)
+        started.append(gateway)
+        r = httpx.post(gateway.info["http"] + "/v1/completions", timeout=60, json={
+            "model": str(qwen3_path), "prompt": [5, 6, 7, 8, 9], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        want = LLM(str(qwen3_path), device="cpu", block_size=16).generate(
+            [[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        registry = Registry("redis://127.0.0.1:6379/0", registry_prefix + "-vllmpd")
+        assert [i.address for i in registry.instances(role="prefill")] == [
+            started[1].address]
+        assert [i.address for i in registry.instances(role="decode")] == [started[2].address]
+    finally:
+        for s in reversed(started):
+            s.stop()
 
 
 def test_up_restarts_what_dies_and_dies_with_its_children(qwen3_path, tmp_path,

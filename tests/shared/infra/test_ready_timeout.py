@@ -50,3 +50,20 @@ def _popen_sleeper(popen):
         return popen([sys.executable, "-c", "import time; print('loading', flush=True); "
                       "time.sleep(60)"], **kw)
     return start
+
+
+def test_an_engine_without_a_kvstore_waits_the_ready_timeout_then_names_the_flag(
+        qwen3_path, registry_prefix):
+    """No --kvstore and none in the registry: the prefill instance waits for one (saying
+    so) for the ready timeout, then stops with one message naming --kvstore."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PDMESH_READY_TIMEOUT_S": "2"}
+    r = subprocess.run([sys.executable, "-m", "pdmesh", "prefill", str(qwen3_path),
+                        "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+                        "--registry-prefix", registry_prefix + "-nokv"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "waiting up to 2 s" in r.stderr
+    assert "pdmesh: error: --kvstore: no kvstore answers in the registry" in r.stderr
