@@ -24,6 +24,8 @@ command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
 python3 -c 'import ensurepip' >/dev/null 2>&1 || apt_pkgs+=(python3-venv)
 # tests validate docker-compose.yml offline with `docker-compose config`
 command -v docker-compose >/dev/null 2>&1 || apt_pkgs+=(docker-compose)
+# and render the Kubernetes overlays with `kubectl kustomize` (any kubectl will do)
+command -v kubectl >/dev/null 2>&1 || apt_pkgs+=(kubernetes-client)
 # the bind shim (shared/infra/bindhost.c) is compiled at install
 command -v cc >/dev/null 2>&1 || apt_pkgs+=(gcc libc6-dev)
 if [ ${#apt_pkgs[@]} -gt 0 ]; then

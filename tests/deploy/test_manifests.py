@@ -4,7 +4,6 @@ and every service command against pdmesh's own command line."""
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -116,37 +115,65 @@ def test_k8s_commands_and_probes_parse():
             parses(probe["exec"]["command"][1:])
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "npu"])
-def test_overlays(overlay):
-    kust = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
-    assert kust["resources"] == ["../../base"]
-    assert kust["images"][0]["newTag"] == overlay
-    gen = kust["configMapGenerator"][0]
-    assert gen["name"] == "pdmesh-flags" and f"DEVICE={overlay}" in gen["literals"]
-    base = {d["metadata"]["name"]: d for d in k8s_docs(K8S / "base")
-            if d["kind"] == "Deployment"}
-    for patch in kust.get("patches", []):
-        ops = yaml.safe_load((K8S / "overlays" / overlay / patch["path"]).read_text())
-        names = [n for n in base if re.fullmatch(patch["target"]["name"], n)]
-        assert names, patch
-        for name in names:
-            patched = apply_json_patch(base[name], ops)
-            kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
-            limits = patched["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-            assert limits["huawei.com/Ascend910"] == 1
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 
 
-def apply_json_patch(doc: dict, ops: list[dict]) -> dict:
-    """The "add" operations kustomize applies (RFC 6902), enough for these overlays."""
-    out = copy.deepcopy(doc)
-    for op in ops:
-        assert op["op"] == "add", op
-        *parents, last = [p for p in op["path"].split("/") if p]
-        node = out
-        for p in parents:
-            node = node[int(p)] if isinstance(node, list) else node[p]
-        node[last] = op["value"]
-    return out
+def kustomize(folder: Path) -> list[dict]:
+    """The objects `kubectl kustomize` renders from ``folder`` (written in the form both
+    Debian's kubectl 1.20 - kustomize v2 - and current ones render)."""
+    exe = shutil.which("kubectl")
+    assert exe, "kubectl is not installed (scripts/setup.sh installs kubernetes-client)"
+    run = subprocess.run([exe, "kustomize", str(folder)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    return [d for d in yaml.safe_load_all(run.stdout) if d]
+
+
+def pod_templates(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_holds_together(overlay):
+    """Rendered by kubectl: every object validates; every pod's ConfigMap exists; every
+    Service and NetworkPolicy selects pods that exist; the image and DEVICE match."""
+    docs = kustomize(K8S / "overlays" / overlay)
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    device = "cpu" if overlay == "cpu" else "npu"
+    [configmap] = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert configmap["data"]["DEVICE"] == device
+    pods = pod_templates(docs)
+    labels = [t["metadata"].get("labels", {}) for t in pods.values()]
+    for name, template in pods.items():
+        for c in template["spec"]["containers"]:
+            if c["image"].startswith("pdmesh"):
+                assert c["image"] == f"pdmesh:{device}", name
+            for ref in c.get("envFrom", []):
+                assert ref["configMapRef"]["name"] == configmap["metadata"]["name"], name
+    for d in docs:
+        if d["kind"] == "Service":
+            selector = d["spec"]["selector"]
+        elif d["kind"] == "NetworkPolicy":
+            selector = d["spec"]["podSelector"].get("matchLabels", {})
+        else:
+            continue
+        assert any(selector.items() <= pod.items() for pod in labels), d["metadata"]["name"]
+    if device == "npu":
+        for name, template in pods.items():
+            c = template["spec"]["containers"][0]
+            if template["metadata"]["labels"]["app"] in ("prefill", "decode"):
+                assert c["resources"]["limits"]["huawei.com/Ascend910"] >= 1, name
+
+
+def test_base_and_overlays_keep_one_kustomize_form():
+    """The fields kustomize v2 (Debian's kubectl) knows, so that any kubectl renders them."""
+    v2_fields = {"apiVersion", "kind", "resources", "bases", "images", "commonLabels",
+                 "configMapGenerator", "patchesJson6902", "patchesStrategicMerge"}
+    for kust in K8S.glob("**/kustomization.yaml"):
+        fields = set(yaml.safe_load(kust.read_text()))
+        assert fields <= v2_fields, (kust, fields - v2_fields)
 
 
 def test_engine_pods_drain_before_they_are_killed():

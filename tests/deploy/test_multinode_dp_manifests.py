@@ -9,26 +9,19 @@ import json
 import subprocess
 import sys
 
-import kubernetes_validate
-import yaml
-
 from pdmesh.cli import parse_args
 from pdmesh.shared.runtime.dp_launcher import device_env, local_ranks
-from tests.deploy.test_manifests import K8S, K8S_VERSION, k8s_docs
+from tests.deploy.test_manifests import K8S, k8s_docs, kustomize
 
 OVERLAY = K8S / "overlays" / "npu-multinode-dp"
 
 
 def test_overlay_replaces_the_decode_deployment_with_the_statefulset():
-    kust = yaml.safe_load((OVERLAY / "kustomization.yaml").read_text())
-    assert kust["resources"] == ["../npu", "decode-dp.yaml"]
-    deleted = yaml.safe_load(kust["patches"][0]["patch"])
-    assert deleted["$patch"] == "delete"
-    assert (deleted["kind"], deleted["metadata"]["name"]) == ("Deployment", "decode")
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs(OVERLAY)}
-    assert set(docs) == {("StatefulSet", "decode-dp"), ("Service", "decode-dp")}
-    for d in docs.values():
-        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in kustomize(OVERLAY)}
+    npu = {(d["kind"], d["metadata"]["name"]) for d in kustomize(OVERLAY.parent / "npu")}
+    assert rendered == npu - {("Deployment", "decode")} | {("StatefulSet", "decode-dp"),
+                                                            ("Service", "decode-dp")}
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in kustomize(OVERLAY)}
     sts, svc = docs[("StatefulSet", "decode-dp")], docs[("Service", "decode-dp")]
     # the base's decode Service and NetworkPolicies select the pods; the headless Service
     # names them before they are ready (rank 0 waits for every rank)
@@ -37,7 +30,7 @@ def test_overlay_replaces_the_decode_deployment_with_the_statefulset():
     assert svc["spec"]["publishNotReadyAddresses"] is True
 
 
-def _pod_command(sts: dict, ordinal: int, tmp_path) -> list[str]:
+def pod_command(sts: dict, ordinal: int, tmp_path, ip: str | None = None) -> list[str]:
     """What the pod's container hands pdmesh: its shell line run with its environment,
     `pdmesh` a stub that prints its arguments."""
     container = sts["spec"]["template"]["spec"]["containers"][0]
@@ -48,8 +41,9 @@ def _pod_command(sts: dict, ordinal: int, tmp_path) -> list[str]:
     base = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs(K8S / "base")}
     env = dict(base[("ConfigMap", "pdmesh-flags")]["data"], DEVICE="npu")
     for item in container["env"]:
-        env[item["name"]] = item.get("value", f"10.0.0.{ordinal + 1}")  # fieldRefs: pod IP
-    env.update(HOSTNAME=f"decode-dp-{ordinal}", PATH=f"{stub.parent}:/usr/bin:/bin")
+        env[item["name"]] = item.get("value", ip or f"10.0.0.{ordinal + 1}")  # fieldRefs
+    env.update(HOSTNAME=f"{sts['metadata']['name']}-{ordinal}",
+               PATH=f"{stub.parent}:/usr/bin:/bin")
     assert container["command"] == ["sh", "-c"]
     run = subprocess.run(["sh", "-c", container["args"][0]], env=env, capture_output=True,
                          text=True, timeout=30, check=True)
@@ -62,7 +56,7 @@ def test_each_pod_runs_its_own_eight_ranks(tmp_path):
         "huawei.com/Ascend910"]
     covered = []
     for ordinal in range(sts["spec"]["replicas"]):
-        argv = _pod_command(sts, ordinal, tmp_path)
+        argv = pod_command(sts, ordinal, tmp_path)
         flags = parse_args(argv, resolve=False)[2]
         assert argv[0] == "decode" and flags.device == "npu"
         assert flags.data_parallel_address == "decode-dp-0.decode-dp"
