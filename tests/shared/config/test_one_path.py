@@ -61,6 +61,30 @@ def test_a_seed_line_starts_a_service_exactly_as_config_check_says():
     assert "--speculative-config" in config.accepted_without_effect
 
 
+@pytest.mark.parametrize("case", GOOD_SEEDS, ids=lambda c: c.name)
+def test_every_seed_line_runs_on_cpu_or_names_the_one_flag_it_cannot(case, qwen3_path):
+    """Each seed line, its model swapped for the tiny one, either builds an engine on cpu
+    that generates (the flags beyond cpu listed as without effect), or is refused with one
+    line naming a flag of that line and why."""
+    from pdmesh.shared.engine import SamplingParams
+    from pdmesh.shared.engine.engine import EngineCore
+
+    words = [str(qwen3_path), *seed_words(case)[1:]]
+    role = engine_role(parse_command_line("config check", words))
+    try:
+        config = serve_config(role, [*words, "--device", "cpu"])
+    except ValueError as e:
+        flag, _, why = str(e).partition(": ")
+        assert flag.startswith("--") and flag in case.command and why and "\n" not in why
+        return
+    engine = EngineCore(config.engine)
+    request = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4,
+                                                              ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(request.output_token_ids) == 4
+
+
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pdmesh", *args], capture_output=True,
                           text=True, timeout=120)
