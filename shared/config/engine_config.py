@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.spec_decode import NGRAM_METHODS, SpeculativeConfig
 
 # vLLM's defaults for `vllm serve` on CPU (the offline LLM keeps the larger ones)
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 2048
@@ -39,6 +40,13 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
         config = dataclasses.replace(config, kv_load_timeout_s=cfg.flags.kv_load_timeout)
     if sched.recompute_scheduler_enable and cfg.role == "decode":  # (a warning elsewhere)
         config = dataclasses.replace(config, recompute_scheduler=True)
+    spec = cfg.flags.speculative_config
+    if isinstance(spec, dict) and spec.get("method") in NGRAM_METHODS:
+        try:
+            config = dataclasses.replace(config,
+                                         speculative_config=SpeculativeConfig.from_dict(spec))
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
     config.validate()
     return config
 

@@ -192,6 +192,10 @@ FLAGS: list[Flag] = [
             ("--eplb-address", "str", None, "the EPLB controller's gRPC address (default: "
              "the one in the registry)"),
             ("--enforce-eager", "bool", False, "run eagerly (pdmesh always does)"),
+            ("--speculative-config", "json", None, 'speculative decoding, as vLLM: {"method": '
+             '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": n, '
+             '"prompt_lookup_max": m}; other methods (mtp, deepseek_mtp, eagle, ...) are not '
+             "run yet: accepted, listed without effect"),
             ("--kv-transfer-config", "json", None, 'JSON: {"kv_connector": ..., "kv_role": '
              '"kv_producer" | "kv_consumer" | "kv_both", ...}'),
             ("--additional-config", "str", "{}", "vLLM-Ascend's additional config (JSON), "
@@ -302,8 +306,7 @@ FLAGS: list[Flag] = [
     # -- SGLang's launch_server flags (Ascend-supported) accepted without effect ---------
     *_compat(*WITHOUT_EFFECT),
     # -- `vllm serve` flags accepted without effect -------------------------------------
-    *_compat(("--speculative-config", "json"),
-             ("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
+    *_compat(("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
              ("--quantization", "str", ("-q",)),
              ("--compilation-config", "json"), ("--async-scheduling", "bool"),
              ("--trust-remote-code", "bool"), ("--api-server-count", "int"),

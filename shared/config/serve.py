@@ -27,6 +27,7 @@ from pdmesh.shared.config.engine_args import EngineArgs
 from pdmesh.shared.config.flags import ENGINES
 from pdmesh.shared.config.parse import parse_additional_config
 from pdmesh.shared.config.schema import AdditionalConfig
+from pdmesh.shared.engine.spec_decode import NGRAM_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,14 @@ def read_config(flags: Flags, *, device: str | None = None,
     the cross-key rules (on ``device``: default the one --device resolves to)."""
     role = engine_role(flags)
     compat = tuple(flags.without_effect)
+    spec_warnings: list[str] = []
+    spec = getattr(flags, "speculative_config", None)
+    method = spec.get("method") if isinstance(spec, dict) else None
+    if spec is not None and method not in NGRAM_METHODS:
+        compat += ("--speculative-config",)
+        spec_warnings.append(f"--speculative-config: method {method!r} is not run yet "
+                             "(pdmesh drafts with \"ngram\" so far); decoding one token a "
+                             "step")
     if role is None:
         return ServeConfig(flags.command, flags, accepted_without_effect=compat)
     kv_transfer = dict(flags.kv_transfer_config or {})
@@ -130,7 +139,7 @@ def read_config(flags: Flags, *, device: str | None = None,
                        engine_args, prio.low_values_first, prio.preemption_threshold,
                        prio.default_priority, device, env=dict(env or {}),
                        warnings=tuple(additional.warnings),
-                       flag_warnings=(*prio.warnings, *kv_warnings),
+                       flag_warnings=(*prio.warnings, *kv_warnings, *spec_warnings),
                        accepted_without_effect=compat)
 
 

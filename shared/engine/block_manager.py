@@ -344,6 +344,23 @@ class KVCacheManager:
                     pool.unregister(b)
             h.registered = min(h.registered, first_block)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first ``num_tokens`` tokens (the
+        positions of rejected draft tokens), in every group. They were never made
+        findable by hash: only blocks full of the request's own tokens are."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return
+        keep = self.blocks_for(num_tokens)
+        for pool, h in zip(self.pools, held, strict=True):
+            if len(h.blocks) <= keep:
+                continue
+            gone = [b for b in h.blocks[keep:] if b is not None]
+            del h.blocks[keep:]
+            del h.ids[keep:]
+            pool.free(gone)
+            h.registered = min(h.registered, keep)
+
     def pin(self, request: Request) -> list[list[KVBlock]]:
         """One more reference on each of the request's blocks, so they keep their content
         after the request ends (a pool put still reading them); ``unpin`` gives it back."""

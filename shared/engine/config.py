@@ -68,6 +68,9 @@ class EngineConfig:
     # Pool instances: a prompt's pool read still running after this many seconds is
     # given up and the prompt computed here (None or 0: wait for it)
     kv_load_timeout_s: float | None = 10.0
+    # speculative decoding: vLLM's speculative_config (a dict, as `LLM(...,
+    # speculative_config={...})` takes it, or a spec_decode.SpeculativeConfig); None: off
+    speculative_config: Any = None
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,13 @@ from pdmesh.shared.engine.policy import policy_from_config
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler
 from pdmesh.shared.engine.sampling_params import SamplingParams
-from pdmesh.shared.engine.scheduler import Scheduler
+from pdmesh.shared.engine.scheduler import Scheduler, SchedulerOutput
+from pdmesh.shared.engine.spec_decode import (
+    SpecStats,
+    SpeculativeConfig,
+    drafts_allowed,
+    make_proposer,
+)
 from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
@@ -101,6 +108,10 @@ class EngineCore:
                                   layer_caches(self.cache_spec, caches,
                                                self.model_config.num_layers))
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
+        self.speculative = self._speculative_config()
+        self.proposer = (make_proposer(self.speculative) if self.speculative is not None
+                         else None)
+        self.spec_stats = SpecStats()
         self.connector = None
         if kv_pool is not None:
             self.connector = PoolConnector(
@@ -190,6 +201,12 @@ class EngineCore:
         layout = hashlib.blake2b(self.cache_spec.layout().encode(), digest_size=8).hexdigest()
         return (f"{model_fingerprint(self.config.model)}:{layout}:"
                 f"{str(self.dtype).removeprefix('torch.')}:{self.config.block_size}")
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        raw = self.config.speculative_config
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        return SpeculativeConfig.from_dict(raw)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -344,17 +361,14 @@ class EngineCore:
         try:
             logits, sample_idx = self.runner.execute(sched)
             if self.model.load_recorder is not None:
-                self.model.load_recorder.end_step(
-                    is_prefill=sched.total_tokens > len(sched.requests))
+                self.model.load_recorder.end_step(is_prefill=any(
+                    n > 1 and i not in sched.drafts for i, n in enumerate(sched.num_tokens)))
         except BaseException:
             # This step's full blocks were made findable by hash before being computed:
             # forget every cached prefix rather than serve one that was never filled.
             self.kv.reset_prefix_cache()
             raise
-        sampled = self.sampler(logits, [sched.requests[i] for i in sample_idx])
-        for i, lp in zip(sample_idx, sampled.logprobs, strict=True):
-            if lp is not None:
-                sched.requests[i].logprobs.append(lp)
+        tokens: dict[int, Any] = self._sample(sched, logits, sample_idx)
         saving: set[int] = set()
         if self.connector is not None and self.connector.save_prompts:
             for i in sample_idx:  # these computed their prompt's last token just now
@@ -365,17 +379,64 @@ class EngineCore:
                                                    range(len(self.kv.groups))],
                                              req.num_tokens, self.kv.pin(req)))
                     saving.add(id(req))
-        tokens = dict(zip(sample_idx, sampled.token_ids, strict=True))
         finished = self.scheduler.update(sched, tokens)
-        decode_rows = sum(1 for n in sched.num_tokens if n == 1)
+        decoding = [n for i, n in enumerate(sched.num_tokens) if n == 1 or i in sched.drafts]
         self.step_costs.record(time.perf_counter() - t_start,
-                               sched.total_tokens - decode_rows, decode_rows)
+                               sched.total_tokens - sum(decoding), len(decoding))
         for req in finished:
             self._requests.pop(req.request_id, None)
+        if self.proposer is not None:
+            self._propose()
         done = {id(r) for r in finished} - saving  # those saving finish with their put
-        return saved + [StepOutput(sched.requests[i], [tokens[i]],
-                                   id(sched.requests[i]) in done)
+        return saved + [StepOutput(sched.requests[i], tokens[i] if i in sched.drafts
+                                   else [tokens[i]], id(sched.requests[i]) in done)
                         for i in sample_idx] + handed_back
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
+                ) -> dict[int, Any]:
+        """Position in the step -> its sampled token, or (a request that verified
+        drafts) the list of tokens it keeps. Logprobs go onto the requests."""
+        reqs = sched.requests
+        starts: dict[int, int] = {}
+        if not sched.drafts:
+            rows, plain = logits, sample_idx
+        else:
+            at = 0
+            for i in sample_idx:
+                starts[i] = at
+                at += 1 + len(sched.drafts[i].tokens) if i in sched.drafts else 1
+            plain = [i for i in sample_idx if i not in sched.drafts]
+            rows = logits[[starts[i] for i in plain]]
+        out: dict[int, Any] = {}
+        if plain:
+            sampled = self.sampler(rows, [reqs[i] for i in plain])
+            for i, token, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
+                out[i] = token
+                if lp is not None:
+                    reqs[i].logprobs.append(lp)
+        spec = [i for i in sample_idx if i in sched.drafts]
+        if spec:
+            drafts = [sched.drafts[i] for i in spec]
+            kept = self.sampler.verify(
+                torch.cat([logits[starts[i]:starts[i] + 1 + len(d.tokens)]
+                           for i, d in zip(spec, drafts, strict=True)]),
+                [reqs[i] for i in spec], drafts)
+            for i, d, tokens in zip(spec, drafts, kept, strict=True):
+                self.spec_stats.record(len(d.tokens), len(tokens) - 1)
+                out[i] = tokens
+        return out
+
+    def _propose(self) -> None:
+        """Drafts for the next step, for the running requests about to decode whose
+        sampling verification reproduces exactly."""
+        assert self.proposer is not None and self.speculative is not None
+        ready = [r for r in self.scheduler.running
+                 if r.num_tokens - r.num_computed_tokens == 1 and drafts_allowed(r)]
+        if not ready:
+            return
+        for req, drafts in zip(ready, self.proposer.propose(
+                ready, self.speculative.num_speculative_tokens), strict=True):
+            req.drafts = drafts if drafts.tokens else None
 
     def finish_saves(self) -> list[StepOutput]:
         """Put the prompts the last step completed into the pool; each request comes out

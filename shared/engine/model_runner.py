@@ -33,6 +33,8 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, list[int]]:
         """Run the model on one step. Returns (logits [S, V] float32, the positions in
         ``step.requests`` of the S requests that computed their last token and sample).
+        A request verifying drafts (``step.drafts``) computes its last token and them,
+        and has 1 + d rows, in order, where the others have one.
         ``every_row``: logits of every token computed this step instead, [T, V]."""
         bs = self.block_size
         reqs, counts = step.requests, step.num_tokens
@@ -55,8 +57,10 @@ class ModelRunner:
             qsl = np.arange(num_seqs + 1, dtype=np.int32)
         else:
             ids: list[int] = []
-            for r, s, n in zip(reqs, starts, counts, strict=True):
-                ids.extend(r.token_ids[s:s + n])
+            for i, (r, s, n) in enumerate(zip(reqs, starts, counts, strict=True)):
+                drafts = step.drafts.get(i)
+                tokens = r.token_ids if drafts is None else r.token_ids + drafts.tokens
+                ids.extend(tokens[s:s + n])
             input_ids = np.asarray(ids, dtype=np.int64)
             seq_idx = np.repeat(np.arange(num_seqs), counts)
             offsets = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -64,10 +68,17 @@ class ModelRunner:
             slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
             qsl = np.zeros(num_seqs + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
+        drafted = {i: len(d.tokens) for i, d in step.drafts.items()}
         sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
-                      if n == r.num_tokens]
-        logits_rows = (np.arange(len(input_ids)) if every_row
-                       else qsl[1:][sample_idx] - 1)
+                      if n == r.num_tokens + drafted.get(i, 0)]
+        if every_row:
+            logits_rows = np.arange(len(input_ids))
+        elif drafted:
+            logits_rows = np.concatenate([np.arange(qsl[i + 1] - 1 - drafted.get(i, 0),
+                                                    qsl[i + 1]) for i in sample_idx]
+                                         ) if sample_idx else np.zeros(0, dtype=np.int64)
+        else:
+            logits_rows = qsl[1:][sample_idx] - 1
 
         dev = self.device
         meta = AttentionMetadata(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdmesh.shared.engine.sampling_params import SamplingParams
 
@@ -85,6 +85,9 @@ class Request:
     kv_get_bytes: int = 0  # what its pool load and save moved
     kv_put_bytes: int = 0
     pool_gave_up: bool = False  # its pool read timed out: it computes its prompt here
+    # speculative decoding: what the proposer drafted after its last token, verified in
+    # its next step (spec_decode.Drafts; None: it decodes one token)
+    drafts: Any = None
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdmesh.shared.engine.request import Logprob, Request
+from pdmesh.shared.engine.spec_decode import Drafts, verify
 from pdmesh.shared.kernels import KernelBackend
 
 
@@ -28,6 +29,18 @@ def position_seed(seed: int, position: int) -> int:
 
 
 _MASK64 = (1 << 64) - 1
+
+
+def _position_generator(req: Request):
+    """``j`` -> the generator of the request's draws for its output position
+    num_output_tokens + j (None: an unseeded request draws from the global one)."""
+    def generator_for(j: int) -> torch.Generator | None:
+        if req.generator is None:
+            return None
+        req.generator.manual_seed(position_seed(req.sampling_params.seed,
+                                                req.num_output_tokens + j))
+        return req.generator
+    return generator_for
 
 
 @dataclass
@@ -63,6 +76,26 @@ class Sampler:
         if raw_logprobs is not None:
             lps = self._logprobs(raw_logprobs, tokens, params)
         return SamplerOutput(token_list, lps)
+
+    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[Drafts]
+               ) -> list[list[int]]:
+        """Speculative decoding's verification: ``logits`` [sum(1 + d_i), V] holds each
+        request's 1 + d_i positions in order (its last token, then its d_i drafts).
+        Returns each request's kept tokens (``spec_decode.verify``). Only requests that
+        ``drafts_allowed`` come here: no penalties, logprobs or pending min_tokens."""
+        counts = [1 + len(d.tokens) for d in drafts]
+        params = [r.sampling_params for r, n in zip(reqs, counts, strict=True)
+                  for _ in range(n)]
+        greedy = [p.is_greedy for p in params]
+        argmax = self.backend.greedy(logits)
+        probs = None if all(greedy) else self.probs(logits, params, greedy)
+        out, row = [], 0
+        for r, d, n in zip(reqs, drafts, counts, strict=True):
+            is_greedy = r.sampling_params.is_greedy
+            out.append(verify(None if is_greedy or probs is None else probs[row:row + n],
+                              argmax[row:row + n], d, is_greedy, _position_generator(r)))
+            row += n
+        return out
 
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows, cols = [], []
@@ -111,6 +144,21 @@ class Sampler:
         dev = logits.device
         params = [r.sampling_params for r in reqs]
         argmax = self.backend.greedy(logits)
+        probs = self.probs(logits, params, greedy)
+        generators = {}
+        for i, r in enumerate(reqs):
+            if r.generator is not None:  # its draw for this position, wherever it runs
+                r.generator.manual_seed(position_seed(r.sampling_params.seed,
+                                                      r.num_output_tokens))
+                generators[i] = r.generator
+        sampled = self.backend.random_sample(probs, generators)
+        greedy_t = torch.tensor(greedy, device=dev)
+        return torch.where(greedy_t, argmax, sampled)
+
+    def probs(self, logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:
+        """The distribution each row samples from: temperature (1 on greedy rows, which
+        take the argmax instead), top-k / top-p, min-p; [B, V]."""
+        dev = logits.device
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params,
                                                                           strict=True)],
                              dtype=torch.float32, device=dev)
@@ -127,15 +175,7 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
             floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < floor, 0.0)
-        generators = {}
-        for i, r in enumerate(reqs):
-            if r.generator is not None:  # its draw for this position, wherever it runs
-                r.generator.manual_seed(position_seed(r.sampling_params.seed,
-                                                      r.num_output_tokens))
-                generators[i] = r.generator
-        sampled = self.backend.random_sample(probs, generators)
-        greedy_t = torch.tensor(greedy, device=dev)
-        return torch.where(greedy_t, argmax, sampled)
+        return probs
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params: list
                   ) -> list[dict[int, Logprob] | None]:

@@ -28,6 +28,7 @@ from pdmesh.shared.engine.block_manager import KVCacheManager, PrefixHit
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.policy import SchedulingPolicy
 from pdmesh.shared.engine.request import Request, RequestStatus
+from pdmesh.shared.engine.spec_decode import Drafts
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class SchedulerOutput:
     requests: list[Request]  # scheduled this step
     num_tokens: list[int]  # new tokens computed for each, same order
     preempted: list[Request] = field(default_factory=list)  # lost their blocks this step
+    # speculative decoding: position in ``requests`` -> the drafts it verifies this step
+    # (counted in its ``num_tokens``: its last token plus the drafts)
+    drafts: dict[int, Drafts] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -127,8 +131,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate(req, n) and not self._make_room(req, n, out, scheduled):
+            drafts = self._drafts_to_verify(req, n, budget)
+            if drafts is not None and not self.kv.allocate(req, n + len(drafts.tokens)):
+                drafts = None  # no room for them: one token, as without speculation
+            if drafts is None and not self.kv.allocate(req, n) \
+                    and not self._make_room(req, n, out, scheduled):
                 continue  # req itself was preempted; self.running[i] is the next one
+            if drafts is not None:
+                out.drafts[len(out.requests)] = drafts
+                n += len(drafts.tokens)
             out.requests.append(req)
             out.num_tokens.append(n)
             scheduled.add(id(req))
@@ -196,6 +207,24 @@ class Scheduler:
             futures.wait([f for _, f, *_ in self.loading.values()], timeout=0.005,
                          return_when=futures.FIRST_COMPLETED)
         return out
+
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> Drafts | None:
+        """The drafts ``req`` verifies this step (taken off it), cut to what fits: the
+        step's token budget, max_model_len, and max_tokens (the drafts and the token
+        after them must not run past it); None: it decodes one token."""
+        drafts, req.drafts = req.drafts, None
+        if drafts is None or not drafts.tokens or n != 1:
+            return None
+        room = min(len(drafts.tokens), budget - 1, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        if room <= 0:
+            return None
+        if room < len(drafts.tokens):
+            drafts = Drafts(drafts.tokens[:room],
+                            None if drafts.probs is None else drafts.probs[:room])
+        return drafts
 
     # -- pool loads off the step (async_kv_load) --------------------------------------------
     def _start_load(self, req: Request, hit_tokens: int, pooled: int,
@@ -452,31 +481,46 @@ class Scheduler:
             self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.drafts = None
         req.num_preemptions += 1
         self.preemptions += 1
         if req.status is not RequestStatus.WAITING:
             req.transition(RequestStatus.WAITING)
         self.waiting.readd(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[int, Any]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what stopped.
 
-        ``sampled`` maps a position in ``out.requests`` to its new token; only requests
-        whose last known token was computed this step have one. Returns the finished.
+        ``sampled`` maps a position in ``out.requests`` to its new token, or to its list
+        of tokens (a request that verified drafts: the kept ones, then the target's);
+        only requests whose last known token was computed this step have any. A list is
+        cut, in place, after a token that finished its request; the positions of the
+        rejected drafts are not computed, and the blocks past the request's tokens go
+        back. Returns the finished.
         """
         finished = []
         for idx, (req, n) in enumerate(zip(out.requests, out.num_tokens, strict=True)):
+            tokens = sampled.get(idx)
+            drafts = out.drafts.get(idx)
+            if drafts is not None and tokens is not None:
+                n -= len(drafts.tokens) - (len(tokens) - 1)  # the rejected positions
             req.num_computed_tokens += n
-            token = sampled.get(idx)
-            if token is None:
+            if tokens is None:
                 continue
-            req.append_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            status = self.stop_status(req, token)
-            if status is not None:
-                self.finish(req, status)
-                finished.append(req)
+            many = isinstance(tokens, list)
+            for j, token in enumerate(tokens if many else [tokens]):
+                req.append_token(token)
+                if req.first_token_time is None:
+                    req.first_token_time = time.monotonic()
+                status = self.stop_status(req, token)
+                if status is not None:
+                    if many:
+                        del tokens[j + 1:]
+                    self.finish(req, status)
+                    finished.append(req)
+                    break
+            if drafts is not None and not req.is_finished:
+                self.kv.trim(req, req.num_tokens)
         return finished
 
     def stop_status(self, req: Request, token: int) -> RequestStatus | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, start_http_server
@@ -61,6 +62,10 @@ METRIC_NAMES: dict[str, str] = {
     "pdmesh_kv_load_timeouts_total": "worker",
     "pdmesh_num_preemptions_total": "worker",
     "pdmesh_requests_recomputed_total": "worker",
+    "pdmesh_spec_decode_num_drafts_total": "worker (speculative decoding)",
+    "pdmesh_spec_decode_num_draft_tokens_total": "worker (speculative decoding)",
+    "pdmesh_spec_decode_num_accepted_tokens_total": "worker (speculative decoding)",
+    "pdmesh_spec_decode_num_accepted_tokens_per_pos_total": "worker (speculative decoding)",
     "pdmesh_dp_bubble_blocks": "worker (DyntraLB)",
     "pdmesh_dyntralb_active": "worker (DyntraLB)",
     "pdmesh_dyntralb_pauses_total": "worker (DyntraLB)",
@@ -111,6 +116,22 @@ def counter(name: str, doc: str, labels: dict[str, str], value: float) -> Counte
     c = CounterMetricFamily(name, doc, labels=list(labels))
     c.add_metric(list(labels.values()), value)
     return c
+
+
+def _spec_metrics(stats: Any, labels: dict[str, str]) -> Iterator[Metric]:
+    """vLLM's spec_decode counters (engine.spec_stats)."""
+    yield counter("pdmesh_spec_decode_num_drafts", "Verifications of one request's draft "
+                  "tokens.", labels, stats.num_drafts)
+    yield counter("pdmesh_spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                  stats.num_draft_tokens)
+    yield counter("pdmesh_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                  labels, stats.num_accepted_tokens)
+    per_pos = CounterMetricFamily("pdmesh_spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by their position among the "
+                                  "drafts (0: the first).", labels=[*labels, "position"])
+    for position, accepted in enumerate(stats.accepted_per_position):
+        per_pos.add_metric([*labels.values(), str(position)], accepted)
+    yield per_pos
 
 
 # request phases take milliseconds to minutes
@@ -209,6 +230,8 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
                       "(recomputed here, or handed back).", labels, sched.preemptions)
         yield counter("pdmesh_requests_recomputed", "Requests the recompute scheduler "
                       "handed back to be re-prefilled elsewhere.", labels, sched.recomputed)
+        if loop.engine.speculative is not None:
+            yield from _spec_metrics(loop.engine.spec_stats, labels)
         lb = loop.engine.dyntralb
         if lb is not None:
             yield gauge("pdmesh_dp_bubble_blocks", "DP bubble at the last step: max - mean "

@@ -144,6 +144,59 @@ def test_serve_runs_a_vllm_serve_command_line(qwen3_path, tmp_path, registry_pre
         shut(proc, prefix)
 
 
+def test_ngram_speculation_serves_exactly_and_counts_its_drafts(qwen3_path, tmp_path,
+                                                                registry_prefix):
+    """--speculative-config with the ngram method takes effect on an instance behind the
+    gateway: greedy answers, streamed or not, are the offline engine's without it, and
+    the instance's /metrics count the drafts it verified (vLLM's spec_decode counters)."""
+    from pdmesh.shared.infra.launcher import Service
+
+    reg = ["--registry-prefix", registry_prefix + "-spec"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    started: list[Service] = []
+    try:
+        mixed = Service("mixed", ["mixed", str(qwen3_path), "--block-size", "16", "--device",
+                                  "cpu", "--host", "127.0.0.1", "--port", "0",
+                                  "--metrics-port", "0", "--speculative-config",
+                                  json.dumps(spec), *reg], tmp_path)
+        started.append(mixed)
+        gateway = Service("gateway", ["gateway", str(qwen3_path), "--host", "127.0.0.1",
+                                      "--port", "0", *reg], tmp_path)
+        started.append(gateway)
+        url = gateway.info["http"]
+        prompt = [11, 12, 13, 14, 15] * 8
+        want = LLM(str(qwen3_path), device="cpu", block_size=16).generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        body = {"model": str(qwen3_path), "prompt": prompt, "max_tokens": 32,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", timeout=60, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        text = ""
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == want[0].outputs[0].text
+        assert "--speculative-config" not in mixed.log_path.read_text()
+        lines = [line.rsplit(" ", 1) for line in
+                 httpx.get(mixed.info["metrics"], timeout=10).text.splitlines()
+                 if line.startswith("pdmesh_spec_decode_")]
+
+        def total(family: str) -> float:
+            return sum(float(v) for k, v in lines if k.split("{")[0] == family)
+
+        drafted = total("pdmesh_spec_decode_num_draft_tokens_total")
+        accepted = total("pdmesh_spec_decode_num_accepted_tokens_total")
+        per_pos = total("pdmesh_spec_decode_num_accepted_tokens_per_pos_total")
+        assert drafted > 0 and 0 < accepted <= drafted and per_pos == accepted
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
 def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
                                                       registry_prefix):
     """The seeds' P and D lines (`vllm serve` with kv_role kv_producer / kv_consumer, no

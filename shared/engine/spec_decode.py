@@ -1,0 +1,200 @@
+"""Speculative decoding: draft k tokens, verify them in one forward, keep what the
+target model would have produced.
+
+    end of a step:   proposer.propose(running requests) -> request.spec_token_ids
+    next step:       the scheduler gives each drafted request 1 + d tokens (its last
+                     token and d drafts) and their KV blocks; the runner returns the
+                     logits of those 1 + d positions
+    verify:          greedy: the drafts that match the target's argmax, then the
+                     target's token; sampled: standard speculative sampling (a draft x
+                     is kept with probability min(1, p(x) / q(x)), a rejected one is
+                     replaced by a draw from norm(max(p - q, 0)); all kept: one more
+                     draw from p), so the output has the target's distribution exactly
+    update:          the kept tokens are appended, the rejected positions' KV is
+                     dropped (num_computed_tokens stops after the last kept one; blocks
+                     past the request's tokens go back)
+
+A proposer only proposes: ``propose(requests, k)`` returns each request's drafts (maybe
+fewer than k, maybe none) and, for the verifier, each draft's proposal distribution q
+(None: a point mass on the draft, as n-gram lookup has). Adding a proposer (EAGLE, MTP
+heads) needs no engine change.
+
+Which requests are drafted for: those whose sampling the verifier reproduces exactly -
+greedy or temperature / top-k / top-p / min-p sampling, seeded or not - once they are
+past ``min_tokens``. A request with penalties or logprobs decodes one token a step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pdmesh.shared.engine.request import Request
+
+if TYPE_CHECKING:  # (torch is imported where it is used: config readers import this)
+    import torch
+
+log = logging.getLogger(__name__)
+
+# vLLM's method names; "[ngram]" is its older spelling
+NGRAM_METHODS = ("ngram", "[ngram]")
+# methods pdmesh knows of but does not run yet (listed as without effect)
+NOT_YET = ("mtp", "deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator",
+           "draft_model", "suffix")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` (the keys pdmesh acts on)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
+        """ValueError naming the key for a value pdmesh cannot run. The defaults of the
+        n-gram window are vLLM's: both 5 when neither is given, else the one given."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {raw!r}")
+        method = raw.get("method")
+        if method not in NGRAM_METHODS:
+            raise ValueError(f"speculative_config.method: pdmesh runs \"ngram\" so far, got "
+                             f"{method!r}")
+        k = raw.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer "
+                             f"in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name}: must be an integer >= 1, got "
+                                 f"{value!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min: {lo} is more than "
+                             f"prompt_lookup_max ({hi})")
+        return cls("ngram", k, lo, hi)
+
+
+@dataclass
+class Drafts:
+    """What a proposer proposes for one request: the draft tokens and, per draft, the
+    probabilities it drew them from ([d, V]); None: each draft was certain."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], k: int) -> list[Drafts]:
+        """Drafts (at most ``k`` tokens) for each request, in order."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the request's tokens (between ``min_n`` and
+    ``max_n`` tokens) that occurred before in them; the tokens that followed its latest
+    earlier occurrence are the drafts."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, requests: list[Request], k: int) -> list[Drafts]:
+        return [Drafts(self.lookup(r.token_ids, k)) for r in requests]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        total = len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n:]
+            # the latest start < total - n where the n tokens equal the suffix
+            for start in range(total - n - 1, -1, -1):
+                if tokens[start] == suffix[0] and tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + k]
+        return []
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def drafts_allowed(req: Request) -> bool:
+    """Whether the verifier reproduces this request's sampling exactly."""
+    sp = req.sampling_params
+    return (not sp.has_penalties and sp.logprobs is None
+            and req.num_output_tokens >= sp.min_tokens)
+
+
+@dataclass
+class SpecStats:
+    """Counters as vLLM names them (vllm:spec_decode_num_*), since start."""
+
+    num_drafts: int = 0  # verifications of one request's drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else 0.0
+
+
+def verify(probs: torch.Tensor | None, argmax: torch.Tensor, drafts: Drafts,
+           greedy: bool, generator_for: Any) -> list[int]:
+    """The tokens one request keeps from a step that verified ``drafts``: the accepted
+    drafts, then the target's own token (a correction, or the bonus after all of them).
+
+    ``probs``: the target's sampling distribution at the 1 + d positions, [1 + d, V]
+    (None for a greedy request); ``argmax``: the target's argmax there, [1 + d].
+    ``generator_for(j)``: the torch.Generator for the draws at the j-th position (None:
+    the global one)."""
+    import torch
+
+    d = len(drafts.tokens)
+    if greedy:
+        best = argmax.tolist()
+        kept = []
+        for j in range(d):
+            if drafts.tokens[j] != best[j]:
+                return [*kept, best[j]]
+            kept.append(best[j])
+        return [*kept, best[d]]
+    assert probs is not None
+    kept = []
+    for j in range(d):
+        x = drafts.tokens[j]
+        p_x = float(probs[j, x])
+        q_x = 1.0 if drafts.probs is None else float(drafts.probs[j, x])
+        gen = generator_for(j)
+        u = float(torch.rand(1, generator=gen))
+        if q_x > 0 and u < min(1.0, p_x / q_x):
+            kept.append(x)
+            continue
+        if drafts.probs is None:  # max(p - q, 0) with q a point mass: p without x
+            residual = probs[j].clone()
+            residual[x] = 0.0
+        else:
+            residual = (probs[j] - drafts.probs[j].to(probs.dtype)).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p was q: nothing else to draw from
+            residual = probs[j]
+        token = int(torch.multinomial(residual, 1, generator=gen))
+        return [*kept, token]
+    token = int(torch.multinomial(probs[d], 1, generator=generator_for(d)))
+    return [*kept, token]

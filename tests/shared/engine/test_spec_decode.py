@@ -1,0 +1,221 @@
+"""Speculative decoding (n-gram drafts): greedy output token-identical to decoding one
+token a step, under chunked prefill, preemption and prefix caching; the verifier keeps
+the target's distribution (and a lossy one would not); no KV block leaked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine.spec_decode import (
+    Drafts,
+    NgramProposer,
+    SpecStats,
+    SpeculativeConfig,
+    verify,
+)
+
+
+def ngram(k: int, lo: int = 1, hi: int = 4) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
+            "prompt_lookup_max": hi}
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Repetitive prompts (the drafts get accepted) and plain random ones, mixed lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 2:
+            out.append([rng.randrange(10, 900) for _ in range(rng.randrange(4, 60))])
+        else:
+            motif = [rng.randrange(10, 900) for _ in range(rng.randrange(2, 9))]
+            out.append((motif * 40)[:rng.randrange(8, 150)])
+    return out
+
+
+def run(model, ps, params, **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model), device="cpu", block_size=16, **engine)
+    outs = llm.generate(ps, params)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    for free, usable in llm.engine.kv.usage().values():
+        assert free == usable
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(qwen3_path):
+    ps = prompts(18)
+    params = [SamplingParams(temperature=0, max_tokens=24 + 5 * (i % 4), ignore_eos=True)
+              for i in range(len(ps))]
+    return ps, params, run(qwen3_path, ps, params)[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_is_token_identical(qwen3_path, greedy_reference, k):
+    ps, params, want = greedy_reference
+    got, llm = run(qwen3_path, ps, params, speculative_config=ngram(k))
+    assert got == want
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert len(stats.accepted_per_position) <= k
+    assert_no_block_held(llm)
+
+
+def test_identical_under_chunked_prefill_and_preemption(qwen3_path, greedy_reference):
+    """A small step budget (prompts in chunks, drafts cut to the budget) and a cache so
+    small that requests are preempted and recomputed."""
+    ps, params, want = greedy_reference
+    got, llm = run(qwen3_path, ps, params, speculative_config=ngram(3),
+                   max_num_batched_tokens=24, num_kv_blocks=24)
+    assert got == want
+    assert llm.engine.scheduler.preemptions > 0
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert_no_block_held(llm)
+
+
+def test_prefix_cache_holds_only_verified_tokens(qwen3_path):
+    """Blocks filled while drafts were verified are found again by a prompt that extends
+    the first request with its output, and give the same continuation as no cache."""
+    ps = prompts(6, seed=3)
+    first = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(qwen3_path), device="cpu", block_size=16, speculative_config=ngram(3))
+    outs = [o.outputs[0].token_ids for o in llm.generate(ps, first)]
+    longer = [p + o for p, o in zip(ps, outs, strict=True)]
+    then = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hits_before = llm.engine.scheduler.prefix_hits
+    got = [o.outputs[0].token_ids for o in llm.generate(longer, then)]
+    assert llm.engine.scheduler.prefix_hits - hits_before >= 16 * len(longer)
+    want = run(qwen3_path, longer, then, enable_prefix_caching=False)[0]
+    assert got == want
+    assert_no_block_held(llm)
+
+
+def test_stops_inside_the_drafts_cut_the_output(qwen3_path, greedy_reference):
+    """A stop token or max_tokens reached among the kept drafts ends the request there."""
+    ps, _, _ = greedy_reference
+    free_run = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = run(qwen3_path, ps, free_run)[0]
+    params = [SamplingParams(temperature=0, max_tokens=7 + i % 5, ignore_eos=True,
+                             stop_token_ids=[out[10]]) for i, out in enumerate(base)]
+    want = run(qwen3_path, ps, params)[0]
+    got, llm = run(qwen3_path, ps, params, speculative_config=ngram(4))
+    assert got == want
+    for out, p in zip(got, params, strict=True):
+        assert len(out) <= p.max_tokens
+    assert_no_block_held(llm)
+
+
+def test_penalties_and_logprobs_decode_one_token_a_step(qwen3_path):
+    """Requests the verifier could not reproduce exactly get no drafts, and their output
+    is the same as without speculation."""
+    ps = prompts(4, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=20)]
+    want = run(qwen3_path, ps, params)[0]
+    got, llm = run(qwen3_path, ps, params, speculative_config=ngram(3))
+    assert got == want
+    assert llm.engine.spec_stats.num_drafts == 0
+
+
+def test_seeded_sampling_repeats_and_drafts_are_accepted(qwen3_path):
+    ps = prompts(6, seed=7)
+    params = SamplingParams(temperature=0.1, top_p=0.9, seed=11, max_tokens=30,
+                            ignore_eos=True)
+    a, llm = run(qwen3_path, ps, params, speculative_config=ngram(3))
+    b = run(qwen3_path, ps, params, speculative_config=ngram(3))[0]
+    assert a == b
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert_no_block_held(llm)
+
+
+# -- the verifier ----------------------------------------------------------------------
+V = 6
+SAMPLES = 20000
+CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def chi_square(counts: list[int], p: torch.Tensor) -> float:
+    expected = p * sum(counts)
+    return float(((torch.tensor(counts, dtype=torch.float64) - expected) ** 2
+                  / expected).sum())
+
+
+def first_tokens(p: torch.Tensor, draw_drafts, lossy: bool = False) -> list[int]:
+    counts = [0] * V
+    probs = torch.stack([p, p])  # the drafted position and the one after it
+    argmax = probs.argmax(dim=-1)
+    for _ in range(SAMPLES):
+        drafts = draw_drafts()
+        if lossy:  # accept the draft whatever the target says
+            token = drafts.tokens[0]
+        else:
+            token = verify(probs, argmax, drafts, False, lambda j: None)[0]
+        counts[token] += 1
+    return counts
+
+
+def test_the_verifier_keeps_the_target_distribution():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.tensor([1.5, 0.2, -0.7, 0.9, 0.0, -1.6], dtype=torch.float64), 0)
+    # an n-gram draft: a point mass on one token (here a likely one, then an unlikely one)
+    for x in (0, 5):
+        counts = first_tokens(p, lambda x=x: Drafts([x]))
+        assert chi_square(counts, p) < CHI2_DF5_P001, (x, counts)
+    # a draft drawn from its own distribution q (as a draft model proposes)
+    q = torch.softmax(torch.tensor([-1.0, 1.0, 0.5, -0.5, 1.2, 0.3], dtype=torch.float64), 0)
+
+    def from_q() -> Drafts:
+        return Drafts([int(torch.multinomial(q, 1))], q.unsqueeze(0))
+
+    counts = first_tokens(p, from_q)
+    assert chi_square(counts, p) < CHI2_DF5_P001, counts
+    # the test can tell: keeping every draft gives q's distribution, not p's
+    assert chi_square(first_tokens(p, from_q, lossy=True), p) > 10 * CHI2_DF5_P001
+
+
+def test_greedy_verification_keeps_the_matching_prefix():
+    argmax = torch.tensor([4, 7, 2, 9])
+    assert verify(None, argmax, Drafts([4, 7, 2]), True, lambda j: None) == [4, 7, 2, 9]
+    assert verify(None, argmax, Drafts([4, 1, 2]), True, lambda j: None) == [4, 7]
+    assert verify(None, argmax, Drafts([3, 7, 2]), True, lambda j: None) == [4]
+
+
+def test_ngram_lookup_takes_the_longest_suffix_latest_occurrence():
+    lookup = NgramProposer(1, 3).lookup
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 5, 1, 2, 3], 2) == [5, 1]  # latest "1 2 3"
+    assert lookup([7, 8, 1, 2, 6, 6, 2], 3) == [6, 6, 2]  # only "2" recurs
+    assert lookup([1, 2, 3, 4], 3) == []
+    assert NgramProposer(2, 3).lookup([5, 1, 9, 1], 2) == []  # "1" alone is too short
+
+
+def test_speculative_config_as_vllm_reads_it():
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}) \
+        == SpeculativeConfig("ngram", 2, 5, 5)
+    assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 2,
+                                        "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    for raw, key in (({"method": "ngram", "num_speculative_tokens": 0},
+                      "num_speculative_tokens"),
+                     ({"method": "ngram", "num_speculative_tokens": 2,
+                       "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                     ({"method": "mtp", "num_speculative_tokens": 1}, "method")):
+        with pytest.raises(ValueError, match=f"speculative_config.{key}"):
+            SpeculativeConfig.from_dict(raw)
+
+
+def test_stats_count_as_vllm_does():
+    stats = SpecStats()
+    stats.record(3, 2)
+    stats.record(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+    assert stats.accepted_per_position == [1, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(0.4)
