@@ -8,6 +8,9 @@ group; systems interleaved within each round so a noisy machine hurts all alike.
         --vllm "/tmp/anchor/venv-vllm/bin/python /tmp/anchor/vllm_cli.py serve" \\
         --vllm-env /tmp/anchor/vllm_env.sh --out /tmp/scenarios.json
 
+``pd-ngram`` / ``mixed-ngram`` are `pdmesh up` / `serve` with n-gram speculative
+decoding (``NGRAM``) on the engines.
+
 ``pd-base`` is `pdmesh up` of another tree (``--base-tree``: a folder holding a
 ``pdmesh`` package with its ``shared`` and ``services`` inside, e.g. an earlier commit's
 snapshot), for before / after comparisons of pdmesh itself.
@@ -45,7 +48,13 @@ SIZES = {
     "multi-turn": ["--num-prompts", "12", "--request-rate", "0.5"],
     "long-output": ["--num-prompts", "12", "--request-rate", "0.5"],
     "random": ["--num-prompts", "64", "--request-rate", "inf"],
+    # one request at a time: the decode TPOT speculation is meant to cut
+    "conc1": ["--num-prompts", "8", "--request-rate", "inf", "--max-concurrency", "1",
+              "--input-len", "256", "--output-len", "128"],
 }
+SCENARIO = {"conc1": "random"}  # scenarios that are another's with other sizes
+NGRAM = ('{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,'
+         '"prompt_lookup_max":3}')  # (no spaces: --engine-args is split on them)
 GOODPUT = ["ttft:2000", "tpot:100"]  # DistServe-style chat SLOs, loosened for a CPU
 FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),
            ("ttft_ms_p99", "TTFT p99"), ("tpot_ms_median", "TPOT p50"),
@@ -80,18 +89,20 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
             raise ValueError("--base-tree: pd-base needs the tree to run")
         env = {**os.environ, "PYTHONPATH": a.base_tree}
         return start_pdmesh("up", a.model, logs, env)
-    return start_pdmesh({"pd": "up", "mixed": "serve"}[system], a.model, logs)
+    kind, _, spec = system.partition("-")
+    return start_pdmesh({"pd": "up", "mixed": "serve"}[kind], a.model, logs,
+                        engine_args=f" --speculative-config {NGRAM}" if spec == "ngram" else "")
 
 
-def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None
-                 ) -> tuple[subprocess.Popen, str]:
-    """`pdmesh up` or `serve` serving ``model`` as "tiny"; (process, base URL) once
-    ready."""
+def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None,
+                 engine_args: str = "") -> tuple[subprocess.Popen, str]:
+    """`pdmesh up` or `serve` serving ``model`` as "tiny" (``engine_args`` added to the
+    engines' flags); (process, base URL) once ready."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdmesh", command, model, "--port", "0", "--served-model-name",
          "tiny", "--registry-prefix",
          f"bench-{uuid.uuid4().hex[:8]}", "--log-dir", str(logs), "--engine-args",
-         "--device cpu --dtype float32"],
+         "--device cpu --dtype float32" + engine_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=env)
     deadline = time.monotonic() + 300
@@ -127,9 +138,9 @@ def _sourced(script: str) -> dict[str, str]:
 
 def run_scenario(url: str, scenario: str, a: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "pdmesh", "bench", "serve", "--base-url", url, "--model",
-           "tiny", "--scenario", scenario, "--max-context", str(a.max_context), "--seed",
-           "0", "--goodput", *GOODPUT, "--json", str(out), "--no-progress",
-           *SIZES[scenario]]
+           "tiny", "--scenario", SCENARIO.get(scenario, scenario), "--max-context",
+           str(a.max_context), "--seed", "0", "--goodput", *GOODPUT, "--json", str(out),
+           "--no-progress",           *SIZES[scenario]]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if not out.exists():
         raise RuntimeError(f"bench serve failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -139,13 +150,16 @@ def run_scenario(url: str, scenario: str, a: argparse.Namespace, out: Path) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--scenarios", default=",".join(s for s in SIZES if s != "random"))
+    p.add_argument("--scenarios", default=",".join(s for s in SIZES
+                                                   if s not in ("random", "conc1")))
     p.add_argument("--systems", default="pd,mixed,vllm")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--vllm", default=None, help="the `vllm serve` command (without MODEL)")
     p.add_argument("--vllm-env", default=None, help="a script to source for vLLM's env")
     p.add_argument("--base-tree", default=None, help="PYTHONPATH of the pd-base system")
+    p.add_argument("--ref", default=None,
+                   help="the system the ratios are to (default: vllm, else pd-base)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     scenarios = a.scenarios.split(",")
@@ -176,7 +190,7 @@ def main() -> None:
         print("|---|" + "---|" * len(FIGURES))
         med = {sy: {k: statistics.median(x[k] or 0 for x in runs) for k, _ in FIGURES}
                for sy, runs in results[sc].items() if runs}
-        ref = "vllm" if "vllm" in med else "pd-base"
+        ref = a.ref or ("vllm" if "vllm" in med else "pd-base")
         for sy, figs in med.items():
             cells = []
             for k, _ in FIGURES:

@@ -348,6 +348,7 @@ class Scheduler:
                 if r is victim:  # scheduled earlier this step: its tokens go back
                     del out.requests[i]
                     given_back += out.num_tokens.pop(i)
+                    out.drafts = {j - (j > i): d for j, d in out.drafts.items() if j != i}
                     break
             self._preempt(victim)
             out.preempted.append(victim)

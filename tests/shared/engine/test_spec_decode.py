@@ -219,3 +219,27 @@ def test_stats_count_as_vllm_does():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_position == [1, 1, 0]
     assert stats.acceptance_rate == pytest.approx(0.4)
+
+
+def test_drafts_stay_with_their_request_when_an_earlier_one_is_preempted():
+    """SGLang's priority preemption withdraws a victim scheduled earlier in the step; the
+    drafts of the requests after it still belong to them."""
+    from pdmesh.shared.engine.block_manager import KVCacheManager
+    from pdmesh.shared.engine.policy import PriorityPolicy
+    from pdmesh.shared.engine.request import Request
+    from pdmesh.shared.engine.scheduler import Scheduler
+
+    s = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=True),
+                  PriorityPolicy(low_values_first=True, preemption_threshold=10), 2, 64, 512)
+    lo = Request("lo", [100, 101, 102], SamplingParams(max_tokens=20), priority=50)
+    mid = Request("mid", [200, 201, 202], SamplingParams(max_tokens=20), priority=5)
+    for r in (lo, mid):
+        s.add(r)
+    out = s.schedule()
+    s.update(out, {0: 7, 1: 8})
+    lo.drafts, mid.drafts = Drafts([7, 7]), Drafts([8, 9, 8])
+    s.add(Request("hi", [300, 301], SamplingParams(max_tokens=20), priority=0))
+    out = s.schedule()
+    assert out.preempted == [lo] and out.requests[0] is mid
+    assert out.drafts == {0: Drafts([8, 9, 8])}
+    assert out.num_tokens[0] == 1 + 3
