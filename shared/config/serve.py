@@ -102,7 +102,9 @@ def read_config(flags: Flags, *, device: str | None = None,
     compat = tuple(flags.without_effect)
     spec_warnings: list[str] = []
     spec = getattr(flags, "speculative_config", None)
-    method = spec.get("method") if isinstance(spec, dict) else None
+    if spec is not None and not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config: must be a JSON object, got {spec!r}")
+    method = spec.get("method") if spec is not None else None
     if spec is not None and method not in NGRAM_METHODS:
         compat += ("--speculative-config",)
         spec_warnings.append(f"--speculative-config: method {method!r} is not run yet "

@@ -27,6 +27,7 @@ past ``min_tokens``. A request with penalties or logprobs decodes one token a st
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -101,23 +102,48 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: the longest suffix of the request's tokens (between ``min_n`` and
     ``max_n`` tokens) that occurred before in them; the tokens that followed its latest
-    earlier occurrence are the drafts."""
+    earlier occurrence are the drafts.
+
+    Each request's n-grams are indexed as its tokens grow (a request's tokens only ever
+    grow), so a step's lookup costs the new tokens, not the whole sequence."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
+        # request -> (n -> {n-gram: its latest start}, tokens indexed so far)
+        self._index: weakref.WeakKeyDictionary[Request, tuple[dict[int, dict], list[int]]] \
+            = weakref.WeakKeyDictionary()
 
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
-        return [Drafts(self.lookup(r.token_ids, k)) for r in requests]
+        out = []
+        for r in requests:
+            index = self._index.get(r)
+            if index is None:
+                index = self._index[r] = ({n: {} for n in range(self.min_n, self.max_n + 1)},
+                                          [0])
+            out.append(Drafts(self._lookup(r.token_ids, k, *index)))
+        return out
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The drafts for ``tokens`` alone (no index kept)."""
+        return self._lookup(tokens, k, {n: {} for n in range(self.min_n, self.max_n + 1)},
+                            [0])
+
+    def _lookup(self, tokens: list[int], k: int, grams: dict[int, dict],
+                done: list[int]) -> list[int]:
         total = len(tokens)
+        # index every n-gram ending before the last token (an earlier occurrence of the
+        # suffix can end there at the latest); later starts overwrite earlier ones
+        for end in range(done[0], total - 1):
+            for n, seen in grams.items():
+                start = end - n + 1
+                if start >= 0:
+                    seen[tuple(tokens[start:end + 1])] = start
+        done[0] = max(done[0], total - 1)
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            suffix = tokens[total - n:]
-            # the latest start < total - n where the n tokens equal the suffix
-            for start in range(total - n - 1, -1, -1):
-                if tokens[start] == suffix[0] and tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + k]
+            start = grams[n].get(tuple(tokens[total - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
         return []
 
 

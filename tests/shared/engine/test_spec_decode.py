@@ -243,3 +243,28 @@ def test_drafts_stay_with_their_request_when_an_earlier_one_is_preempted():
     assert out.preempted == [lo] and out.requests[0] is mid
     assert out.drafts == {0: Drafts([8, 9, 8])}
     assert out.num_tokens[0] == 1 + 3
+
+
+def scan(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """Prompt lookup by brute force: the longest suffix, its latest earlier start."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_the_indexed_lookup_follows_the_tokens_as_they_grow():
+    """Proposing step after step (the index growing with the tokens) gives what a lookup
+    over the whole sequence gives, every time."""
+    from pdmesh.shared.engine.request import Request
+
+    rng = random.Random(1)
+    proposer = NgramProposer(1, 4)
+    for _ in range(20):
+        req = Request("r", [rng.randrange(6) for _ in range(rng.randrange(1, 12))],
+                      SamplingParams())
+        for _ in range(40):
+            assert proposer.propose([req], 3)[0].tokens == scan(req.token_ids, 3, 1, 4)
+            for _ in range(rng.randrange(1, 4)):  # one token a step, or kept drafts
+                req.append_token(rng.randrange(6))
