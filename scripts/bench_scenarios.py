@@ -9,7 +9,8 @@ group; systems interleaved within each round so a noisy machine hurts all alike.
         --vllm-env /tmp/anchor/vllm_env.sh --out /tmp/scenarios.json
 
 ``pd-ngram`` / ``mixed-ngram`` are `pdmesh up` / `serve` with n-gram speculative
-decoding (``NGRAM``) on the engines.
+decoding (``NGRAM``) on the engines; ``pd-ngramcap`` the same with vLLM's
+``disable_by_batch_size`` at 16 (no drafts while more requests run or wait).
 
 ``pd-base`` is `pdmesh up` of another tree (``--base-tree``: a folder holding a
 ``pdmesh`` package with its ``shared`` and ``services`` inside, e.g. an earlier commit's
@@ -55,6 +56,7 @@ SIZES = {
 SCENARIO = {"conc1": "random"}  # scenarios that are another's with other sizes
 NGRAM = ('{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,'
          '"prompt_lookup_max":3}')  # (no spaces: --engine-args is split on them)
+SPEC = {"ngram": NGRAM, "ngramcap": NGRAM[:-1] + ',"disable_by_batch_size":16}'}
 GOODPUT = ["ttft:2000", "tpot:100"]  # DistServe-style chat SLOs, loosened for a CPU
 FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),
            ("ttft_ms_p99", "TTFT p99"), ("tpot_ms_median", "TPOT p50"),
@@ -91,7 +93,7 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
         return start_pdmesh("up", a.model, logs, env)
     kind, _, spec = system.partition("-")
     return start_pdmesh({"pd": "up", "mixed": "serve"}[kind], a.model, logs,
-                        engine_args=f" --speculative-config {NGRAM}" if spec == "ngram" else "")
+                        engine_args=f" --speculative-config {SPEC[spec]}" if spec else "")
 
 
 def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None,

@@ -27,7 +27,7 @@ from pdmesh.shared.config.engine_args import EngineArgs
 from pdmesh.shared.config.flags import ENGINES
 from pdmesh.shared.config.parse import parse_additional_config
 from pdmesh.shared.config.schema import AdditionalConfig
-from pdmesh.shared.engine.spec_decode import NGRAM_METHODS
+from pdmesh.shared.engine.spec_decode import NGRAM_METHODS, SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,9 @@ def read_config(flags: Flags, *, device: str | None = None,
         spec_warnings.append(f"--speculative-config: method {method!r} is not run yet "
                              "(pdmesh drafts with \"ngram\" so far); decoding one token a "
                              "step")
+    elif spec is not None and SpeculativeConfig.inactive_keys(spec):
+        spec_warnings.append("--speculative-config: without effect: "
+                             + ", ".join(SpeculativeConfig.inactive_keys(spec)))
     if role is None:
         return ServeConfig(flags.command, flags, accepted_without_effect=compat)
     kv_transfer = dict(flags.kv_transfer_config or {})

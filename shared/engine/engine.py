@@ -430,6 +430,10 @@ class EngineCore:
         """Drafts for the next step, for the running requests about to decode whose
         sampling verification reproduces exactly."""
         assert self.proposer is not None and self.speculative is not None
+        most = self.speculative.disable_by_batch_size
+        if most is not None and len(self.scheduler.running) + len(self.scheduler.waiting) \
+                > most:
+            return
         ready = [r for r in self.scheduler.running
                  if r.num_tokens - r.num_computed_tokens == 1 and drafts_allowed(r)]
         if not ready:

@@ -26,6 +26,7 @@ past ``min_tokens``. A request with penalties or logprobs decodes one token a st
 
 from __future__ import annotations
 
+import difflib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -44,6 +45,17 @@ NGRAM_METHODS = ("ngram", "[ngram]")
 NOT_YET = ("mtp", "deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator",
            "draft_model", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+# vLLM's speculative_config keys pdmesh reads, and the others it knows (accepted and
+# reported as without effect; any other key is refused as unknown)
+TAKEN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size")
+INACTIVE_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len",
+                 "revision", "code_revision", "enforce_eager", "disable_padded_drafter_batch",
+                 "speculative_token_tree", "disable_logprobs", "disable_log_stats",
+                 "acceptance_method", "posterior_threshold", "posterior_alpha",
+                 "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+                 "parallel_drafting", "draft_model", "hf_overrides")
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    # no drafts in a step while more requests than this run or wait (None: always draft)
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
@@ -61,6 +75,12 @@ class SpeculativeConfig:
         n-gram window are vLLM's: both 5 when neither is given, else the one given."""
         if not isinstance(raw, dict):
             raise ValueError(f"speculative_config: must be a JSON object, got {raw!r}")
+        unknown = sorted(set(raw) - set(TAKEN_KEYS) - set(INACTIVE_KEYS))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], TAKEN_KEYS + INACTIVE_KEYS, 1)
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key" + (
+                f"; did you mean {near[0]!r}?" if near else
+                f" (known: {', '.join(TAKEN_KEYS + INACTIVE_KEYS)})"))
         method = raw.get("method")
         if method not in NGRAM_METHODS:
             raise ValueError(f"speculative_config.method: pdmesh runs \"ngram\" so far, got "
@@ -81,7 +101,17 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min: {lo} is more than "
                              f"prompt_lookup_max ({hi})")
-        return cls("ngram", k, lo, hi)
+        batch = raw.get("disable_by_batch_size")
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
+                                  or batch < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size: must be an integer "
+                             f">= 1, got {batch!r}")
+        return cls("ngram", k, lo, hi, batch)
+
+    @staticmethod
+    def inactive_keys(raw: dict[str, Any]) -> list[str]:
+        """The keys of ``raw`` pdmesh accepts without acting on them."""
+        return sorted(k for k in raw if k in INACTIVE_KEYS)
 
 
 @dataclass

@@ -207,9 +207,34 @@ def test_speculative_config_as_vllm_reads_it():
                       "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 2,
                        "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                     ({"method": "mtp", "num_speculative_tokens": 1}, "method")):
+                     ({"method": "mtp", "num_speculative_tokens": 1}, "method"),
+                     ({"method": "ngram", "num_speculative_tokens": 1,
+                       "enforce_eagr": True}, "enforce_eagr: unknown key; did you mean"),
+                     ({"method": "ngram", "num_speculative_tokens": 1,
+                       "disable_by_batch_size": 0}, "disable_by_batch_size")):
         with pytest.raises(ValueError, match=f"speculative_config.{key}"):
             SpeculativeConfig.from_dict(raw)
+
+
+def test_keys_pdmesh_does_not_act_on_are_named():
+    raw = {"method": "ngram", "num_speculative_tokens": 1, "enforce_eager": True,
+           "model": None}
+    assert SpeculativeConfig.from_dict(raw).num_speculative_tokens == 1
+    assert SpeculativeConfig.inactive_keys(raw) == ["enforce_eager", "model"]
+
+
+def test_no_drafts_while_the_batch_is_larger_than_disable_by_batch_size(qwen3_path,
+                                                                      greedy_reference):
+    ps, params, want = greedy_reference
+    got, llm = run(qwen3_path, ps, params,
+                   speculative_config={**ngram(3), "disable_by_batch_size": 4})
+    assert got == want
+    drafted_alone, llm_alone = run(qwen3_path, ps[:1], params[:1],
+                                   speculative_config={**ngram(3), "disable_by_batch_size": 4})
+    assert llm_alone.engine.spec_stats.num_drafts > 0 and drafted_alone == want[:1]
+    # 18 requests at once: drafts only once fewer than 5 are left
+    full = run(qwen3_path, ps, params, speculative_config=ngram(3))[1]
+    assert 0 < llm.engine.spec_stats.num_drafts < full.engine.spec_stats.num_drafts
 
 
 def test_stats_count_as_vllm_does():
