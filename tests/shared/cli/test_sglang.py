@@ -4,6 +4,7 @@ rest are listed as without effect; the disaggregation mode picks the instance.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -36,7 +37,9 @@ def test_every_ascend_supported_flag_is_accepted(flag, value):
     assert line[0] == "serve"
     _, command, flags = parse_args(line, resolve=False)  # read by the one table
     assert command.name == "serve"
-    if flag not in DISAGGREGATION:
+    if flag == "--speculative-algorithm":  # read into vLLM's --speculative-config
+        assert "--speculative-config" in line and flag not in line
+    elif flag not in DISAGGREGATION:
         assert flag in line
 
 
@@ -52,7 +55,8 @@ def test_implemented_flags_take_effect_and_the_rest_are_listed():
     assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.block_size,
             engine.max_model_len, engine.gpu_memory_utilization,
             engine.enable_prefix_caching) == (512, 7, 32, 256, 0.5, False)
-    assert {"--enable-dp-attention", "--speculative-algorithm", "--cuda-graph-bs"} <= set(
+    # (NEXTN: DeepSeek's MTP, read into --speculative-config, which does not run it yet)
+    assert {"--enable-dp-attention", "--speculative-config", "--cuda-graph-bs"} <= set(
         cfg.accepted_without_effect)
     # --max-num-batched-tokens wins; -1 is SGLang's "no chunking" (no CPU default cap)
     _, _, both = parse_args(["config", "check", "--role", "mixed", "--model", "/tmp/m",
@@ -80,6 +84,31 @@ def test_the_disaggregation_mode_picks_the_instance():
         translate(["--disaggregation-transfer-backend", "nixl"])
     with pytest.raises(ValueError, match="--disaggregation-mode: needs a value"):
         translate(["--disaggregation-mode"])
+
+
+def test_speculative_flags_become_vllms_speculative_config():
+    line, notes = translate(["--model-path", "m", "--speculative-algorithm", "NGRAM",
+                             "--speculative-num-draft-tokens", "4",
+                             "--speculative-accept-threshold-acc", "0.5"])
+    i = line.index("--speculative-config")
+    assert json.loads(line[i + 1]) == {"method": "ngram", "num_speculative_tokens": 3}
+    assert "--speculative-accept-threshold-acc" not in line
+    assert notes == ["--speculative-accept-threshold-acc: without effect"]
+    _, _, config = parse_args(["config", "check", *line[1:], "--role", "mixed",
+                               "--device", "cpu"])
+    assert config.engine.speculative_config.num_speculative_tokens == 3
+    line, _ = translate(["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"])
+    assert json.loads(line[line.index("--speculative-config") + 1]) == {
+        "method": "deepseek_mtp", "num_speculative_tokens": 2}
+    # without an algorithm the flags stay SGLang's, without effect
+    assert translate(["--speculative-num-steps", "2"])[0][1:3] == ["--speculative-num-steps",
+                                                                   "2"]
+    for words, flag in ((["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
+                        (["--speculative-algorithm", "NGRAM",
+                          "--speculative-num-draft-tokens", "1"],
+                         "--speculative-num-draft-tokens")):
+        with pytest.raises(ValueError, match=f"^{flag}: "):
+            translate(words)
 
 
 def run(*words: str) -> subprocess.CompletedProcess:
