@@ -69,6 +69,8 @@ class InstanceStatus:
     placement_version: int  # the EPLB placement the rank runs (0: its start placement)
     heartbeat_age_s: float
     draining: bool
+    # speculative decoding: accepted / draft tokens since start (None: no drafts yet)
+    spec_acceptance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,9 @@ def _instance_status(inst: Instance, now: float) -> InstanceStatus:
         dp_rank=inst.dp_rank, dp_size=inst.dp_size, running=inst.load.get("running", 0),
         waiting=inst.load.get("waiting", 0), kv_cache_usage_perc=usage,
         placement_version=inst.load.get("placement_version", 0),
-        heartbeat_age_s=max(0.0, now - inst.heartbeat), draining=inst.draining)
+        heartbeat_age_s=max(0.0, now - inst.heartbeat), draining=inst.draining,
+        spec_acceptance=(inst.load.get("spec_accepted_tokens", 0) / drafted
+                         if (drafted := inst.load.get("spec_draft_tokens", 0)) else None))
 
 
 def _pool_status(inst: Instance, timeout_s: float) -> PoolStatus:
@@ -205,11 +209,12 @@ def render(s: MeshStatus) -> str:
         return f"no instances registered under prefix {s.prefix}"
     lines = [f"INSTANCES  prefix {s.prefix}, {len(s.instances)} live, redis {s.redis_url}"]
     lines += _table(
-        ["ROLE", "ID", "ADDRESS", "MODEL", "DP", "RUN", "WAIT", "KV%", "PLACEMENT",
-         "HEARTBEAT", "DRAINING"],
+        ["ROLE", "ID", "ADDRESS", "MODEL", "DP", "RUN", "WAIT", "KV%", "SPEC ACC%",
+         "PLACEMENT", "HEARTBEAT", "DRAINING"],
         [[i.role, i.id, i.address, _short(i.model), f"{i.dp_rank}/{i.dp_size}",
           str(i.running), str(i.waiting),
           f"{100 * i.kv_cache_usage_perc:.1f}" if i.kv_cache_usage_perc is not None else "-",
+          f"{100 * i.spec_acceptance:.1f}" if i.spec_acceptance is not None else "",
           f"v{i.placement_version}" if i.placement_version else "",
           f"{i.heartbeat_age_s:.1f}s ago", "yes" if i.draining else ""]
          for i in s.instances])

@@ -33,7 +33,8 @@ ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway", "eplb")
 LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
                "queued_prefill_tokens", "block_size", "placement_version",
                "expert_bytes_moved", "decode_step_us", "prefill_ns_per_token",
-               "max_num_batched_tokens", "stalled_ms")
+               "max_num_batched_tokens", "stalled_ms", "spec_draft_tokens",
+               "spec_accepted_tokens")
 
 
 @dataclass

@@ -152,7 +152,9 @@ class EngineLoop:
                           ep.bytes_moved if ep is not None else 0,
                           round(costs.decode_step_us), round(costs.prefill_ns_per_token),
                           self.engine.max_num_batched_tokens, self.draining,
-                          self.max_model_len, stalled_ms=self._stalled_ms())
+                          self.max_model_len, stalled_ms=self._stalled_ms(),
+                          spec_draft_tokens=self.engine.spec_stats.num_draft_tokens,
+                          spec_accepted_tokens=self.engine.spec_stats.num_accepted_tokens)
 
     def _stalled_ms(self) -> int:
         """Since the last step ended, while there is work (read from the heartbeat's

@@ -169,6 +169,9 @@ class EngineLoad(msgspec.Struct, tag=True):
     # how long the engine has had work without finishing a step (0: it steps, or has
     # nothing to do): routers stop sending to a stalled instance and move its streams
     stalled_ms: int = 0
+    # speculative decoding since start (0 and 0: it drafts nothing)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def registry_fields(self) -> dict[str, int]:
         """The load the instance publishes in the registry."""

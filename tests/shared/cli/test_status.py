@@ -35,7 +35,8 @@ def put_mesh(prefix: str) -> None:
     reg = Registry(REDIS, prefix, ttl_s=60)
     reg.put(Instance("decode-r0", "decode", "127.0.0.1:50301", "tiny", dp_size=2, dp_rank=0,
                      load={"running": 3, "waiting": 1, "free_kv_blocks": 25,
-                           "total_kv_blocks": 100, "placement_version": 2}))
+                           "total_kv_blocks": 100, "placement_version": 2,
+                           "spec_draft_tokens": 40, "spec_accepted_tokens": 10}))
     reg.put(Instance("decode-r1", "decode", "127.0.0.1:50302", "tiny", dp_size=2, dp_rank=1,
                      load={"running": 4, "waiting": 0, "free_kv_blocks": 100,
                            "total_kv_blocks": 100, "placement_version": 2}))
@@ -55,11 +56,12 @@ def test_registered_instances_in_table_and_json(registry_prefix, capsys):
     rc, out = status(prefix, capsys=capsys)
     assert rc == 0
     assert "3 live" in out
-    # ROLE ID ADDRESS MODEL DP RUN WAIT KV% PLACEMENT HEARTBEAT(2 words) DRAINING
+    # ROLE ID ADDRESS MODEL DP RUN WAIT KV% SPEC-ACC% PLACEMENT HEARTBEAT(2 words)
+    # DRAINING (empty cells vanish when split)
     r0 = row(out, "decode-r0")
-    assert r0[:9] == ["decode", "decode-r0", "127.0.0.1:50301", "tiny", "0/2", "3", "1",
-                      "75.0", "v2"]
-    assert float(r0[9].removesuffix("s")) < 10 and r0[10:] == ["ago"]
+    assert r0[:10] == ["decode", "decode-r0", "127.0.0.1:50301", "tiny", "0/2", "3", "1",
+                       "75.0", "25.0", "v2"]
+    assert float(r0[10].removesuffix("s")) < 10 and r0[11:] == ["ago"]
     assert row(out, "decode-r1")[4:9] == ["1/2", "4", "0", "0.0", "v2"]
     pf = row(out, "prefill-a")
     assert pf[4:8] == ["0/1", "0", "5", "75.0"] and pf[-1] == "yes"
@@ -75,7 +77,9 @@ def test_registered_instances_in_table_and_json(registry_prefix, capsys):
     assert by_id["decode-r0"] | {"heartbeat_age_s": 0} == {
         "role": "decode", "id": "decode-r0", "address": "127.0.0.1:50301", "model": "tiny",
         "dp_rank": 0, "dp_size": 2, "running": 3, "waiting": 1, "kv_cache_usage_perc": 0.75,
-        "placement_version": 2, "heartbeat_age_s": 0, "draining": False}
+        "placement_version": 2, "heartbeat_age_s": 0, "draining": False,
+        "spec_acceptance": 0.25}
+    assert by_id["decode-r1"]["spec_acceptance"] is None
     assert 0 <= by_id["decode-r0"]["heartbeat_age_s"] < 10
     assert by_id["prefill-a"]["draining"] and by_id["prefill-a"]["placement_version"] == 0
     assert data["eplb_controller"] is None

@@ -192,6 +192,17 @@ def test_ngram_speculation_serves_exactly_and_counts_its_drafts(qwen3_path, tmp_
         accepted = total("pdmesh_spec_decode_num_accepted_tokens_total")
         per_pos = total("pdmesh_spec_decode_num_accepted_tokens_per_pos_total")
         assert drafted > 0 and 0 < accepted <= drafted and per_pos == accepted
+        # and the registry (`pdmesh status`) shows them, at the next heartbeat
+        from pdmesh.shared.infra.registry import Registry
+
+        registry = Registry("redis://127.0.0.1:6379/0", registry_prefix + "-spec")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            [inst] = registry.instances(role="mixed")
+            if inst.load["spec_draft_tokens"] == drafted:
+                break
+            time.sleep(0.2)
+        assert inst.load["spec_accepted_tokens"] == accepted
     finally:
         for s in reversed(started):
             s.stop()
