@@ -43,10 +43,14 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     spec = cfg.flags.speculative_config
     if isinstance(spec, dict) and spec.get("method") in NGRAM_METHODS:
         try:
-            config = dataclasses.replace(config,
-                                         speculative_config=SpeculativeConfig.from_dict(spec))
+            speculative = SpeculativeConfig.from_dict(spec)
         except ValueError as e:
             raise ValueError(f"--speculative-config: {e}") from None
+        rs = cfg.additional_config.rejection_sampler_config
+        config = dataclasses.replace(config, speculative_config=dataclasses.replace(
+            speculative, enable_block_verify=rs.enable_block_verify,
+            enable_entropy_verify=rs.enable_entropy_verify,
+            posterior_threshold=rs.posterior_threshold, posterior_alpha=rs.posterior_alpha))
     config.validate()
     return config
 

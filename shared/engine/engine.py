@@ -420,7 +420,7 @@ class EngineCore:
             kept = self.sampler.verify(
                 torch.cat([logits[starts[i]:starts[i] + 1 + len(d.tokens)]
                            for i, d in zip(spec, drafts, strict=True)]),
-                [reqs[i] for i in spec], drafts)
+                [reqs[i] for i in spec], drafts, self.speculative)
             for i, d, tokens in zip(spec, drafts, kept, strict=True):
                 self.spec_stats.record(len(d.tokens), len(tokens) - 1)
                 out[i] = tokens

@@ -9,6 +9,7 @@ Fast path: an all-greedy batch without penalties or logprobs is one argmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,23 +78,34 @@ class Sampler:
             lps = self._logprobs(raw_logprobs, tokens, params)
         return SamplerOutput(token_list, lps)
 
-    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[Drafts]
-               ) -> list[list[int]]:
+    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[Drafts],
+               lossy: Any = None) -> list[list[int]]:
         """Speculative decoding's verification: ``logits`` [sum(1 + d_i), V] holds each
         request's 1 + d_i positions in order (its last token, then its d_i drafts).
         Returns each request's kept tokens (``spec_decode.verify``). Only requests that
-        ``drafts_allowed`` come here: no penalties, logprobs or pending min_tokens."""
+        ``drafts_allowed`` come here: no penalties, logprobs or pending min_tokens.
+        ``lossy``: the SpeculativeConfig whose vLLM-Ascend options (entropy verify, and
+        block verify in steps where some request verifies 3 drafts or more) apply."""
         counts = [1 + len(d.tokens) for d in drafts]
         params = [r.sampling_params for r, n in zip(reqs, counts, strict=True)
                   for _ in range(n)]
         greedy = [p.is_greedy for p in params]
         argmax = self.backend.greedy(logits)
         probs = None if all(greedy) else self.probs(logits, params, greedy)
+        tau = None
+        if lossy is not None and lossy.enable_entropy_verify and probs is not None:
+            raw = torch.softmax(logits, dim=-1)  # the raw target distribution
+            entropy = -(raw * torch.log(raw + 1e-10)).sum(dim=-1)
+            tau = torch.exp(-lossy.posterior_alpha * entropy).clamp_max(
+                lossy.posterior_threshold).tolist()
+        block = (lossy is not None and lossy.enable_block_verify
+                 and max(counts) - 1 >= 3)
         out, row = [], 0
         for r, d, n in zip(reqs, drafts, counts, strict=True):
             is_greedy = r.sampling_params.is_greedy
             out.append(verify(None if is_greedy or probs is None else probs[row:row + n],
-                              argmax[row:row + n], d, is_greedy, _position_generator(r)))
+                              argmax[row:row + n], d, is_greedy, _position_generator(r),
+                              None if tau is None else tau[row:row + n - 1], block))
             row += n
         return out
 

@@ -68,6 +68,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # no drafts in a step while more requests than this run or wait (None: always draft)
     disable_by_batch_size: int | None = None
+    # vLLM-Ascend's rejection_sampler_config (--additional-config): lossy, off by default
+    enable_block_verify: bool = False
+    enable_entropy_verify: bool = False
+    posterior_threshold: float = 0.95
+    posterior_alpha: float = 0.4
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
@@ -213,14 +218,26 @@ class SpecStats:
 
 
 def verify(probs: torch.Tensor | None, argmax: torch.Tensor, drafts: Drafts,
-           greedy: bool, generator_for: Any) -> list[int]:
+           greedy: bool, generator_for: Any, thresholds: list[float] | None = None,
+           block: bool = False) -> list[int]:
     """The tokens one request keeps from a step that verified ``drafts``: the accepted
     drafts, then the target's own token (a correction, or the bonus after all of them).
 
     ``probs``: the target's sampling distribution at the 1 + d positions, [1 + d, V]
     (None for a greedy request); ``argmax``: the target's argmax there, [1 + d].
     ``generator_for(j)``: the torch.Generator for the draws at the j-th position (None:
-    the global one)."""
+    the global one).
+
+    Sampled requests: draft j (drawn from q_j; an n-gram draft is a point mass) passes
+    when p_j(x) / q_j(x) >= tau_j * u_j, u_j uniform - standard speculative sampling with
+    tau_j = 1, which keeps the target's distribution. vLLM-Ascend's lossy options:
+    ``thresholds`` (entropy verify) give each position tau_j = min(exp(-alpha * H_j),
+    posterior_threshold), H_j the entropy of the raw target distribution, so uncertain
+    positions accept more; ``block`` (block verify) passes position k when
+    pi_k >= tau_k * U_k, pi_k = min(pi_(k-1) * p_k(x) / q_k(x), 1) and U_k the product of
+    the draws so far, and keeps every draft up to the last position that passes. A
+    rejected position's token is drawn from norm(max(p - q, 0)); all kept: one more draw
+    from p. Greedy requests keep the drafts that match the argmax, whatever the options."""
     import torch
 
     d = len(drafts.tokens)
@@ -233,24 +250,52 @@ def verify(probs: torch.Tensor | None, argmax: torch.Tensor, drafts: Drafts,
             kept.append(best[j])
         return [*kept, best[d]]
     assert probs is not None
+    tau = thresholds or [1.0] * d
+
+    def ratio(j: int) -> float:  # p_j(x) / q_j(x); -1: q_j(x) = 0, never accepted
+        x = drafts.tokens[j]
+        q_x = 1.0 if drafts.probs is None else float(drafts.probs[j, x])
+        return float(probs[j, x]) / q_x if q_x > 0 else -1.0
+
+    def draw(j: int) -> tuple[float, Any]:
+        gen = generator_for(j)
+        return float(torch.rand(1, generator=gen)), gen
+
+    if block:
+        passed, pi, big_u = 0, 1.0, 1.0
+        for j in range(d):
+            r = ratio(j)
+            u, _ = draw(j)
+            big_u *= u
+            pi = 0.0 if r < 0 else min(pi * r, 1.0)
+            if r >= 0 and pi >= tau[j] * big_u:
+                passed = j + 1
+        kept = list(drafts.tokens[:passed])
+        if passed == d:
+            return [*kept, int(torch.multinomial(probs[d], 1, generator=generator_for(d)))]
+        _, gen = draw(passed)  # (the position's draw again, then its correction)
+        return [*kept, _correction(probs, drafts, passed, gen)]
     kept = []
     for j in range(d):
-        x = drafts.tokens[j]
-        p_x = float(probs[j, x])
-        q_x = 1.0 if drafts.probs is None else float(drafts.probs[j, x])
-        gen = generator_for(j)
-        u = float(torch.rand(1, generator=gen))
-        if q_x > 0 and u < min(1.0, p_x / q_x):
-            kept.append(x)
+        r = ratio(j)
+        u, gen = draw(j)
+        if r >= 0 and r >= tau[j] * u:
+            kept.append(drafts.tokens[j])
             continue
-        if drafts.probs is None:  # max(p - q, 0) with q a point mass: p without x
-            residual = probs[j].clone()
-            residual[x] = 0.0
-        else:
-            residual = (probs[j] - drafts.probs[j].to(probs.dtype)).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p was q: nothing else to draw from
-            residual = probs[j]
-        token = int(torch.multinomial(residual, 1, generator=gen))
-        return [*kept, token]
-    token = int(torch.multinomial(probs[d], 1, generator=generator_for(d)))
-    return [*kept, token]
+        return [*kept, _correction(probs, drafts, j, gen)]
+    return [*kept, int(torch.multinomial(probs[d], 1, generator=generator_for(d)))]
+
+
+def _correction(probs: torch.Tensor, drafts: Drafts, j: int, gen: Any) -> int:
+    """A draw from norm(max(p_j - q_j, 0)) (p_j itself when that is all zero)."""
+    import torch
+
+    x = drafts.tokens[j]
+    if drafts.probs is None:  # q a point mass on x: p without x
+        residual = probs[j].clone()
+        residual[x] = 0.0
+    else:
+        residual = (probs[j] - drafts.probs[j].to(probs.dtype)).clamp_min(0.0)
+    if float(residual.sum()) <= 0.0:
+        residual = probs[j]
+    return int(torch.multinomial(residual, 1, generator=gen))

@@ -74,3 +74,22 @@ def test_speculative_config_takes_effect_for_ngram_and_is_listed_otherwise():
                         "num_speculative_tokens"), ("[1]", "must be a JSON object")):
         r = check("--role", "mixed", "--speculative-config", bad)
         assert r.returncode == 2 and "--speculative-config" in r.stderr and names in r.stderr
+
+
+def test_rejection_sampler_config_acts_once_ngram_drafts_run():
+    rs = ('{"rejection_sampler_config": {"enable_block_verify": true, '
+          '"enable_entropy_verify": true, "posterior_threshold": 0.9}}')
+    r = check("--role", "mixed", "--additional-config", rs)
+    assert r.returncode == 0 and "rejection_sampler_config" in r.stderr.split(
+        "inactive on")[1]
+    r = check("--role", "mixed", "--additional-config", rs, "--speculative-config",
+              '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert r.returncode == 0 and "rejection_sampler_config" not in r.stderr, r.stderr
+    from pdmesh.cli import parse_args
+
+    spec = parse_args(["config", "check", "--role", "mixed", "--model", "/m", "--device",
+                       "cpu", "--additional-config", rs, "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3}'])[2] \
+        .engine.speculative_config
+    assert (spec.enable_block_verify, spec.enable_entropy_verify, spec.posterior_threshold,
+            spec.posterior_alpha) == (True, True, 0.9, 0.4)

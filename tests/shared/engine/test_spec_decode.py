@@ -293,3 +293,69 @@ def test_the_indexed_lookup_follows_the_tokens_as_they_grow():
             assert proposer.propose([req], 3)[0].tokens == scan(req.token_ids, 3, 1, 4)
             for _ in range(rng.randrange(1, 4)):  # one token a step, or kept drafts
                 req.append_token(rng.randrange(6))
+
+
+# -- vLLM-Ascend's lossy verification (rejection_sampler_config) -------------------------
+def first_tokens_with(p: torch.Tensor, d: int, thresholds=None, block=False) -> list[int]:
+    """The first kept token's counts over SAMPLES verifications of d point-mass drafts of
+    token 0, the target p at every position."""
+    probs = torch.stack([p] * (d + 1))
+    argmax = probs.argmax(dim=-1)
+    counts = [0] * V
+    for _ in range(SAMPLES):
+        counts[verify(probs, argmax, Drafts([0] * d), False, lambda j: None, thresholds,
+                      block)[0]] += 1
+    return counts
+
+
+P_LOSSY = torch.softmax(torch.tensor([0.9, 0.6, 0.1, -0.3, 0.4, -1.0], dtype=torch.float64), 0)
+
+
+def test_entropy_verify_at_threshold_one_is_standard_and_below_it_accepts_more():
+    torch.manual_seed(1)
+    assert chi_square(first_tokens_with(P_LOSSY, 1, [1.0]), P_LOSSY) < CHI2_DF5_P001
+    counts = first_tokens_with(P_LOSSY, 1, [0.5])
+    # u * 0.5 <= p(0): the draft passes with probability min(1, p(0) / 0.5)
+    assert counts[0] / SAMPLES == pytest.approx(min(1.0, float(P_LOSSY[0]) / 0.5), abs=0.02)
+    assert chi_square(counts, P_LOSSY) > 10 * CHI2_DF5_P001  # lossy, as the seed says
+
+
+def test_block_verify_keeps_a_prefix_that_a_later_position_vouches_for():
+    """Block verify passes position k on the product of the ratios against the product
+    of the draws: a first draft that fails alone is kept when the second passes, so the
+    first token is the draft more often than p says - lossy."""
+    torch.manual_seed(2)
+    p0 = float(P_LOSSY[0])
+    counts = first_tokens_with(P_LOSSY, 3, block=True)
+    assert counts[0] / SAMPLES > p0 + 0.05
+    assert chi_square(counts, P_LOSSY) > 10 * CHI2_DF5_P001
+    # one position alone: the same test as standard verification
+    one = [0] * V
+    probs = torch.stack([P_LOSSY, P_LOSSY])
+    for _ in range(SAMPLES):
+        one[verify(probs, probs.argmax(-1), Drafts([0]), False, lambda j: None, None,
+                   True)[0]] += 1
+    assert chi_square(one, P_LOSSY) < CHI2_DF5_P001
+
+
+def test_greedy_requests_ignore_the_lossy_options(qwen3_path, greedy_reference):
+    argmax = torch.tensor([4, 7, 2, 9])
+    assert verify(None, argmax, Drafts([4, 1, 2]), True, lambda j: None, [0.1] * 3,
+                  True) == [4, 7]
+    ps, params, want = greedy_reference
+    lossy = SpeculativeConfig("ngram", 3, 1, 4, enable_block_verify=True,
+                              enable_entropy_verify=True, posterior_threshold=0.5)
+    got, llm = run(qwen3_path, ps, params, speculative_config=lossy)
+    assert got == want and llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_lossy_sampling_accepts_more_drafts_in_the_engine(qwen3_path):
+    ps = prompts(8, seed=9)
+    params = SamplingParams(temperature=0.3, seed=3, max_tokens=40, ignore_eos=True)
+    plain = run(qwen3_path, ps, params, speculative_config=ngram(3))[1].engine.spec_stats
+    lossy = SpeculativeConfig("ngram", 3, 1, 4, enable_block_verify=True,
+                              enable_entropy_verify=True, posterior_threshold=0.3,
+                              posterior_alpha=0.4)
+    _, llm = run(qwen3_path, ps, params, speculative_config=lossy)
+    assert llm.engine.spec_stats.acceptance_rate > plain.acceptance_rate
+    assert_no_block_held(llm)
