@@ -213,7 +213,9 @@ def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
     """The seeds' P and D lines (`vllm serve` with kv_role kv_producer / kv_consumer, no
     kvstore address) start a prefill and a decode instance of the mesh, which find the
     kvstore in the registry; the gateway, as the PD proxy, answers like the offline
-    engine. A gateway flag on such a line is listed as without effect."""
+    engine - the decode instance drafting with n-gram speculation (the seed's D line
+    drafts with MTP), many prompts token-identical. A gateway flag on such a line is
+    listed as without effect."""
     from pdmesh.shared.infra.launcher import Service
     from pdmesh.shared.infra.registry import Registry
 
@@ -227,7 +229,9 @@ def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
         for role, kv_role, extra in (
                 ("prefill", "kv_producer", ["--max-num-seqs", "16", "--enforce-eager"]),
                 ("decode", "kv_consumer", ["--max-num-seqs", "60", "--no-enable-prefix-caching",
-                                           "--stall-timeout", "30"])):
+                                           "--stall-timeout", "30", "--speculative-config",
+                                           '{"num_speculative_tokens": 3, "method": "ngram",'
+                                           ' "prompt_lookup_min": 1}'])):
             transfer = {"kv_connector": "MooncakeHybridConnector", "kv_role": kv_role,
                         "kv_port": "30000", "engine_id": "0"}
             started.append(Service(role, ["serve", str(qwen3_path), *seed, *extra,
@@ -240,14 +244,20 @@ def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
         gateway = Service("gateway", ["gateway", str(qwen3_path), "--host", "127.0.0.1",
                                       "--port", "0", *reg], tmp_path)
         started.append(gateway)
-        r = httpx.post(gateway.info["http"] + "/v1/completions", timeout=60, json={
-            "model": str(qwen3_path), "prompt": [5, 6, 7, 8, 9], "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
+        prompts = [[5, 6, 7, 8, 9], *([20 + i, 30 + i, 40 + i] * 6 for i in range(5))]
         want = LLM(str(qwen3_path), device="cpu", block_size=16).generate(
-            [[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+            prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        for prompt, expected in zip(prompts, want, strict=True):
+            r = httpx.post(gateway.info["http"] + "/v1/completions", timeout=60, json={
+                "model": str(qwen3_path), "prompt": prompt, "max_tokens": 24,
+                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected.outputs[0].text, prompt
         registry = Registry("redis://127.0.0.1:6379/0", registry_prefix + "-vllmpd")
+        deadline = time.monotonic() + 10  # the decode instance drafted (next heartbeat)
+        while registry.instances(role="decode")[0].load["spec_draft_tokens"] == 0:
+            assert time.monotonic() < deadline, "the decode instance never drafted"
+            time.sleep(0.2)
         assert [i.address for i in registry.instances(role="prefill")] == [
             started[1].address]
         assert [i.address for i in registry.instances(role="decode")] == [started[2].address]

@@ -359,3 +359,29 @@ def test_lossy_sampling_accepts_more_drafts_in_the_engine(qwen3_path):
     _, llm = run(qwen3_path, ps, params, speculative_config=lossy)
     assert llm.engine.spec_stats.acceptance_rate > plain.acceptance_rate
     assert_no_block_held(llm)
+
+
+def test_the_engines_sampler_verifies_to_the_tempered_top_k_distribution():
+    """Through the engine's Sampler (temperature and top-k applied to the target rows as
+    when sampling one token): the first kept token follows that distribution."""
+    from pdmesh.shared.engine.request import Request
+    from pdmesh.shared.engine.sampler import Sampler
+    from pdmesh.shared.kernels import get_backend
+
+    torch.manual_seed(4)
+    sampler = Sampler(get_backend("cpu"), V)
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.3, -1.0])
+    params = SamplingParams(temperature=1.3, top_k=4, max_tokens=100)
+    req = Request("r", [1, 2, 3], params)
+    counts = [0] * V
+    for _ in range(SAMPLES):
+        counts[sampler.verify(torch.stack([row, row]), [req], [Drafts([1])])[0][0]] += 1
+    kept = row.topk(4).indices
+    target = torch.zeros(V, dtype=torch.float64)
+    target[kept] = torch.softmax(row[kept].double() / 1.3, 0)
+    outside = [t for t in range(V) if t not in kept.tolist()]
+    assert all(counts[t] == 0 for t in outside)
+    inside = kept.tolist()
+    expected = target[inside] * SAMPLES
+    got = torch.tensor([counts[t] for t in inside], dtype=torch.float64)
+    assert float(((got - expected) ** 2 / expected).sum()) < 16.27  # df 3, p = 0.001
