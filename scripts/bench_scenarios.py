@@ -55,7 +55,7 @@ SIZES = {
 }
 SCENARIO = {"conc1": "random"}  # scenarios that are another's with other sizes
 NGRAM = ('{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,'
-         '"prompt_lookup_max":3}')  # (no spaces: --engine-args is split on them)
+         '"prompt_lookup_max":3}')  # (no spaces: one word in --engine-args unquoted)
 SPEC = {"ngram": NGRAM, "ngramcap": NGRAM[:-1] + ',"disable_by_batch_size":16}'}
 GOODPUT = ["ttft:2000", "tpot:100"]  # DistServe-style chat SLOs, loosened for a CPU
 FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),

@@ -21,6 +21,7 @@ as without effect there.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -115,17 +116,26 @@ def plan(cfg: ServeConfig) -> Plan:
         make_tiny_model(model, "qwen3", seed=0)
     direct = to_words(cfg.flags, [f.name for f in FLAGS if "mixed" in f.commands
                                   and f.name not in NOT_FOR_THE_ENGINE])
-    common = [*direct, *cfg.engine_flags.split()]
+    common = [*direct, *_words("--engine-args", cfg.engine_flags)]
     mixed = cfg.command == "serve"
     roles = [("mixed", 1)] if mixed else [("prefill", cfg.prefill), ("decode", cfg.decode)]
-    words = {"prefill": [*common, *cfg.prefill_flags.split()],
-             "decode": [*common, *cfg.decode_flags.split()],
-             "mixed": [*common, *cfg.decode_flags.split()]}
+    decode = _words("--decode-args", cfg.decode_flags)
+    words = {"prefill": [*common, *_words("--prefill-args", cfg.prefill_flags)],
+             "decode": [*common, *decode], "mixed": [*common, *decode]}
     ranks = {}
     for role, _ in roles:  # (each engine finds its device itself)
         checked = serve_config(role, [str(model), *words[role]], device="cpu")
         ranks[role] = checked.data_parallel_size
     return Plan(model, cfg.served_model_name or (model.name,), roles, words, ranks, log_dir)
+
+
+def _words(flag: str, text: str) -> list[str]:
+    """A launcher's flags-in-one-string, split as a shell would (a JSON value in quotes
+    stays one word)."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e} in {text!r}") from None
 
 
 def run(cfg: ServeConfig) -> int:

@@ -272,7 +272,8 @@ FLAGS: list[Flag] = [
             ("--decode", "int", 1, "decode instances")),
     *_flags(LAUNCHERS,
             ("--engine-args", "str", "", "extra engine flags for every engine instance, as "
-             "one string", {"dest": "engine_flags"}),
+             "one string, split as a shell would (quote a JSON value)",
+             {"dest": "engine_flags"}),
             ("--prefill-args", "str", "", "extra flags for prefill only",
              {"dest": "prefill_flags"}),
             ("--decode-args", "str", "", "extra flags for decode (serve: the mixed instance) "

@@ -137,3 +137,21 @@ def test_every_problem_of_a_command_line_at_once():
     with pytest.raises(FlagError) as e:
         parse_command_line("prefill", ["m", "--max-model-len", "x", "--bogus", "--port"])
     assert len(e.value.problems) == 3
+
+
+def test_launcher_args_split_as_a_shell_would(qwen3_path, tmp_path):
+    """--engine-args carries a JSON flag with spaces in quotes as one word; an unclosed
+    quote is refused naming the flag."""
+    from pdmesh.cli import parse_args
+    from pdmesh.shared.cli.up import plan
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    cfg = parse_args(["up", str(qwen3_path), "--log-dir", str(tmp_path), "--engine-args",
+                      f"--speculative-config '{spec}' --max-num-seqs 4"])[2]
+    words = plan(cfg).engine_words["decode"]
+    assert words[words.index("--speculative-config") + 1] == spec
+    assert words[-2:] == ["--max-num-seqs", "4"]
+    bad = parse_args(["up", str(qwen3_path), "--log-dir", str(tmp_path), "--decode-args",
+                      "--seed '1"])[2]
+    with pytest.raises(ValueError, match="^--decode-args: "):
+        plan(bad)
