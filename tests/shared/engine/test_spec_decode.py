@@ -385,3 +385,25 @@ def test_the_engines_sampler_verifies_to_the_tempered_top_k_distribution():
     expected = target[inside] * SAMPLES
     got = torch.tensor([counts[t] for t in inside], dtype=torch.float64)
     assert float(((got - expected) ** 2 / expected).sum()) < 16.27  # df 3, p = 0.001
+
+
+def test_recompute_hand_back_with_drafts_keeps_every_output_exact(qwen3_path,
+                                                                  greedy_reference):
+    """vLLM-Ascend's recompute scheduler on a decode engine that drafts: a request that
+    must give its blocks up is handed back; whatever each request produced until then is
+    the start of its greedy answer, and no block stays held."""
+    from pdmesh.shared.engine.request import RequestStatus
+
+    ps, params, want = greedy_reference
+    llm = LLM(str(qwen3_path), device="cpu", block_size=16, num_kv_blocks=20,
+              recompute_scheduler=True, speculative_config=ngram(3))
+    reqs = [llm.engine.add_request(p, sp) for p, sp in zip(ps, params, strict=True)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    handed = [r for r in reqs if r.status is RequestStatus.FINISHED_RECOMPUTED]
+    assert handed and llm.engine.spec_stats.num_drafts > 0
+    for r, full in zip(reqs, want, strict=True):
+        assert r.output_token_ids == full[:len(r.output_token_ids)]
+        if r.status is not RequestStatus.FINISHED_RECOMPUTED:
+            assert r.output_token_ids == full
+    assert_no_block_held(llm)
