@@ -24,10 +24,11 @@ def free_port() -> int:
 
 
 def rank_main(rank: int, world: int, address: str, model: str, prompts: list[list[int]],
-              redundant: int, moves: list, out: mp.Queue, expert_map: str | None = None
-              ) -> None:
+              redundant: int, moves: list, out: mp.Queue, expert_map: str | None = None,
+              speculative: dict | None = None) -> None:
     """One DP rank: its share of the prompts, stepped in lockstep with the others; after
-    ``moves[i][0]`` steps, every rank switches MoE layer moves[i][1] to moves[i][2]."""
+    ``moves[i][0]`` steps, every rank switches MoE layer moves[i][1] to moves[i][2].
+    ``speculative``: the ranks draft and verify (their step sizes then differ more)."""
     try:
         torch.set_num_threads(1)
         import torch.distributed as dist
@@ -39,7 +40,8 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
             model=model, device="cpu", dtype="float32", block_size=16,
             data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
             enable_expert_parallel=True, num_redundant_experts=redundant,
-            expert_load_window=8, expert_map_path=expert_map))
+            expert_load_window=8, expert_map_path=expert_map,
+            speculative_config=speculative))
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW,
                                                  ignore_eos=True)).request_id
                for p in prompts]
@@ -59,30 +61,34 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
                 tokens[o.request.request_id] += o.new_token_ids
             step += 1
         load = eng.model.load_recorder.load()
-        out.put((rank, [tokens[r] for r in ids], moved, load.sum().item(), None))
+        out.put((rank, [tokens[r] for r in ids], moved, load.sum().item(), None,
+                 eng.spec_stats.num_drafts))
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 (reported to the test)
         import traceback
 
-        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e)))
+        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e), 0))
 
 
 def run_ranks(model: str, shares: list[list[list[int]]], redundant: int = 0,
-              moves: list | None = None, expert_map: str | None = None) -> dict[int, tuple]:
+              moves: list | None = None, expert_map: str | None = None,
+              speculative: dict | None = None) -> dict[int, tuple]:
+    """rank -> (its outputs, expert bytes moved, expert load recorded, drafts verified)."""
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=rank_main, args=(r, len(shares), address, model, shares[r],
-                                                 redundant, moves or [], out, expert_map))
+                                                 redundant, moves or [], out, expert_map,
+                                                 speculative))
              for r in range(len(shares))]
     for p in procs:
         p.start()
     try:
         results = {}
         for _ in procs:
-            rank, toks, moved, load, err = out.get(timeout=240)
+            rank, toks, moved, load, err, drafts = out.get(timeout=240)
             assert err is None, f"rank {rank} failed:\n{err}"
-            results[rank] = (toks, moved, load)
+            results[rank] = (toks, moved, load, drafts)
         return results
     finally:
         for p in procs:
@@ -110,6 +116,17 @@ def test_two_ranks_equal_the_single_process_engine(moe_path, expected):
     assert res[0][0] == expected[:2] + expected[3:]
     assert res[1][0] == [expected[2]]
     assert res[0][2] > 0 and res[1][2] > 0  # both recorded expert load
+
+
+def test_two_ranks_drafting_equal_the_single_process_engine(moe_path, expected):
+    """n-gram speculation on expert-parallel ranks: each rank verifies its own drafts
+    (steps of uneven sizes in lockstep) and the greedy answers stay the same."""
+    shares = [PROMPTS[:2] + PROMPTS[3:], [PROMPTS[2]]]
+    res = run_ranks(moe_path, shares, speculative={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert res[0][0] == expected[:2] + expected[3:]
+    assert res[1][0] == [expected[2]]
+    assert res[0][3] + res[1][3] > 0  # drafts were verified
 
 
 def test_redundant_experts_and_live_moves_keep_the_output(moe_path, expected):
@@ -280,7 +297,7 @@ def loop_rank_main(rank: int, world: int, address: str, model: str,
     except Exception as e:  # noqa: BLE001
         import traceback
 
-        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e)))
+        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e), 0))
 
 
 def test_dyntralb_pauses_on_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_models):
