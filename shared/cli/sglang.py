@@ -44,13 +44,13 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     flag for a value pdmesh cannot run."""
     rest: list[str] = []
     taken: dict[str, str] = {}
+    speculating = "--speculative-algorithm" in {w.partition("=")[0] for w in words}
     i = 0
     while i < len(words):
         word = words[i]
         name, eq, value = word.partition("=")
         if name in ("--disaggregation-mode", "--disaggregation-transfer-backend",
-                    "--disaggregation-bootstrap-port") or (
-                        name in SPECULATIVE and "--speculative-algorithm" in words_named(words)):
+                    "--disaggregation-bootstrap-port") or (speculating and name in SPECULATIVE):
             if not eq:
                 if i + 1 >= len(words):
                     raise ValueError(f"{name}: needs a value")
@@ -86,10 +86,6 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     return [command, *rest], warnings
 
 
-def words_named(words: list[str]) -> set[str]:
-    return {w.partition("=")[0] for w in words if w.startswith("--")}
-
-
 def speculative_config(taken: dict[str, str]) -> tuple[dict, list[str]]:
     """vLLM's --speculative-config for SGLang's speculative flags: NGRAM drafts
     --speculative-num-draft-tokens - 1 tokens (SGLang counts the verified token too)
@@ -109,7 +105,7 @@ def speculative_config(taken: dict[str, str]) -> tuple[dict, list[str]]:
         except ValueError:
             raise ValueError(f"{flag}: expected an int, got {taken[flag]!r}") from None
 
-    notes = []
+    notes: list[str] = []
     if method == "ngram":
         draft = number("--speculative-num-draft-tokens")
         if draft is None:
@@ -119,20 +115,16 @@ def speculative_config(taken: dict[str, str]) -> tuple[dict, list[str]]:
                              f"counts the verified token too), got {draft}")
         spec = {"method": "ngram",
                 "num_speculative_tokens": 3 if draft is None else draft - 1}
-        for flag, key in (("--speculative-ngram-min-match-window-size", "prompt_lookup_min"),
-                          ("--speculative-ngram-max-match-window-size", "prompt_lookup_max")):
-            if number(flag) is not None:
-                spec[key] = number(flag)
-        idle = sorted(f for f in taken if f in SPECULATIVE and f not in (
-            "--speculative-algorithm", "--speculative-num-draft-tokens",
-            "--speculative-ngram-min-match-window-size",
-            "--speculative-ngram-max-match-window-size"))
+        windows = {"--speculative-ngram-min-match-window-size": "prompt_lookup_min",
+                   "--speculative-ngram-max-match-window-size": "prompt_lookup_max"}
+        spec.update({key: number(flag) for flag, key in windows.items() if flag in taken})
+        used = {"--speculative-num-draft-tokens", *windows}
     else:
-        steps = number("--speculative-num-steps")
-        spec = {"method": method, "num_speculative_tokens": steps or 1}
-        idle = sorted(f for f in taken if f in SPECULATIVE and f not in (
-            "--speculative-algorithm", "--speculative-num-steps"))
-    notes += [f"{f}: without effect" for f in idle]
+        spec = {"method": method,
+                "num_speculative_tokens": number("--speculative-num-steps") or 1}
+        used = {"--speculative-num-steps"}
+    notes += [f"{f}: without effect" for f in sorted(taken) if f in SPECULATIVE
+              and f != "--speculative-algorithm" and f not in used]
     return spec, notes
 
 

@@ -110,9 +110,8 @@ def read_config(flags: Flags, *, device: str | None = None,
         spec_warnings.append(f"--speculative-config: method {method!r} is not run yet "
                              "(pdmesh drafts with \"ngram\" so far); decoding one token a "
                              "step")
-    elif spec is not None and SpeculativeConfig.inactive_keys(spec):
-        spec_warnings.append("--speculative-config: without effect: "
-                             + ", ".join(SpeculativeConfig.inactive_keys(spec)))
+    elif spec is not None and (idle := SpeculativeConfig.inactive_keys(spec)):
+        spec_warnings.append(f"--speculative-config: without effect: {', '.join(idle)}")
     if role is None:
         return ServeConfig(flags.command, flags, accepted_without_effect=compat)
     kv_transfer = dict(flags.kv_transfer_config or {})

@@ -362,7 +362,8 @@ class EngineCore:
             logits, sample_idx = self.runner.execute(sched)
             if self.model.load_recorder is not None:
                 self.model.load_recorder.end_step(is_prefill=any(
-                    n > 1 and i not in sched.drafts for i, n in enumerate(sched.num_tokens)))
+                    n > 1 and r not in sched.drafts
+                    for r, n in zip(sched.requests, sched.num_tokens, strict=True)))
         except BaseException:
             # This step's full blocks were made findable by hash before being computed:
             # forget every cached prefix rather than serve one that was never filled.
@@ -380,7 +381,8 @@ class EngineCore:
                                              req.num_tokens, self.kv.pin(req)))
                     saving.add(id(req))
         finished = self.scheduler.update(sched, tokens)
-        decoding = [n for i, n in enumerate(sched.num_tokens) if n == 1 or i in sched.drafts]
+        decoding = [n for r, n in zip(sched.requests, sched.num_tokens, strict=True)
+                    if n == 1 or r in sched.drafts]
         self.step_costs.record(time.perf_counter() - t_start,
                                sched.total_tokens - sum(decoding), len(decoding))
         for req in finished:
@@ -388,24 +390,24 @@ class EngineCore:
         if self.proposer is not None:
             self._propose()
         done = {id(r) for r in finished} - saving  # those saving finish with their put
-        return saved + [StepOutput(sched.requests[i], tokens[i] if i in sched.drafts
-                                   else [tokens[i]], id(sched.requests[i]) in done)
+        return saved + [StepOutput(sched.requests[i], tokens[i] if sched.requests[i] in
+                                   sched.drafts else [tokens[i]], id(sched.requests[i]) in done)
                         for i in sample_idx] + handed_back
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
                 ) -> dict[int, Any]:
         """Position in the step -> its sampled token, or (a request that verified
         drafts) the list of tokens it keeps. Logprobs go onto the requests."""
-        reqs = sched.requests
+        reqs, drafted = sched.requests, sched.drafts
         starts: dict[int, int] = {}
-        if not sched.drafts:
+        if not drafted:
             rows, plain = logits, sample_idx
         else:
             at = 0
             for i in sample_idx:
                 starts[i] = at
-                at += 1 + len(sched.drafts[i].tokens) if i in sched.drafts else 1
-            plain = [i for i in sample_idx if i not in sched.drafts]
+                at += 1 + len(drafted[reqs[i]].tokens) if reqs[i] in drafted else 1
+            plain = [i for i in sample_idx if reqs[i] not in drafted]
             rows = logits[[starts[i] for i in plain]]
         out: dict[int, Any] = {}
         if plain:
@@ -414,9 +416,9 @@ class EngineCore:
                 out[i] = token
                 if lp is not None:
                     reqs[i].logprobs.append(lp)
-        spec = [i for i in sample_idx if i in sched.drafts]
+        spec = [i for i in sample_idx if reqs[i] in drafted]
         if spec:
-            drafts = [sched.drafts[i] for i in spec]
+            drafts = [drafted[reqs[i]] for i in spec]
             kept = self.sampler.verify(
                 torch.cat([logits[starts[i]:starts[i] + 1 + len(d.tokens)]
                            for i, d in zip(spec, drafts, strict=True)]),

@@ -57,8 +57,8 @@ class ModelRunner:
             qsl = np.arange(num_seqs + 1, dtype=np.int32)
         else:
             ids: list[int] = []
-            for i, (r, s, n) in enumerate(zip(reqs, starts, counts, strict=True)):
-                drafts = step.drafts.get(i)
+            for r, s, n in zip(reqs, starts, counts, strict=True):
+                drafts = step.drafts.get(r)
                 tokens = r.token_ids if drafts is None else r.token_ids + drafts.tokens
                 ids.extend(tokens[s:s + n])
             input_ids = np.asarray(ids, dtype=np.int64)
@@ -68,7 +68,8 @@ class ModelRunner:
             slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
             qsl = np.zeros(num_seqs + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
-        drafted = {i: len(d.tokens) for i, d in step.drafts.items()}
+        drafted = {i: len(step.drafts[r].tokens) for i, r in enumerate(reqs)
+                   if r in step.drafts}
         sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
                       if n == r.num_tokens + drafted.get(i, 0)]
         if every_row:

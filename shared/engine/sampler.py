@@ -9,12 +9,11 @@ Fast path: an all-greedy batch without penalties or logprobs is one argmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from pdmesh.shared.engine.request import Logprob, Request
-from pdmesh.shared.engine.spec_decode import Drafts, verify
+from pdmesh.shared.engine.spec_decode import Drafts, SpeculativeConfig, verify
 from pdmesh.shared.kernels import KernelBackend
 
 
@@ -79,7 +78,7 @@ class Sampler:
         return SamplerOutput(token_list, lps)
 
     def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[Drafts],
-               lossy: Any = None) -> list[list[int]]:
+               lossy: SpeculativeConfig | None = None) -> list[list[int]]:
         """Speculative decoding's verification: ``logits`` [sum(1 + d_i), V] holds each
         request's 1 + d_i positions in order (its last token, then its d_i drafts).
         Returns each request's kept tokens (``spec_decode.verify``). Only requests that

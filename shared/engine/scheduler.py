@@ -45,9 +45,9 @@ class SchedulerOutput:
     requests: list[Request]  # scheduled this step
     num_tokens: list[int]  # new tokens computed for each, same order
     preempted: list[Request] = field(default_factory=list)  # lost their blocks this step
-    # speculative decoding: position in ``requests`` -> the drafts it verifies this step
+    # speculative decoding: a scheduled request -> the drafts it verifies this step
     # (counted in its ``num_tokens``: its last token plus the drafts)
-    drafts: dict[int, Drafts] = field(default_factory=dict)
+    drafts: dict[Request, Drafts] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -138,7 +138,7 @@ class Scheduler:
                     and not self._make_room(req, n, out, scheduled):
                 continue  # req itself was preempted; self.running[i] is the next one
             if drafts is not None:
-                out.drafts[len(out.requests)] = drafts
+                out.drafts[req] = drafts
                 n += len(drafts.tokens)
             out.requests.append(req)
             out.num_tokens.append(n)
@@ -348,7 +348,7 @@ class Scheduler:
                 if r is victim:  # scheduled earlier this step: its tokens go back
                     del out.requests[i]
                     given_back += out.num_tokens.pop(i)
-                    out.drafts = {j - (j > i): d for j, d in out.drafts.items() if j != i}
+                    out.drafts.pop(victim, None)
                     break
             self._preempt(victim)
             out.preempted.append(victim)
@@ -502,7 +502,7 @@ class Scheduler:
         finished = []
         for idx, (req, n) in enumerate(zip(out.requests, out.num_tokens, strict=True)):
             tokens = sampled.get(idx)
-            drafts = out.drafts.get(idx)
+            drafts = out.drafts.get(req)
             if drafts is not None and tokens is not None:
                 n -= len(drafts.tokens) - (len(tokens) - 1)  # the rejected positions
             req.num_computed_tokens += n

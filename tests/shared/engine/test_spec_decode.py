@@ -266,7 +266,7 @@ def test_drafts_stay_with_their_request_when_an_earlier_one_is_preempted():
     s.add(Request("hi", [300, 301], SamplingParams(max_tokens=20), priority=0))
     out = s.schedule()
     assert out.preempted == [lo] and out.requests[0] is mid
-    assert out.drafts == {0: Drafts([8, 9, 8])}
+    assert out.drafts == {mid: Drafts([8, 9, 8])}
     assert out.num_tokens[0] == 1 + 3
 
 
