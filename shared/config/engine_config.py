@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from pdmesh.shared.engine.config import EngineConfig
-from pdmesh.shared.engine.spec_decode import NGRAM_METHODS, SpeculativeConfig
+from pdmesh.shared.engine.spec_decode import RUN_METHODS, DynamicBudget, SpeculativeConfig
 
 # vLLM's defaults for `vllm serve` on CPU (the offline LLM keeps the larger ones)
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 2048
@@ -41,16 +41,24 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     if sched.recompute_scheduler_enable and cfg.role == "decode":  # (a warning elsewhere)
         config = dataclasses.replace(config, recompute_scheduler=True)
     spec = cfg.flags.speculative_config
-    if isinstance(spec, dict) and spec.get("method") in NGRAM_METHODS:
+    if isinstance(spec, dict) and spec.get("method") in RUN_METHODS:
         try:
             speculative = SpeculativeConfig.from_dict(spec)
         except ValueError as e:
             raise ValueError(f"--speculative-config: {e}") from None
         rs = cfg.additional_config.rejection_sampler_config
+        ds = cfg.additional_config.dynamic_spec_config
+        dynamic = None
+        if ds.method is not None and speculative.is_mtp:  # (ngram: a warning elsewhere)
+            p = ds.method_params
+            dynamic = DynamicBudget(ds.method, p.initial_verify_budget_per_req,
+                                    p.budget_update_interval, p.budget_threshold,
+                                    p.min_verify_tokens)
         config = dataclasses.replace(config, speculative_config=dataclasses.replace(
             speculative, enable_block_verify=rs.enable_block_verify,
             enable_entropy_verify=rs.enable_entropy_verify,
-            posterior_threshold=rs.posterior_threshold, posterior_alpha=rs.posterior_alpha))
+            posterior_threshold=rs.posterior_threshold, posterior_alpha=rs.posterior_alpha,
+            dynamic=dynamic))
     config.validate()
     return config
 

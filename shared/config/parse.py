@@ -24,7 +24,7 @@ from pdmesh.shared.config.options import schema_fields, spec_of
 from pdmesh.shared.config.reader import ReadContext, read_section
 from pdmesh.shared.config.rules import RuleContext, run_rules
 from pdmesh.shared.config.schema import AdditionalConfig
-from pdmesh.shared.engine.spec_decode import NGRAM_METHODS
+from pdmesh.shared.engine.spec_decode import MTP_METHODS, RUN_METHODS
 
 DEVICES = ("cpu", "cuda", "npu")
 
@@ -77,8 +77,10 @@ def parse_additional_config(
         warnings.append(f"{len(npu_only)} key(s) only act on Ascend NPUs and are inactive on "
                         f"{device}: {', '.join(npu_only)}")
     unbuilt = unimplemented_keys(ctx.explicit)
-    if engine.speculative_method in NGRAM_METHODS:  # drafts run: their verifier reads it
+    if engine.speculative_method in RUN_METHODS:  # drafts run: their verifier reads it
         unbuilt = [k for k in unbuilt if k != "rejection_sampler_config"]
+    if engine.speculative_method in MTP_METHODS:  # MTP drafts carry a confidence
+        unbuilt = [k for k in unbuilt if k != "dynamic_spec_config"]
     if unbuilt:
         warnings.append(f"{len(unbuilt)} key(s) pdmesh does not implement yet; without "
                         f"effect: {', '.join(unbuilt)}")
@@ -87,8 +89,8 @@ def parse_additional_config(
 
 
 # vLLM-Ascend keys for any device that pdmesh validates but does not act on (yet): the
-# speculative-decoding sections wait for those features (rejection_sampler_config acts
-# once n-gram drafts run), fine-grained TP for tensor parallelism; the rest
+# speculative-decoding sections act once drafts run (rejection_sampler_config with any
+# method, dynamic_spec_config with MTP drafts), fine-grained TP for tensor parallelism; the rest
 # have no counterpart in pdmesh's scheduler or EPLB controller (`pdmesh eplb
 # --interval-s` sets the controller's interval)
 UNIMPLEMENTED = ("rejection_sampler_config", "dynamic_spec_config", "finegrained_tp_config",

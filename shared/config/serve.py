@@ -27,7 +27,7 @@ from pdmesh.shared.config.engine_args import EngineArgs
 from pdmesh.shared.config.flags import ENGINES
 from pdmesh.shared.config.parse import parse_additional_config
 from pdmesh.shared.config.schema import AdditionalConfig
-from pdmesh.shared.engine.spec_decode import NGRAM_METHODS, SpeculativeConfig
+from pdmesh.shared.engine.spec_decode import RUN_METHODS, SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,11 @@ def read_config(flags: Flags, *, device: str | None = None,
     if spec is not None and not isinstance(spec, dict):
         raise ValueError(f"--speculative-config: must be a JSON object, got {spec!r}")
     method = spec.get("method") if spec is not None else None
-    if spec is not None and method not in NGRAM_METHODS:
+    if spec is not None and method not in RUN_METHODS:
         compat += ("--speculative-config",)
         spec_warnings.append(f"--speculative-config: method {method!r} is not run yet "
-                             "(pdmesh drafts with \"ngram\" so far); decoding one token a "
-                             "step")
+                             f"(pdmesh drafts with {', '.join(RUN_METHODS)}); decoding one "
+                             "token a step")
     elif spec is not None and (idle := SpeculativeConfig.inactive_keys(spec)):
         spec_warnings.append(f"--speculative-config: without effect: {', '.join(idle)}")
     if role is None:

@@ -9,6 +9,7 @@ so a bad one raises ValueError naming the field and never reaches a step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -27,16 +28,19 @@ from pdmesh.shared.engine.kv_cache_spec import (
 )
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.model_runner import ModelRunner
+from pdmesh.shared.engine.mtp import MtpProposer
 from pdmesh.shared.engine.policy import policy_from_config
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.engine.scheduler import Scheduler, SchedulerOutput
 from pdmesh.shared.engine.spec_decode import (
+    Proposer,
     SpecStats,
     SpeculativeConfig,
+    VerifyBudget,
     drafts_allowed,
-    make_proposer,
+    make_ngram_proposer,
 )
 from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.kernels import get_backend, resolve_device
@@ -95,7 +99,10 @@ class EngineCore:
         # what the paged cache keeps, group by group (one for most models; DeepSeek-V4:
         # its compressed history and its sliding window), and what a token of context
         # takes there, and so in the pool (MLA: the latent; V4: its compressed entries)
-        self.cache_spec = cache_spec(self.model_config, config.block_size)
+        self.speculative = self._speculative_config()
+        mtp = self.speculative is not None and self.speculative.is_mtp
+        self.cache_spec = cache_spec(self.model_config, config.block_size,
+                                     mtp_layers=1 if mtp else 0)
         self.kv_bytes_per_token = round(self.cache_spec.bytes_per_token(self.dtype))
         groups = self._resolve_num_blocks()
         num_blocks = groups[0].num_blocks
@@ -104,13 +111,22 @@ class EngineCore:
                                  fingerprint=self.kv_fingerprint)
         caches = allocate_caches(self.cache_spec, [g.num_blocks for g in groups], self.dtype,
                                  self.backend.device)
-        self.runner = ModelRunner(self.model, self.backend, self.kv,
-                                  layer_caches(self.cache_spec, caches,
-                                               self.model_config.num_layers))
+        num_layers = self.model_config.num_layers
+        per_layer = layer_caches(self.cache_spec, caches, num_layers + (1 if mtp else 0))
+        self.runner = ModelRunner(self.model, self.backend, self.kv, per_layer[:num_layers])
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
-        self.speculative = self._speculative_config()
-        self.proposer = (make_proposer(self.speculative) if self.speculative is not None
-                         else None)
+        self.proposer: Proposer | None = None
+        self.verify_budget: VerifyBudget | None = None
+        if self.speculative is not None:
+            spec = self.speculative
+            if mtp:
+                self.proposer = MtpProposer(self.model, self.backend, self.kv,
+                                            per_layer[num_layers],
+                                            confidence=spec.dynamic is not None)
+            else:
+                self.proposer = make_ngram_proposer(spec)
+            if spec.dynamic is not None:
+                self.verify_budget = VerifyBudget(spec.dynamic, spec.num_speculative_tokens)
         self.spec_stats = SpecStats()
         self.connector = None
         if kv_pool is not None:
@@ -204,9 +220,27 @@ class EngineCore:
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         raw = self.config.speculative_config
-        if raw is None or isinstance(raw, SpeculativeConfig):
-            return raw
-        return SpeculativeConfig.from_dict(raw)
+        spec = raw if raw is None or isinstance(raw, SpeculativeConfig) \
+            else SpeculativeConfig.from_dict(raw)
+        if spec is None or not spec.is_mtp:
+            return spec
+        if self.model_config.v4 is not None:
+            log.warning("speculative_config.method mtp: pdmesh does not run DeepSeek-V4's "
+                        "MTP layers yet; without effect, decoding one token a step")
+            return None
+        layers = len(self.model.w.mtp)
+        if not layers:
+            raise ValueError(f"speculative_config.method: mtp needs the checkpoint's MTP "
+                             f"layers; {self.config.model} has none "
+                             f"(num_nextn_predict_layers "
+                             f"{self.model_config.num_nextn_predict_layers})")
+        if spec.num_speculative_tokens is None:
+            spec = dataclasses.replace(spec, num_speculative_tokens=layers)
+        if spec.dynamic is not None and spec.dynamic.method == "dspark":
+            raise ValueError("dynamic_spec_config.method: dspark needs a draft model with "
+                             f"a confidence head; {self.config.model}'s MTP layers have "
+                             "none (dflash estimates confidence without one)")
+        return spec
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -359,7 +393,8 @@ class EngineCore:
             self.idle_step()
             return saved + handed_back
         try:
-            logits, sample_idx = self.runner.execute(sched)
+            logits, sample_idx = self.runner.execute(
+                sched, hidden=self.proposer is not None and self.proposer.needs_hidden)
             if self.model.load_recorder is not None:
                 self.model.load_recorder.end_step(is_prefill=any(
                     n > 1 and r not in sched.drafts
@@ -388,6 +423,9 @@ class EngineCore:
         for req in finished:
             self._requests.pop(req.request_id, None)
         if self.proposer is not None:
+            if self.proposer.needs_hidden:
+                rows, self.runner.last_rows = self.runner.last_rows, None
+                self.proposer.absorb(rows, saving)
             self._propose()
         done = {id(r) for r in finished} - saving  # those saving finish with their put
         return saved + [StepOutput(sched.requests[i], tokens[i] if sched.requests[i] in
@@ -440,8 +478,10 @@ class EngineCore:
                  if r.num_tokens - r.num_computed_tokens == 1 and drafts_allowed(r)]
         if not ready:
             return
-        for req, drafts in zip(ready, self.proposer.propose(
-                ready, self.speculative.num_speculative_tokens), strict=True):
+        proposed = self.proposer.propose(ready, self.speculative.num_speculative_tokens)
+        if self.verify_budget is not None:
+            proposed = self.verify_budget.apply(proposed)
+        for req, drafts in zip(ready, proposed, strict=True):
             req.drafts = drafts if drafts.tokens else None
 
     def finish_saves(self) -> list[StepOutput]:

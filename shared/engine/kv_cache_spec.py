@@ -98,10 +98,12 @@ class KVCacheSpec:
                    if g.kind == SLIDING)
 
 
-def cache_spec(cfg: ModelConfig, block_size: int) -> KVCacheSpec:
+def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0) -> KVCacheSpec:
+    """``mtp_layers``: MTP layers that run as a proposer keep their KV as layers
+    ``num_layers ..`` of the history group, in the request's own blocks."""
     if cfg.v4 is None:
         tensors = tuple(CacheTensor(i, role, block_size, cfg.kv_cache_dim, cfg.kv_cache_heads)
-                        for i in range(cfg.num_layers)
+                        for i in range(cfg.num_layers + mtp_layers)
                         for role in (("latent",) if cfg.mla is not None else ("k", "v")))
         return KVCacheSpec(block_size, (CacheGroup("kv", FULL, tensors),))
     v4 = cfg.v4

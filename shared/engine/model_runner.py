@@ -7,16 +7,57 @@ once, and the attention metadata is prepared once per step for all layers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.request import Request
 from pdmesh.shared.engine.scheduler import SchedulerOutput
 from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
 from pdmesh.shared.models.transformer import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRows:
+    """What a step computed, row by row: request i computed positions
+    ``starts[i] .. starts[i] + counts[i] - 1``, rows ``row_starts[i] ..`` of ``hidden``
+    (the target's final hidden states, [T, hidden]), through its block table
+    ``tables[i]`` (as it was during the step)."""
+
+    requests: list[Request]
+    starts: list[int]
+    counts: list[int]
+    row_starts: np.ndarray  # [num_seqs + 1]
+    tables: np.ndarray  # [num_seqs, width] int32
+    hidden: torch.Tensor
+
+
+def attention_metadata(device: torch.device, block_table: np.ndarray, starts: list[int],
+                       counts: list[int], seq_lens: list[int], positions: np.ndarray,
+                       slots: np.ndarray, qsl: np.ndarray, block_size: int,
+                       group_tables: list[np.ndarray] | None = None) -> AttentionMetadata:
+    """One varlen batch's attention metadata: sequence i has ``starts[i]`` tokens of
+    context and ``counts[i]`` new ones, written to ``slots``."""
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.from_numpy(np.asarray(seq_lens, dtype=np.int32)).to(device),
+        context_lens=torch.from_numpy(np.asarray(starts, dtype=np.int32)).to(device),
+        block_tables=torch.from_numpy(block_table).to(device),
+        query_lens_host=list(counts),
+        seq_lens_host=list(seq_lens),
+        context_lens_host=list(starts),
+        max_query_len=max(counts),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        block_tables_host=block_table,
+        group_tables_host=group_tables or [],
+        positions_host=positions,
+    )
 
 
 class ModelRunner:
@@ -28,23 +69,26 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = kv.block_size
         self.device = backend.device
+        self.last_rows: StepRows | None = None
 
-    def execute(self, step: SchedulerOutput, every_row: bool = False
+    def execute(self, step: SchedulerOutput, every_row: bool = False, hidden: bool = False
                 ) -> tuple[torch.Tensor, list[int]]:
         """Run the model on one step. Returns (logits [S, V] float32, the positions in
         ``step.requests`` of the S requests that computed their last token and sample).
         A request verifying drafts (``step.drafts``) computes its last token and them,
         and has 1 + d rows, in order, where the others have one.
-        ``every_row``: logits of every token computed this step instead, [T, V]."""
+        ``every_row``: logits of every token computed this step instead, [T, V].
+        ``hidden``: keep the step's rows and final hidden states in ``last_rows`` (what
+        an MTP proposer continues from)."""
         bs = self.block_size
         reqs, counts = step.requests, step.num_tokens
         num_seqs = len(reqs)
         starts = [r.num_computed_tokens for r in reqs]
         seq_lens = [s + n for s, n in zip(starts, counts, strict=True)]
         tables = [self.kv.block_ids(r) for r in reqs]
-        block_table = _table(tables)
+        block_table = block_table_of(tables)
         # the other cache groups' tables (DeepSeek-V4's sliding window), host side
-        group_tables = [_table([self.kv.block_ids(r, g) for r in reqs])
+        group_tables = [block_table_of([self.kv.block_ids(r, g) for r in reqs])
                         for g in range(1, len(self.kv.groups))]
 
         if step.total_tokens == num_seqs:  # pure decode: one token each (the common step)
@@ -81,35 +125,26 @@ class ModelRunner:
         else:
             logits_rows = qsl[1:][sample_idx] - 1
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(np.asarray(seq_lens, dtype=np.int32)).to(dev),
-            context_lens=torch.from_numpy(np.asarray(starts, dtype=np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_table).to(dev),
-            query_lens_host=list(counts),
-            seq_lens_host=seq_lens,
-            context_lens_host=starts,
-            max_query_len=max(counts),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            block_tables_host=block_table,
-            group_tables_host=group_tables,
-            positions_host=positions,
-        )
+        meta = attention_metadata(self.device, block_table, starts, counts, seq_lens, positions,
+                                  slots, qsl, bs, group_tables)
         self.backend.prepare_attention(meta)
+        dev = self.device
+        hidden_out: list[torch.Tensor] | None = [] if hidden else None
         logits = self.model.forward(
             torch.from_numpy(input_ids).to(dev),
             torch.from_numpy(positions).to(dev),
             self.kv_caches,
             meta,
             torch.from_numpy(logits_rows.astype(np.int64)).to(dev),
+            *(() if hidden_out is None else (hidden_out,)),
         )
+        if hidden_out is not None:
+            self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,
+                                      hidden_out[0])
         return logits, sample_idx
 
 
-def _table(tables: list[list[int]]) -> np.ndarray:
+def block_table_of(tables: list[list[int]]) -> np.ndarray:
     """Block tables -> [num_seqs, width] int32, rows padded with the null block 0."""
     if len(tables) == 1:
         return np.asarray(tables, dtype=np.int32)

@@ -41,9 +41,12 @@ log = logging.getLogger(__name__)
 
 # vLLM's method names; "[ngram]" is its older spelling
 NGRAM_METHODS = ("ngram", "[ngram]")
+# the checkpoint's own multi-token-prediction layers (DeepSeek's num_nextn_predict_layers)
+MTP_METHODS = ("mtp", "deepseek_mtp")
+RUN_METHODS = NGRAM_METHODS + MTP_METHODS
 # methods pdmesh knows of but does not run yet (listed as without effect)
-NOT_YET = ("mtp", "deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator",
-           "draft_model", "suffix")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "suffix", "dflash",
+           "dspark")
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's speculative_config keys pdmesh reads, and the others it knows (accepted and
 # reported as without effect; any other key is refused as unknown)
@@ -59,11 +62,74 @@ INACTIVE_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "max_mod
 
 
 @dataclass(frozen=True)
+class DynamicBudget:
+    """vLLM-Ascend's ``dynamic_spec_config`` with method "dflash" (headless: a draft's
+    confidence is the max softmax of the draft head's logits): its method_params.
+    ("dspark", which reads a confidence head, is refused where the drafts have none.)"""
+
+    method: str = "dflash"
+    initial_verify_budget_per_req: int = 5
+    budget_update_interval: int = 16  # decode steps with drafts between recomputations
+    budget_threshold: float = 0.3
+    min_verify_tokens: int = 1
+
+
+class VerifyBudget:
+    """How many of its drafts each request verifies, dflash's way.
+
+    A cell (request r, draft j) survives with s_rj = c_r1 * ... * c_rj (c the drafts'
+    confidences). A step verifies ``budget`` cells per request on average: each request
+    gets its first ``min_verify_tokens``, the rest of the step's ``budget * requests``
+    go to the surviving-most cells (a request's cells in order, as survival only falls
+    along its drafts). Every ``budget_update_interval`` steps the budget becomes the
+    mean number of cells per request whose survival reached ``budget_threshold`` over
+    those steps, rounded up (and to the next odd number below k), within
+    [min_verify_tokens, k]."""
+
+    def __init__(self, config: DynamicBudget, k: int):
+        self.config = config
+        self.k = k
+        self.budget = self._clamp(config.initial_verify_budget_per_req)
+        self._steps = self._surviving = self._requests = 0
+
+    def _clamp(self, b: int) -> int:
+        return max(self.config.min_verify_tokens, min(self.k, b))
+
+    def apply(self, drafts: list[Drafts]) -> list[Drafts]:
+        """Each request's drafts cut to what it verifies this step."""
+        cfg = self.config
+        cells = []  # (-survival, position, request)
+        for i, d in enumerate(drafts):
+            survival = 1.0
+            for j, c in enumerate(d.confidence or [1.0] * len(d.tokens)):
+                survival *= c
+                cells.append((-survival, j, i))
+                self._surviving += survival >= cfg.budget_threshold
+        self._requests += len(drafts)
+        self._steps += 1
+        counts = [min(cfg.min_verify_tokens, len(d.tokens)) for d in drafts]
+        left = self.budget * len(drafts) - sum(counts)
+        for _, j, i in sorted(cells):
+            if left <= 0:
+                break
+            if j == counts[i]:  # the next of that request's drafts
+                counts[i] += 1
+                left -= 1
+        if self._steps >= cfg.budget_update_interval:
+            b = -(-self._surviving // max(1, self._requests))
+            if b % 2 == 0 and b < self.k:
+                b += 1
+            self.budget = self._clamp(b)
+            self._steps = self._surviving = self._requests = 0
+        return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's ``--speculative-config`` (the keys pdmesh acts on)."""
 
-    method: str
-    num_speculative_tokens: int
+    method: str  # "ngram" or "mtp"
+    num_speculative_tokens: int | None  # None (MTP only): the checkpoint's MTP layers
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     # no drafts in a step while more requests than this run or wait (None: always draft)
@@ -73,6 +139,12 @@ class SpeculativeConfig:
     enable_entropy_verify: bool = False
     posterior_threshold: float = 0.95
     posterior_alpha: float = 0.4
+    # vLLM-Ascend's dynamic_spec_config (--additional-config): per-request verify budgets
+    dynamic: DynamicBudget | None = None
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.method == "mtp"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SpeculativeConfig:
@@ -87,11 +159,13 @@ class SpeculativeConfig:
                 f"; did you mean {near[0]!r}?" if near else
                 f" (known: {', '.join(TAKEN_KEYS + INACTIVE_KEYS)})"))
         method = raw.get("method")
-        if method not in NGRAM_METHODS:
-            raise ValueError(f"speculative_config.method: pdmesh runs \"ngram\" so far, got "
-                             f"{method!r}")
+        if method not in RUN_METHODS:
+            raise ValueError(f"speculative_config.method: pdmesh runs {', '.join(RUN_METHODS)}"
+                             f", got {method!r}")
         k = raw.get("num_speculative_tokens")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k is None and method in MTP_METHODS:
+            pass  # vLLM's default: as many as the checkpoint has MTP layers
+        elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens: must be an integer "
                              f"in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
@@ -111,7 +185,7 @@ class SpeculativeConfig:
                                   or batch < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size: must be an integer "
                              f">= 1, got {batch!r}")
-        return cls("ngram", k, lo, hi, batch)
+        return cls("mtp" if method in MTP_METHODS else "ngram", k, lo, hi, batch)
 
     @staticmethod
     def inactive_keys(raw: dict[str, Any]) -> list[str]:
@@ -122,13 +196,33 @@ class SpeculativeConfig:
 @dataclass
 class Drafts:
     """What a proposer proposes for one request: the draft tokens and, per draft, the
-    probabilities it drew them from ([d, V]); None: each draft was certain."""
+    probabilities it drew them from ([d, V]); None: each draft was certain.
+    ``confidence``: per draft, the proposer's estimate that it is accepted (the max
+    softmax of a draft head's logits), for dynamic verify budgets."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
+
+    def cut(self, n: int) -> Drafts:
+        """The first ``n`` drafts."""
+        return Drafts(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                      None if self.confidence is None else self.confidence[:n])
 
 
 class Proposer(Protocol):
+    """Proposes drafts at the end of a step. One that continues from the target's hidden
+    states (MTP, EAGLE) sets ``needs_hidden``: the engine then keeps each step's rows
+    and hidden states and hands them to ``absorb`` (after the step's tokens are
+    appended, before ``propose``)."""
+
+    needs_hidden: bool
+
+    def absorb(self, rows: Any, keep: set[int]) -> None:
+        """The step just run (``StepRows``); ``keep``: ids of finished requests whose
+        blocks are still read (a prompt being put into the pool)."""
+        ...
+
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
         """Drafts (at most ``k`` tokens) for each request, in order."""
         ...
@@ -142,12 +236,17 @@ class NgramProposer:
     Each request's n-grams are indexed as its tokens grow (a request's tokens only ever
     grow), so a step's lookup costs the new tokens, not the whole sequence."""
 
+    needs_hidden = False
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
         # request -> (n -> {n-gram: its latest start}, tokens indexed so far)
         self._index: weakref.WeakKeyDictionary[Request, tuple[dict[int, dict], list[int]]] \
             = weakref.WeakKeyDictionary()
+
+    def absorb(self, rows: Any, keep: set[int]) -> None:
+        pass
 
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
         out = []
@@ -182,7 +281,7 @@ class NgramProposer:
         return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_ngram_proposer(config: SpeculativeConfig) -> Proposer:
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 

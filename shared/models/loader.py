@@ -36,6 +36,7 @@ from pdmesh.shared.models.transformer import (
     MLAWeights,
     ModelWeights,
     MoEWeights,
+    MtpWeights,
 )
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,32 @@ def _read_weights(
     else:
         lm_head = embed.t()
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
-    mtp = _read_mtp(ckpt, [f"model.layers.{cfg.num_layers + i}."
-                           for i in range(cfg.num_nextn_predict_layers)], dtype, dev)
+    mtp = [_read_mtp_layer(cfg, ckpt, cfg.num_layers + i, embed, lm_head, dtype, dev)
+           for i in range(cfg.num_nextn_predict_layers)
+           if ckpt.has(f"model.layers.{cfg.num_layers + i}.eh_proj.weight")]
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
                         lm_head=lm_head, mtp=mtp)
+
+
+def _read_mtp_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, embed: torch.Tensor,
+                    lm_head: torch.Tensor, dtype: torch.dtype, dev: torch.device
+                    ) -> MtpWeights:
+    """DeepSeek-V3's MTP layer ``model.layers.{num_hidden_layers + k}``: its norms,
+    eh_proj, shared_head and a decoder layer (MoE, as the layers past
+    first_k_dense_replace). The embedding is the model's (DeepSeek-V3 shares it; the
+    copy a checkpoint carries is not read), the head its own where it has one."""
+    p = f"model.layers.{i}."
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(p + name, dtype, dev)
+
+    return MtpWeights(
+        enorm=get("enorm.weight"), hnorm=get("hnorm.weight"),
+        eh_proj=_input_major(get("eh_proj.weight")), layer=_read_layer(cfg, ckpt, i, dtype, dev),
+        head_norm=get("shared_head.norm.weight"),
+        head=_input_major(get("shared_head.head.weight")) if ckpt.has(
+            p + "shared_head.head.weight") else lm_head,
+        embed=embed)
 
 
 def _read_mtp(ckpt: CheckpointReader, prefixes: list[str], dtype: torch.dtype,

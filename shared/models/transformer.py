@@ -82,15 +82,32 @@ class LayerWeights:
 
 
 @dataclass
+class MtpWeights:
+    """One multi-token-prediction layer (DeepSeek's ``num_nextn_predict_layers``): from
+    the target's hidden state at position i and the embedding of token i + 1 it predicts
+    token i + 2 through one decoder layer of its own:
+
+        head(norm(layer(eh_proj(cat(enorm(embed(t_(i+1))), hnorm(h_i))))))
+    """
+
+    enorm: torch.Tensor  # [hidden]
+    hnorm: torch.Tensor  # [hidden]
+    eh_proj: torch.Tensor  # [2 * hidden, hidden]
+    layer: LayerWeights
+    head_norm: torch.Tensor  # [hidden]
+    head: torch.Tensor  # [hidden, V]
+    embed: torch.Tensor  # [V, hidden]
+
+
+@dataclass
 class ModelWeights:
     embed: torch.Tensor  # [V, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [hidden, V]  (a transposed view of the embedding when tied)
-    # multi-token-prediction layers (DeepSeek's num_nextn_predict_layers), by their
-    # checkpoint names without the layer prefix; loaded for speculative decoding, never
-    # run as decoder layers
-    mtp: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    # multi-token-prediction layers (DeepSeek's num_nextn_predict_layers): run only by
+    # the MTP proposer (``CausalLM.mtp_forward``), never as decoder layers
+    mtp: list[MtpWeights] = field(default_factory=list)
 
 
 class CausalLM:
@@ -127,7 +144,10 @@ class CausalLM:
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,  # [B] int64: rows whose next-token logits are needed
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [B, V] float32
+        """``hidden_out``: gets the final (normed) hidden state of every row, [T, hidden],
+        what an MTP layer continues from."""
         be = self.backend
         eps = self.config.rms_norm_eps
         cos = self.cos.index_select(0, positions)  # [T, D]
@@ -144,9 +164,59 @@ class CausalLM:
             x, residual = be.add_rms_norm(h, residual, layer.post_attn_norm, eps)
             h = self._mlp(layer.mlp, x, i)
         assert residual is not None
+        if hidden_out is not None:
+            every = be.rms_norm(h + residual, self.w.final_norm, eps)
+            hidden_out.append(every)
+            return torch.mm(every.index_select(0, logits_rows), self.w.lm_head).float()
         last = (h + residual).index_select(0, logits_rows)  # [B, hidden]
         last = be.rms_norm(last, self.w.final_norm, eps)
         return torch.mm(last, self.w.lm_head).float()
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        index: int,  # which MTP layer
+        input_ids: torch.Tensor,  # [T]: token i + 1 for each row at position i
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden]: the target's (or the previous MTP step's)
+        kv: KVCache,  # the MTP layer's own cache
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [B]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, V] float32, hidden [T, hidden]
+        """One MTP layer over a flat varlen batch, as vLLM's DeepSeek MTP runs it (the
+        embedding at position 0 masked out). Returns the draft logits of ``logits_rows``
+        and every row's output hidden state, which a chained step continues from."""
+        m = self.w.mtp[index]
+        out = self.mtp_block(m, self.mtp_input(m, input_ids, positions, hidden), positions,
+                             kv, meta)
+        return self.mtp_logits(m, out.index_select(0, logits_rows)), out
+
+    def mtp_input(self, m: MtpWeights, input_ids: torch.Tensor, positions: torch.Tensor,
+                  hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj(cat(enorm(embed(token)), hnorm(hidden))), the embedding zeroed at
+        position 0 (differentiable: ``pdmesh make-tiny-model --train-mtp`` trains it)."""
+        be, eps = self.backend, self.config.rms_norm_eps
+        e = be.rms_norm(m.embed.index_select(0, input_ids), m.enorm, eps)
+        e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        return torch.mm(torch.cat((e, be.rms_norm(hidden, m.hnorm, eps)), dim=-1), m.eh_proj)
+
+    def mtp_block(self, m: MtpWeights, x: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP layer's decoder layer; returns its output hidden state (residual
+        added)."""
+        be, eps = self.backend, self.config.rms_norm_eps
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        layer = m.layer
+        h = self._attention(layer.attn, be.rms_norm(x, layer.input_norm, eps), cos, sin, kv,
+                            meta)
+        y, residual = be.add_rms_norm(h, x, layer.post_attn_norm, eps)
+        return self._mlp(layer.mlp, y, None) + residual
+
+    def mtp_logits(self, m: MtpWeights, out: torch.Tensor) -> torch.Tensor:
+        """shared_head: head(norm(out)), float32."""
+        return torch.mm(self.backend.rms_norm(out, m.head_norm, self.config.rms_norm_eps),
+                        m.head).float()
 
     def _attention(
         self,
@@ -212,15 +282,16 @@ class CausalLM:
         v = torch.bmm(o.transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]
         return torch.mm(v.reshape(t, h * m.v_head_dim), w.o)  # [T, hidden]
 
-    def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int
+    def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int | None
              ) -> torch.Tensor:
+        """``layer`` None: an MTP layer's, whose experts every rank holds whole."""
         be = self.backend
         if isinstance(w, DenseMLPWeights):
             return torch.mm(be.silu_and_mul(torch.mm(x, w.gate_up)), w.down)
         weights, ids = self._route(w, x)
-        if self.load_recorder is not None:
+        if self.load_recorder is not None and layer is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
-        if self.ep is not None:
+        if self.ep is not None and layer is not None:
             out = self.ep.moe(layer, x, weights, ids, be)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)

@@ -266,6 +266,56 @@ def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
             s.stop()
 
 
+def test_mtp_speculation_across_the_pd_mesh(tiny_models, tmp_path, registry_prefix):
+    """DeepSeek PD instances with MTP on both sides, as the seed runs them: the prefill
+    instance computes
+    the MTP layer's KV over the prompt and puts it in the pool with the rest; the decode
+    instance continues from the pool (pool hits, its prompt not recomputed) and drafts
+    with MTP (k = 2); the gateway's answers are the offline engine's, many prompts."""
+    from pdmesh.shared.infra.launcher import Service
+    from pdmesh.shared.infra.registry import Registry
+
+    model = str(tiny_models["deepseek_v3"])
+    reg = ["--registry-prefix", registry_prefix + "-mtppd"]
+    spec = '{"num_speculative_tokens": 2, "method": "deepseek_mtp"}'
+    common = ["--block-size", "16", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+              "--speculative-config", spec, *reg]
+    started: list[Service] = []
+    try:
+        started.append(Service("kvstore", ["kvstore", *reg], tmp_path))
+        for role in ("prefill", "decode"):
+            started.append(Service(role, [role, model, *common, "--metrics-port", "0"],
+                                   tmp_path))
+        decode = started[2]
+        gateway = Service("gateway", ["gateway", model, "--host", "127.0.0.1", "--port", "0",
+                                      *reg], tmp_path)
+        started.append(gateway)
+        prompts = [[5, 6, 7, 8, 9] * 7, *([200 + 7 * i, 31 + i, 977 - i] * 12
+                                          for i in range(6))]
+        want = LLM(model, device="cpu", block_size=16).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        for prompt, expected in zip(prompts, want, strict=True):
+            r = httpx.post(gateway.info["http"] + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected.outputs[0].text, prompt
+        metrics = {k.split("{")[0]: float(v) for k, v in (
+            line.rsplit(" ", 1) for line in
+            httpx.get(decode.info["metrics"], timeout=10).text.splitlines()
+            if line.startswith("pdmesh_"))}
+        assert metrics["pdmesh_kv_pool_hits_total"] > 0  # prompts continued from the pool
+        assert metrics["pdmesh_spec_decode_num_draft_tokens_total"] > 0
+        registry = Registry("redis://127.0.0.1:6379/0", registry_prefix + "-mtppd")
+        deadline = time.monotonic() + 10
+        while registry.instances(role="decode")[0].load["spec_draft_tokens"] == 0:
+            assert time.monotonic() < deadline, "the decode instance never drafted"
+            time.sleep(0.2)
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
 def test_up_restarts_what_dies_and_dies_with_its_children(qwen3_path, tmp_path,
                                                            registry_prefix):
     """A service of `pdmesh up` that dies is started again on its old ports and the mesh

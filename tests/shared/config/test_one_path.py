@@ -58,7 +58,10 @@ def test_a_seed_line_starts_a_service_exactly_as_config_check_says():
     config = serve_config("decode", [*tp1, "--kvstore", "127.0.0.1:1"])
     assert config.engine.max_model_len == 131072 and config.engine.block_size == 128
     assert "--no-disable-hybrid-kv-cache-manager" in config.accepted_without_effect
-    assert "--speculative-config" in config.accepted_without_effect
+    # MTP drafting is configured (the engine says at start-up that DeepSeek-V4's MTP
+    # layers do not run yet)
+    assert "--speculative-config" not in config.accepted_without_effect
+    assert config.engine.speculative_config.is_mtp
 
 
 @pytest.mark.parametrize("case", GOOD_SEEDS, ids=lambda c: c.name)
@@ -114,7 +117,7 @@ def test_config_check_refuses_what_the_service_refuses_with_the_same_words(qwen3
 def test_what_config_check_accepts_the_service_runs(qwen3_path):
     """Accepted by config check -> the service gets past its flags (here as far as the
     unreachable kvstore), and both list the same flags as without effect."""
-    flags = ["--max_model_len", "512", "--speculative-config", '{"method": "mtp"}',
+    flags = ["--max_model_len", "512", "--speculative-config", '{"method": "eagle"}',
              "--no-disable-hybrid-kv-cache-manager", "--tp-size", "1"]
     check = run("config", "check", "--role", "decode", *flags)
     assert check.returncode == 0, check.stderr

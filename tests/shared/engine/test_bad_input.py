@@ -91,7 +91,7 @@ def test_failed_step_leaks_nothing_and_poisons_no_cache(qwen3_path, monkeypatch)
     runner = llm.engine.runner
     real = runner.execute
 
-    def fail_once(step):
+    def fail_once(step, **_):
         runner.execute = real
         raise RuntimeError("device lost")
 

@@ -207,7 +207,7 @@ def test_speculative_config_as_vllm_reads_it():
                       "num_speculative_tokens"),
                      ({"method": "ngram", "num_speculative_tokens": 2,
                        "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                     ({"method": "mtp", "num_speculative_tokens": 1}, "method"),
+                     ({"method": "eagle", "num_speculative_tokens": 1}, "method"),
                      ({"method": "ngram", "num_speculative_tokens": 1,
                        "enforce_eagr": True}, "enforce_eagr: unknown key; did you mean"),
                      ({"method": "ngram", "num_speculative_tokens": 1,

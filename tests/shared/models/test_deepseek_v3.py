@@ -84,8 +84,11 @@ def test_mtp_layers_load_and_are_not_decoder_layers(models):
     assert cfg.num_nextn_predict_layers == 1 and len(llm.engine.model.w.layers) == cfg.num_layers
     mtp = llm.engine.model.w.mtp
     assert len(mtp) == 1
-    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.head.weight",
-            "self_attn.kv_b_proj.weight"} <= set(mtp[0])
+    hidden = cfg.hidden_size
+    assert mtp[0].eh_proj.shape == (2 * hidden, hidden)
+    assert mtp[0].head.shape == (hidden, cfg.vocab_size)
+    assert mtp[0].embed is llm.engine.model.w.embed  # shared, as DeepSeek-V3 has it
+    assert mtp[0].layer.attn.w_uk.shape[0] == cfg.num_heads  # a whole MLA decoder layer
     # a checkpoint that declares none loads without any
     none = LLM(str(models["yarn_two_dense_layers"]), device="cpu", dtype="float32")
     assert none.engine.model.w.mtp == []

@@ -1,0 +1,148 @@
+"""DeepSeek's multi-token prediction as a proposer (vLLM's "deepseek_mtp" / "mtp").
+
+The MTP layer at position i reads the target's final hidden state h_i and token i + 1
+and predicts token i + 2; it has a decoder layer, so a KV cache of its own. That cache
+is one more layer in the request's own blocks (the engine's cache layout gains it, so a
+prefill instance's pool blocks carry it to the decode instance):
+
+    after each step      absorb: every position whose target KV the step computed and
+                         kept (prompt chunks, the verified tokens) runs through the MTP
+                         layer (h_i, token i + 1), writing its MTP KV; for a request
+                         about to decode, the last one's logits give draft 1
+    propose (k > 1)      chained as vLLM does: draft j + 1 from the MTP layer's own
+                         output at draft j's position (hidden) and draft j (token),
+                         its KV written ahead in the request's blocks and overwritten
+                         with the real one once the target has computed that position
+
+Drafts are the MTP head's argmax, verified as point masses (the target's distribution
+is kept for any sampling). With several MTP layers only the first is run (chained), as
+the checkpoints pdmesh serves have one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.model_runner import StepRows, attention_metadata, block_table_of
+from pdmesh.shared.engine.request import Request
+from pdmesh.shared.engine.spec_decode import Drafts
+from pdmesh.shared.kernels import KernelBackend
+from pdmesh.shared.models.transformer import CausalLM, KVCache
+
+log = logging.getLogger(__name__)
+
+
+class MtpProposer:
+    needs_hidden = True
+
+    def __init__(self, model: CausalLM, backend: KernelBackend, kv: KVCacheManager,
+                 cache: KVCache, confidence: bool = False):
+        """``cache``: the MTP layer's tensors; ``confidence``: also give each draft's
+        max softmax (for dynamic verify budgets)."""
+        if len(model.w.mtp) > 1:
+            log.warning("the checkpoint has %d MTP layers; pdmesh chains the first",
+                        len(model.w.mtp))
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+        self.cache = cache
+        self.confidence = confidence
+        self.block_size = kv.block_size
+        # request -> (draft 1, its confidence, the MTP output hidden at its position)
+        self._first: dict[Request, tuple[int, float, torch.Tensor]] = {}
+
+    def absorb(self, rows: StepRows, keep: set[int]) -> None:
+        self._first = {}
+        bs = self.block_size
+        picked, ids, positions, hidden_rows, slots = [], [], [], [], []
+        starts, counts, tables, last = [], [], [], []
+        for i, r in enumerate(rows.requests):
+            if r.is_finished and id(r) not in keep:
+                continue
+            s = rows.starts[i]
+            # positions computed and kept whose next token is known
+            n = min(rows.counts[i], r.num_computed_tokens - s, r.num_tokens - 1 - s)
+            if n <= 0:
+                continue
+            p = np.arange(s, s + n, dtype=np.int64)
+            table = rows.tables[i]
+            picked.append(r)
+            ids.append(np.asarray(r.token_ids[s + 1:s + n + 1], dtype=np.int64))
+            positions.append(p)
+            hidden_rows.append(np.arange(rows.row_starts[i], rows.row_starts[i] + n))
+            slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
+            starts.append(s)
+            counts.append(n)
+            tables.append(table)
+            last.append(not r.is_finished and s + n == r.num_tokens - 1)
+        if not picked:
+            return
+        qsl = np.zeros(len(picked) + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        want = [k for k, ok in enumerate(last) if ok]
+        hidden = rows.hidden.index_select(
+            0, torch.from_numpy(np.concatenate(hidden_rows)).to(rows.hidden.device))
+        logits, out = self._run(ids, positions, hidden, slots, starts, counts,
+                                np.stack(tables), qsl, qsl[1:][want] - 1)
+        tokens, conf = self._pick(logits)
+        for n, k in enumerate(want):
+            self._first[picked[k]] = (tokens[n], conf[n], out[int(qsl[k + 1]) - 1])
+
+    def propose(self, requests: list[Request], k: int) -> list[Drafts]:
+        drafts = {}
+        chain: list[tuple[Request, torch.Tensor]] = []
+        for r in requests:
+            first = self._first.pop(r, None)
+            if first is None:
+                continue
+            token, conf, h = first
+            drafts[r] = Drafts([token], confidence=[conf] if self.confidence else None)
+            # room for the chained drafts' MTP KV (positions num_tokens - 1 on)
+            if k > 1 and self.kv.allocate(r, k - 1, register=False):
+                chain.append((r, h))
+        bs = self.block_size
+        for step in range(1, k):
+            if not chain:
+                break
+            reqs = [r for r, _ in chain]
+            p = [r.num_tokens - 2 + step for r in reqs]
+            table = block_table_of([self.kv.block_ids(r) for r in reqs])
+            pos = np.asarray(p, dtype=np.int64)
+            slots = table[np.arange(len(reqs)), pos // bs].astype(np.int64) * bs + pos % bs
+            qsl = np.arange(len(reqs) + 1, dtype=np.int32)
+            logits, out = self._run([np.asarray([drafts[r].tokens[-1]]) for r in reqs],
+                                    [pos], torch.stack([h for _, h in chain]), [slots], p,
+                                    [1] * len(reqs), table, qsl, np.arange(len(reqs)))
+            tokens, conf = self._pick(logits)
+            for n, r in enumerate(reqs):
+                drafts[r].tokens.append(tokens[n])
+                if self.confidence:
+                    drafts[r].confidence.append(conf[n])
+            chain = [(r, out[n]) for n, r in enumerate(reqs)]
+        self._first = {}
+        return [drafts.get(r, Drafts([])) for r in requests]
+
+    def _run(self, ids: list[np.ndarray], positions: list[np.ndarray], hidden: torch.Tensor,
+             slots: list[np.ndarray], starts: list[int], counts: list[int], table: np.ndarray,
+             qsl: np.ndarray, logits_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.backend.device
+        pos = np.concatenate(positions)
+        meta = attention_metadata(dev, table, starts, counts,
+                                  [s + n for s, n in zip(starts, counts, strict=True)], pos,
+                                  np.concatenate(slots), qsl, self.block_size)
+        self.backend.prepare_attention(meta)
+        return self.model.mtp_forward(
+            0, torch.from_numpy(np.concatenate(ids)).to(dev), torch.from_numpy(pos).to(dev),
+            hidden, self.cache, meta,
+            torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)).to(dev))
+
+    def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        tokens = self.backend.greedy(logits).tolist()
+        if not self.confidence:
+            return tokens, [1.0] * len(tokens)
+        return tokens, torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
+

@@ -1,0 +1,209 @@
+"""DeepSeek MTP speculation (the checkpoint's MTP layer as the proposer): greedy output
+token-identical to decoding one token a step, under chunked prefill, preemption and
+prefix caching; the MTP layer's own KV, built a chunk and a verified step at a time and
+written ahead by chained drafts, gives the drafts a from-scratch computation gives; the
+dynamic verify budget; the distilled head gets accepted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine.spec_decode import (
+    Drafts,
+    DynamicBudget,
+    SpeculativeConfig,
+    VerifyBudget,
+)
+from pdmesh.shared.models.tiny import make_tiny_model
+
+
+def mtp(k: int | None, method: str = "deepseek_mtp") -> dict:
+    spec = {"method": method}
+    if k is not None:
+        spec["num_speculative_tokens"] = k
+    return spec
+
+
+@pytest.fixture(scope="module")
+def ds3(tiny_models):
+    return tiny_models["deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, bpe_tokenizer):
+    """A tiny DeepSeek-V3 whose MTP layer was distilled (briefly) from the model."""
+    from pdmesh.shared.models.mtp_train import MtpTraining, train_mtp
+
+    path = make_tiny_model(tmp_path_factory.mktemp("mtp") / "ds3", "deepseek_v3", seed=3,
+                           tokenizer=bpe_tokenizer)
+    before, after = train_mtp(path, MtpTraining(prompts=48, new_tokens=64, steps=200,
+                                                batch=8, seed=3))
+    return path, before, after
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 2:
+            motif = [rng.randrange(10, 900) for _ in range(rng.randrange(2, 9))]
+            out.append((motif * 40)[:rng.randrange(8, 120)])
+        else:
+            out.append([rng.randrange(10, 4000) for _ in range(rng.randrange(4, 90))])
+    return out
+
+
+def run(model, ps, params, **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model), device="cpu", block_size=16, **engine)
+    outs = llm.generate(ps, params)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    for free, usable in llm.engine.kv.usage().values():
+        assert free == usable
+
+
+@pytest.fixture(scope="module")
+def reference(trained):
+    path = trained[0]
+    ps = prompts(12)
+    params = [SamplingParams(temperature=0, max_tokens=20 + 4 * (i % 4), ignore_eos=True)
+              for i in range(len(ps))]
+    return path, ps, params, run(path, ps, params)[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_is_token_identical(reference, k):
+    path, ps, params, want = reference
+    got, llm = run(path, ps, params, speculative_config=mtp(k))
+    assert got == want
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert len(stats.accepted_per_position) == k
+    assert_no_block_held(llm)
+
+
+def test_identical_under_chunked_prefill_preemption_and_prefix_caching(reference):
+    """Few KV blocks (requests preempted and recomputed, MTP KV with them), prompt
+    chunks of 24 tokens, prompts that share prefixes."""
+    path, ps, params, want = reference
+    shared = [ps[0][:40] + p for p in ps[:4]]
+    ref_shared = run(path, shared, params[:4])[0]
+    got, llm = run(path, ps + shared, params + params[:4], speculative_config=mtp(3),
+                   num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8)
+    assert got == want + ref_shared
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert_no_block_held(llm)
+
+
+def test_mtp_kv_built_step_by_step_drafts_as_a_fresh_computation(ds3):
+    """A request prefilled in chunks, then decoding with verified drafts (random heads:
+    nearly all rejected, so the chained drafts' KV is written ahead and overwritten each
+    step), drafts what an engine computing the MTP layer over the whole sequence at once
+    drafts, with the same confidences."""
+    budget = DynamicBudget(initial_verify_budget_per_req=3, min_verify_tokens=3)
+    spec = SpeculativeConfig("mtp", 3, dynamic=budget)
+    stepped = LLM(str(ds3), device="cpu", block_size=16, dtype="float32",
+                  max_num_batched_tokens=16, speculative_config=spec).engine
+    req = stepped.add_request(list(range(100, 150)),
+                              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while req.num_output_tokens < 12:
+        stepped.step()
+    assert stepped.spec_stats.num_drafts >= 3  # it verified drafts on the way
+    drafts = req.drafts
+    assert drafts is not None and len(drafts.tokens) == 3
+    fresh = LLM(str(ds3), device="cpu", block_size=16, dtype="float32",
+                enable_prefix_caching=False, speculative_config=spec).engine
+    # its prompt: all but the newest token, which it samples itself (greedy: the same)
+    again = fresh.add_request(req.token_ids[:-1],
+                              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    fresh.step()
+    assert again.token_ids == req.token_ids
+    assert again.drafts.tokens == drafts.tokens
+    assert again.drafts.confidence == pytest.approx(drafts.confidence, rel=1e-4, abs=1e-6)
+
+
+def test_the_distilled_head_is_accepted(trained, reference, tmp_path, bpe_tokenizer):
+    path, before, after = trained
+    assert after > before + 0.1
+    _, ps, params, _ = reference
+    rate = run(path, ps, params, speculative_config=mtp(1))[1].engine.spec_stats
+    untrained = make_tiny_model(tmp_path / "ds3", "deepseek_v3", seed=3,
+                                tokenizer=bpe_tokenizer)
+    base = run(untrained, ps, params, speculative_config=mtp(1))[1].engine.spec_stats
+    print(f"acceptance: distilled {rate.acceptance_rate:.2f}, random "
+          f"{base.acceptance_rate:.2f}")
+    # (a brief distillation; `make-tiny-model --train-mtp` trains longer)
+    assert rate.num_accepted_tokens > 3 * base.num_accepted_tokens + 5
+
+
+def test_config_as_vllm_reads_it(ds3, qwen3_path):
+    spec = SpeculativeConfig.from_dict(mtp(None, "mtp"))
+    assert spec.is_mtp and spec.num_speculative_tokens is None
+    llm = LLM(str(ds3), device="cpu", block_size=16, speculative_config=spec)
+    # k defaults to the checkpoint's MTP layers; their KV is one more layer in the cache
+    assert llm.engine.speculative.num_speculative_tokens == 1
+    assert ";" not in llm.engine.cache_spec.layout()
+    assert f"{llm.engine.model_config.num_layers}.latent" in llm.engine.cache_spec.layout()
+    with pytest.raises(ValueError, match="speculative_config.method: mtp needs the "
+                                         "checkpoint's MTP layers"):
+        LLM(str(qwen3_path), device="cpu", speculative_config=mtp(1))
+    with pytest.raises(ValueError, match="dynamic_spec_config.method: dspark needs a draft "
+                                         "model with a confidence head"):
+        LLM(str(ds3), device="cpu", speculative_config=SpeculativeConfig(
+            "mtp", 2, dynamic=DynamicBudget(method="dspark")))
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        SpeculativeConfig.from_dict(mtp(0))
+
+
+def test_the_verify_budget_goes_to_the_surest_drafts():
+    cfg = DynamicBudget(initial_verify_budget_per_req=2, budget_update_interval=2,
+                        budget_threshold=0.5, min_verify_tokens=1)
+    budget = VerifyBudget(cfg, 4)
+    sure = Drafts([1, 2, 3, 4], confidence=[0.99, 0.98, 0.97, 0.9])
+    unsure = Drafts([5, 6, 7, 8], confidence=[0.3, 0.9, 0.9, 0.9])
+    # 2 per request on average: the sure request takes 3, the unsure one its minimum
+    cut = budget.apply([sure, unsure])
+    assert [d.tokens for d in cut] == [[1, 2, 3], [5]]
+    assert cut[0].confidence == [0.99, 0.98, 0.97]
+    # after budget_update_interval steps: cells surviving >= 0.5 per request, rounded up
+    # (4 + 0 over two steps of two requests each: 8 / 4 = 2, even and < k: 3)
+    budget.apply([sure, unsure])
+    assert budget.budget == 3
+    low = VerifyBudget(DynamicBudget(initial_verify_budget_per_req=9, min_verify_tokens=0), 3)
+    assert low.budget == 3  # clamped to k
+    assert [d.tokens for d in low.apply([Drafts([1], confidence=[0.1])])] == [[1]]
+
+
+def test_deepseek_v4_mtp_is_reported_without_effect(tiny_models, caplog):
+    llm = LLM(str(tiny_models["deepseek_v4"]), device="cpu", block_size=16,
+              speculative_config=mtp(1))
+    assert llm.engine.speculative is None and llm.engine.proposer is None
+    assert "does not run DeepSeek-V4's MTP layers yet; without effect" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
+    """The inverse of the loader's MLA transforms: a layer read and written back is the
+    checkpoint's, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from pdmesh.shared.models.mtp_train import _mla_checkpoint
+
+    llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
+    cfg = llm.engine.model_config
+    stored = load_file(str(ds3 / "model.safetensors"))
+    for i, w in ((1, llm.engine.model.w.layers[1].attn),
+                 (cfg.num_layers, llm.engine.model.w.mtp[0].layer.attn)):
+        written = _mla_checkpoint(cfg, w)
+        assert set(written) == {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
+                                "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight",
+                                "kv_b_proj.weight", "o_proj.weight"}
+        for key, x in written.items():
+            assert torch.equal(x, stored[f"model.layers.{i}.self_attn.{key}"]), (i, key)
