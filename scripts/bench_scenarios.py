@@ -57,7 +57,7 @@ SIZES = {
 }
 SCENARIO = {"conc1": "random"}  # scenarios that are another's with other sizes
 NGRAM = ('{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,'
-         '"prompt_lookup_max":3}')  # (no spaces: one word in --engine-args unquoted)
+         '"prompt_lookup_max":3}')  # (--engine-args is split as a shell would)
 SPEC = {"ngram": NGRAM, "ngramcap": NGRAM[:-1] + ',"disable_by_batch_size":16}',
         **{f"mtp{k}": f'{{"method":"deepseek_mtp","num_speculative_tokens":{k}}}'
            for k in (1, 2, 3)}}
@@ -97,7 +97,7 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
         return start_pdmesh("up", a.model, logs, env)
     kind, _, spec = system.partition("-")
     return start_pdmesh({"pd": "up", "mixed": "serve"}[kind], a.model, logs,
-                        engine_args=f" --speculative-config {SPEC[spec]}" if spec else "")
+                        engine_args=f" --speculative-config '{SPEC[spec]}'" if spec else "")
 
 
 def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None,

@@ -31,6 +31,11 @@ from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
 
 log = logging.getLogger(__name__)
 CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
+# A step whose sequences each compute at most this many tokens (one and up to 16 drafts
+# to verify) attends as decode rows, one per token, in one batched call; while the rows
+# times the longest sequence stay below AS_DECODE_MAX_KEYS (the gathered keys' count)
+AS_DECODE_MAX_QUERY = 17
+AS_DECODE_MAX_KEYS = 1 << 20
 
 
 class CPUBackend(KernelBackend):
@@ -112,6 +117,12 @@ class CPUBackend(KernelBackend):
         qlens = np.asarray(meta.query_lens_host)
         if not meta.has_context and bool((qlens == qlens[0]).all()):
             return  # fresh prompts of one length: one batched causal call, nothing padded
+        if (meta.num_seqs > 1 and meta.max_query_len <= AS_DECODE_MAX_QUERY
+                and meta.num_tokens * meta.max_seq_len <= AS_DECODE_MAX_KEYS):
+            # a few tokens per sequence (speculative verification, short chunks): each
+            # token a decode row over the keys up to itself, one batched call
+            state["as_decode"] = self._token_rows(meta, tables, seq_lens, qlens)
+            return
         # Anything else runs sequence by sequence (varlen): no padding to the longest,
         # no [B, Lq, Lk] mask; a chunk after context gets its own [Lq, Lk] causal mask.
         ctx = np.asarray(meta.context_lens_host)
@@ -132,6 +143,32 @@ class CPUBackend(KernelBackend):
                                  self.device)
             plan.append((int(starts[b]), ql, c, keys, mask))
         state["varlen"] = plan
+
+    def _token_rows(self, meta: AttentionMetadata, tables: np.ndarray, seq_lens: np.ndarray,
+                    qlens: np.ndarray) -> AttentionMetadata:
+        """The step as decode metadata with one row per token: token j of sequence b
+        attends over the first ``seq_lens[b] - qlens[b] + j + 1`` keys (its own KV is in
+        the cache already: every layer writes before it attends)."""
+        seq = np.repeat(np.arange(meta.num_seqs), qlens)
+        first = np.repeat(np.cumsum(qlens) - qlens, qlens)
+        lens = np.repeat(seq_lens - qlens, qlens) + np.arange(len(seq)) - first + 1
+        rows = np.ascontiguousarray(tables[seq])
+        n = len(seq)
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.from_numpy(lens.astype(np.int32)).to(self.device),
+            context_lens=torch.from_numpy((lens - 1).astype(np.int32)).to(self.device),
+            block_tables=torch.from_numpy(rows).to(self.device),
+            query_lens_host=[1] * n, seq_lens_host=lens.tolist(),
+            context_lens_host=(lens - 1).tolist(), max_query_len=1,
+            max_seq_len=meta.max_seq_len, block_size=meta.block_size,
+            block_tables_host=rows)
+        ragged = bool(lens.min() < meta.max_seq_len)
+        in_seq = np.arange(meta.max_seq_len) < lens[:, None]
+        sub.backend_state["mask"] = (_additive(in_seq[:, None, None, :], self.device)
+                                     if ragged else None)
+        return sub
 
     def _key_slots(self, meta: AttentionMetadata) -> torch.Tensor:
         """[B, Lk] cache slot of every key of every sequence, built once per step."""
@@ -175,6 +212,9 @@ class CPUBackend(KernelBackend):
         plan = meta.backend_state.get("varlen")
         if plan is not None:
             return self._varlen_prefill(q, k, v, k_cache, v_cache, plan, scale)
+        rows = meta.backend_state.get("as_decode")
+        if rows is not None:
+            return self.paged_attention_decode(q, k_cache, v_cache, rows, scale)
         # fresh prompts of one length (prepare_attention plans every other step varlen):
         # this step's k/v are the whole sequences, one batched causal call
         b = meta.num_seqs

@@ -6,11 +6,11 @@ corpus greedily; over those sequences, the MTP layer at position i (the target's
 state h_i, token i + 1) learns the target's next-token distribution at position i + 1
 (KL divergence), exactly what it is asked to predict when drafting.
 
-Trained: eh_proj, enorm, hnorm, the shared head (norm and projection) and the decoder
-layer's attention (MLA: its projections, norms and up-projections); the layer's MLP (its
-experts) keeps its weights. The forward is the serving code itself (the kernels, the
-paged cache; attention over fresh sequences is differentiable there); the gradient
-passes the MLP as it passes its residual connection (straight through).
+Trained: the whole MTP layer but its router (eh_proj, enorm, hnorm, the shared head,
+the decoder layer's norms, MLA attention and experts). The forward is the serving
+code's: ``CausalLM.mtp_input`` / ``mtp_logits`` and the attention kernels themselves
+(differentiable over fresh sequences); the MLP in plain torch ops (the serving kernels
+work in place), the same arithmetic, experts picked by the frozen router.
 """
 
 from __future__ import annotations
@@ -22,25 +22,30 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from pdmesh.shared.engine.model_runner import attention_metadata
-from pdmesh.shared.models.transformer import MLAWeights
+from pdmesh.shared.models.transformer import DenseMLPWeights, MLAWeights, MoEWeights
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class MtpTraining:
-    prompts: int = 128
+    prompts: int = 256
     prompt_tokens: int = 48
-    new_tokens: int = 96
-    steps: int = 400
+    new_tokens: int = 128
+    random_sequences: int = 0  # of prompt_tokens random ids, the target's view only
+    parts: str = "head"  # what is trained: "head" (eh_proj, norms, head), "attention"
+    # too, or "all" (the experts too); more than the head overfits a random target
+    chain: bool = True  # also train drafts 2.. (from the MTP layer's own output)
+    steps: int = 300
     batch: int = 16  # sequences per step
     lr: float = 3e-3
-    # the target's distribution sharpened (< 1): what greedy drafting must match is its
-    # argmax, which a random model's flat distributions hardly mark
-    teacher_temperature: float = 0.1
+    # below 1 the target's distribution is sharpened toward its argmax (what greedy
+    # drafting must match); on a random target that overfits, so 1 by default
+    teacher_temperature: float = 1.0
     seed: int = 0
 
 
@@ -78,11 +83,15 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
                                                 ignore_eos=True))
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     held_out = max(1, len(seqs) // 8)
-    train, test = seqs[held_out:], seqs[:held_out]
+    # the target at every token of the vocabulary: random sequences, no continuation
+    noise = [[rng.randrange(vocab) for _ in range(t.prompt_tokens)]
+             for _ in range(t.random_sequences)]
+    train, test = seqs[held_out:] + noise, seqs[:held_out]
+    rng.shuffle(train)
 
     runner = llm.engine.runner
     bs = runner.block_size
-    width = -(-max(map(len, seqs)) // bs)
+    width = -(-max(map(len, train + test)) // bs)
     num_blocks = t.batch * width
     scratch = {role: torch.zeros((num_blocks + 1, *x.shape[1:]), dtype=x.dtype)
                for role, x in runner.kv_caches[0].items()}
@@ -97,11 +106,17 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     trained = {name: leaf(getattr(m, name))
                for name in ("enorm", "hnorm", "eh_proj", "head_norm", "head")}
     trained_attn = {name: leaf(getattr(attn, name)) for name in ATTENTION}
-    input_norm = leaf(m.layer.input_norm)
+    input_norm, post_norm = leaf(m.layer.input_norm), leaf(m.layer.post_attn_norm)
+    mlp = _trainable_mlp(m.layer.mlp, leaf)
     student = dataclasses.replace(m, **trained, layer=dataclasses.replace(
-        m.layer, input_norm=input_norm, attn=dataclasses.replace(attn, **trained_attn)))
-    params = [x for x in (*trained.values(), *trained_attn.values(), input_norm)
-              if x is not None]
+        m.layer, input_norm=input_norm, post_attn_norm=post_norm, mlp=mlp,
+        attn=dataclasses.replace(attn, **trained_attn)))
+    params = list(trained.values())
+    if t.parts in ("attention", "all"):
+        params += [*trained_attn.values(), input_norm]
+    if t.parts == "all":
+        params += [post_norm, *_mlp_tensors(mlp)]
+    params = [x for x in params if x is not None]
 
     def batch(group: list[list[int]]):
         """The target's hidden states and log-probabilities over ``group`` (one prefill
@@ -139,8 +154,8 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     be, eps = model.backend, model.config.rms_norm_eps
     layer = student.layer
 
-    def student_logits(ids, pos, h, meta, grad: bool) -> torch.Tensor:
-        """``CausalLM.mtp_block``'s computation, the attention with its gradient."""
+    def student_logits(ids, pos, h, meta, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``CausalLM.mtp_block``'s computation, differentiable: (logits, output)."""
         model.backend.prepare_attention(meta)
         with torch.set_grad_enabled(grad):
             x = model.mtp_input(student, ids, pos, h)
@@ -149,17 +164,23 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
                                  model.cos.index_select(0, pos),
                                  model.sin.index_select(0, pos), cache, meta)
             r = x + a
-        with torch.no_grad():
-            mlp = model._mlp(layer.mlp, be.rms_norm(r.detach(), layer.post_attn_norm, eps),
-                             None)
-        with torch.set_grad_enabled(grad):
-            return model.mtp_logits(student, r + mlp)
+            out = r + _mlp_forward(model, layer.mlp, be.rms_norm(r, layer.post_attn_norm, eps))
+            return model.mtp_logits(student, out), out
+
+    def chained(pos, h, out) -> torch.Tensor:
+        """The hidden states a chained draft continues from: at position i the MTP
+        layer's own output at i - 1 (the target's where there is none)."""
+        prev = torch.cat((out[:1], out[:-1]))
+        return torch.where((pos == 0).unsqueeze(-1), h, prev)
+
+    def kl(logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return (logp.exp() * (logp - torch.log_softmax(logits, dim=-1))).sum(-1).mean()
 
     def agreement() -> float:
         hits = total = 0
         for k in range(0, len(test), t.batch):
             ids, pos, h, logp, meta = batch(test[k:k + t.batch])
-            guess = student_logits(ids, pos, h, meta, grad=False).argmax(-1)
+            guess = student_logits(ids, pos, h, meta, grad=False)[0].argmax(-1)
             hits += int((guess == logp.argmax(-1)).sum())
             total += len(guess)
         return hits / max(1, total)
@@ -170,8 +191,11 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, t.steps)
     for step in range(t.steps):
         ids, pos, h, logp, meta = prepared[step % len(prepared)]
-        logits = student_logits(ids, pos, h, meta, grad=True)
-        loss = (logp.exp() * (logp - torch.log_softmax(logits, dim=-1))).sum(-1).mean()
+        logits, out = student_logits(ids, pos, h, meta, grad=True)
+        loss = kl(logp, logits)
+        if t.chain:  # as drafts 2.. are proposed: from the layer's own output
+            loss = loss + kl(logp, student_logits(ids, pos, chained(pos, h, out), meta,
+                                                  grad=True)[0])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -192,6 +216,9 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
         w = trained[name].detach()
         weights[p + key] = (w.t() if t_major else w).contiguous().to(dtype)
     weights[p + "input_layernorm.weight"] = input_norm.detach().to(dtype)
+    weights[p + "post_attention_layernorm.weight"] = post_norm.detach().to(dtype)
+    for key, w in _mlp_checkpoint(mlp, weights, p + "mlp.").items():
+        weights[key] = w.to(dtype)
     for key, w in _mla_checkpoint(model.config, student.layer.attn).items():
         weights[p + "self_attn." + key] = w.to(dtype)
     save_file(weights, str(path), metadata={"format": "pt"})
@@ -230,4 +257,64 @@ def _mla_checkpoint(cfg, w: MLAWeights) -> dict[str, torch.Tensor]:
         out["q_a_proj.weight"] = w.q_a.detach().t().contiguous()
         out["q_a_layernorm.weight"] = w.q_a_norm.detach().clone()
         out["q_b_proj.weight"] = unpermute(w.q_b, q_rows)
+    return out
+
+
+def _trainable_mlp(w: DenseMLPWeights | MoEWeights, leaf) -> DenseMLPWeights | MoEWeights:
+    if isinstance(w, DenseMLPWeights):
+        return DenseMLPWeights(leaf(w.gate_up), leaf(w.down))
+    shared = None if w.shared is None else _trainable_mlp(w.shared, leaf)
+    return dataclasses.replace(w, w13=leaf(w.w13), w2=leaf(w.w2), shared=shared)
+
+
+def _mlp_tensors(w: DenseMLPWeights | MoEWeights) -> list[torch.Tensor]:
+    if isinstance(w, DenseMLPWeights):
+        return [w.gate_up, w.down]
+    return [w.w13, w.w2, *([] if w.shared is None else _mlp_tensors(w.shared))]
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.mm(x, gate_up).chunk(2, dim=-1)
+    return torch.mm(F.silu(gate) * up, down)
+
+
+def _mlp_forward(model, w: DenseMLPWeights | MoEWeights, x: torch.Tensor) -> torch.Tensor:
+    """``CausalLM._mlp`` in out-of-place torch ops."""
+    if isinstance(w, DenseMLPWeights):
+        return _swiglu(x, w.gate_up, w.down)
+    with torch.no_grad():
+        weights, ids = model._route(w, x.detach())
+    out = torch.zeros_like(x)
+    for e in range(w.w13.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if len(token):
+            y = _swiglu(x[token], w.w13[e], w.w2[e]) * weights[token, slot, None].to(x.dtype)
+            out = out.index_add(0, token, y)
+    if w.shared is not None:
+        out = out + _mlp_forward(model, w.shared, x)
+    return out
+
+
+def _mlp_checkpoint(w: DenseMLPWeights | MoEWeights, stored: dict[str, torch.Tensor],
+                    p: str) -> dict[str, torch.Tensor]:
+    """The MLP's trained tensors under the checkpoint's names, [out, in]."""
+
+    def dense(d: DenseMLPWeights, q: str) -> dict[str, torch.Tensor]:
+        gate, up = d.gate_up.detach().t().chunk(2, dim=0)
+        return {q + "gate_proj.weight": gate.contiguous(), q + "up_proj.weight": up.contiguous(),
+                q + "down_proj.weight": d.down.detach().t().contiguous()}
+
+    if isinstance(w, DenseMLPWeights):
+        return dense(w, p)
+    out = {} if w.shared is None else dense(w.shared, p + "shared_experts.")
+    w13, w2 = w.w13.detach().transpose(1, 2), w.w2.detach().transpose(1, 2)  # [E, out, in]
+    if p + "experts.gate_up_proj" in stored:
+        out[p + "experts.gate_up_proj"] = w13.contiguous()
+        out[p + "experts.down_proj"] = w2.contiguous()
+        return out
+    for e in range(w13.shape[0]):
+        gate, up = w13[e].chunk(2, dim=0)
+        out[f"{p}experts.{e}.gate_proj.weight"] = gate.contiguous()
+        out[f"{p}experts.{e}.up_proj.weight"] = up.contiguous()
+        out[f"{p}experts.{e}.down_proj.weight"] = w2[e].contiguous()
     return out

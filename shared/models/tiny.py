@@ -516,7 +516,8 @@ def add_args(m: argparse.ArgumentParser) -> None:
     m.add_argument("--train-mtp", action="store_true",
                    help="deepseek_v3: distil the MTP layer from the model's own greedy "
                         "continuations (a draft head for --speculative-config "
-                        "'{\"method\": \"deepseek_mtp\"}' that gets accepted; ~1 min on CPU)")
+                        "'{\"method\": \"deepseek_mtp\"}' that gets accepted; a few "
+                        "minutes on 2 CPU cores)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ Seed references are to ``shared/seeds/additional-config.zh.txt``; "code" is
 from __future__ import annotations
 
 from pdmesh.shared.config.rules.base import Findings, RuleContext
+from pdmesh.shared.engine.spec_decode import MTP_METHODS
 
 
 def dynamic_spec(ctx: RuleContext, out: Findings) -> None:
@@ -20,8 +21,17 @@ def dynamic_spec(ctx: RuleContext, out: Findings) -> None:
                      "ignored because dynamic_spec_config.method is not set")
         return
     key = ctx.name("dynamic_spec_config.method")
-    if ctx.engine.speculative_method != spec.method:
-        have = ctx.engine.speculative_method
+    have = ctx.engine.speculative_method
+    if have in MTP_METHODS:
+        # pdmesh's extension: MTP drafts carry logits, so dflash's headless confidence
+        # (their max softmax) budgets them; dspark reads a head MTP layers do not have
+        if spec.method == "dspark":
+            out.error(key, f"dspark needs a draft model with a confidence head; the \"{have}\" "
+                           "drafts have none (\"dflash\" estimates confidence without one)")
+        else:
+            out.warn(key, f"budgets the \"{have}\" drafts with dflash's confidence (their max "
+                          "softmax); vLLM-Ascend runs it with a DFlash draft model")
+    elif have != spec.method:
         have_shown = f'"{have}"' if have else "unset"
         out.error(key, f"needs --speculative-config with method \"{spec.method}\", but the "
                        f"speculative method is {have_shown}")

@@ -158,3 +158,28 @@ def test_launcher_args_split_as_a_shell_would(qwen3_path, tmp_path):
                       "--seed '1"])[2]
     with pytest.raises(ValueError, match="^--decode-args: "):
         plan(bad)
+
+
+def test_mtp_lines_carry_the_verify_settings_to_the_engine():
+    """An MTP line with vLLM-Ascend's rejection_sampler_config and dynamic_spec_config
+    (dflash): both reach the engine's speculative config, neither is listed inactive;
+    with n-gram drafts (no draft logits to take a confidence from) the line is refused
+    as vLLM-Ascend refuses a dynamic method that is not the speculative one."""
+    extra = ('{"rejection_sampler_config": {"enable_entropy_verify": true}, '
+             '"dynamic_spec_config": {"method": "dflash", "method_params": '
+             '{"initial_verify_budget_per_req": 2, "budget_update_interval": 50, '
+             '"budget_threshold": 0.7}}}')
+    config = serve_config("mixed", ["/models/x", "--device", "cpu", "--speculative-config",
+                                    '{"method": "deepseek_mtp", "num_speculative_tokens": 3}',
+                                    "--additional-config", extra])
+    spec = config.engine.speculative_config
+    assert spec.is_mtp and spec.num_speculative_tokens == 3 and spec.enable_entropy_verify
+    assert (spec.dynamic.initial_verify_budget_per_req, spec.dynamic.budget_update_interval,
+            spec.dynamic.budget_threshold) == (2, 50, 0.7)
+    assert not set(config.additional_config.inactive_keys) & {"rejection_sampler_config",
+                                                               "dynamic_spec_config"}
+    ngram = '{"method": "ngram", "num_speculative_tokens": 2}'
+    with pytest.raises(ValueError, match='dynamic_spec_config.method: needs '
+                                         '--speculative-config with method "dflash"'):
+        serve_config("mixed", ["/models/x", "--device", "cpu", "--speculative-config", ngram,
+                               "--additional-config", extra])

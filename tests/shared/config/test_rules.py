@@ -107,6 +107,10 @@ FORBIDDEN = [
     # Dynamic speculative decoding needs the same speculative method (seed :70).
     ("dynamic_spec_no_spec", {"dynamic_spec_config": {"method": "dflash"}}, MIXED, None,
      "dynamic_spec_config.method", 'method "dflash", but the speculative method is unset'),
+    # MTP drafts have no confidence head for dspark
+    ("dspark_on_mtp", {"dynamic_spec_config": {"method": "dspark"}},
+     EngineArgs(speculative_method="deepseek_mtp"), None, "dynamic_spec_config.method",
+     "dspark needs a draft model with a confidence head"),
     # vLLM-Ascend code checks (ascend_config.py / platform.py).
     ("static_kernel", {"ascend_compilation_config": {"enable_npugraph_ex": False,
                                                      "enable_static_kernel": True}}, MIXED,
@@ -157,6 +161,14 @@ def test_dyntra_lb_with_recompute_on_a_decode_node_parses() -> None:
                          recompute_scheduler_enable=True), DECODE)
     assert config.scheduler_config.dyntra_lb_config.enabled
     assert config.scheduler_config.recompute_scheduler_enable
+
+
+def test_dflash_budgets_mtp_drafts_with_a_warning_saying_so() -> None:
+    config = parse({"dynamic_spec_config": {"method": "dflash", "method_params": {
+        "budget_threshold": 0.7}}}, EngineArgs(speculative_method="mtp"))
+    assert config.dynamic_spec_config.method_params.budget_threshold == 0.7
+    assert any(w.startswith('dynamic_spec_config.method: budgets the "mtp" drafts')
+               for w in config.warnings), config.warnings
 
 
 def test_recompute_on_a_prefill_node_is_switched_off_with_a_warning() -> None:

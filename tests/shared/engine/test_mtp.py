@@ -19,6 +19,7 @@ from pdmesh.shared.engine.spec_decode import (
     VerifyBudget,
 )
 from pdmesh.shared.models.tiny import make_tiny_model
+from tests.shared.engine.spec_runs import assert_no_block_held, run
 
 
 def mtp(k: int | None, method: str = "deepseek_mtp") -> dict:
@@ -57,17 +58,6 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def run(model, ps, params, **engine) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model), device="cpu", block_size=16, **engine)
-    outs = llm.generate(ps, params)
-    return [o.outputs[0].token_ids for o in outs], llm
-
-
-def assert_no_block_held(llm: LLM) -> None:
-    for free, usable in llm.engine.kv.usage().values():
-        assert free == usable
-
-
 @pytest.fixture(scope="module")
 def reference(trained):
     path = trained[0]
@@ -98,6 +88,21 @@ def test_identical_under_chunked_prefill_preemption_and_prefix_caching(reference
                    num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8)
     assert got == want + ref_shared
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert_no_block_held(llm)
+
+
+def test_a_verify_budget_of_one_verifies_one_draft_and_keeps_the_output(reference):
+    """dflash with a budget of one draft per request (its confidences never reach the
+    threshold, so it stays there): three drafts proposed, one verified, output exact."""
+    path, ps, params, want = reference
+    budget = DynamicBudget(initial_verify_budget_per_req=1, budget_update_interval=4,
+                           budget_threshold=0.999, min_verify_tokens=1)
+    got, llm = run(path, ps, params,
+                   speculative_config=SpeculativeConfig("mtp", 3, dynamic=budget))
+    assert got == want
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == stats.num_drafts
+    assert llm.engine.verify_budget.budget == 1
     assert_no_block_held(llm)
 
 
@@ -190,11 +195,11 @@ def test_deepseek_v4_mtp_is_reported_without_effect(tiny_models, caplog):
 
 
 def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
-    """The inverse of the loader's MLA transforms: a layer read and written back is the
-    checkpoint's, tensor for tensor."""
+    """The inverse of the loader's MLA and MLP transforms: a layer read and written back
+    is the checkpoint's, tensor for tensor."""
     from safetensors.torch import load_file
 
-    from pdmesh.shared.models.mtp_train import _mla_checkpoint
+    from pdmesh.shared.models.mtp_train import _mla_checkpoint, _mlp_checkpoint
 
     llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
     cfg = llm.engine.model_config
@@ -207,3 +212,8 @@ def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
                                 "kv_b_proj.weight", "o_proj.weight"}
         for key, x in written.items():
             assert torch.equal(x, stored[f"model.layers.{i}.self_attn.{key}"]), (i, key)
+    for i, w in ((0, llm.engine.model.w.layers[0].mlp),  # dense
+                 (cfg.num_layers, llm.engine.model.w.mtp[0].layer.mlp)):  # experts + shared
+        written = _mlp_checkpoint(w, stored, f"model.layers.{i}.mlp.")
+        assert written and all(torch.equal(x, stored[key]) for key, x in written.items())
+    assert f"model.layers.{cfg.num_layers}.mlp.experts.0.down_proj.weight" in written

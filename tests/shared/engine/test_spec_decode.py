@@ -17,6 +17,7 @@ from pdmesh.shared.engine.spec_decode import (
     SpeculativeConfig,
     verify,
 )
+from tests.shared.engine.spec_runs import assert_no_block_held, run
 
 
 def ngram(k: int, lo: int = 1, hi: int = 4) -> dict:
@@ -35,17 +36,6 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             motif = [rng.randrange(10, 900) for _ in range(rng.randrange(2, 9))]
             out.append((motif * 40)[:rng.randrange(8, 150)])
     return out
-
-
-def run(model, ps, params, **engine) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model), device="cpu", block_size=16, **engine)
-    outs = llm.generate(ps, params)
-    return [o.outputs[0].token_ids for o in outs], llm
-
-
-def assert_no_block_held(llm: LLM) -> None:
-    for free, usable in llm.engine.kv.usage().values():
-        assert free == usable
 
 
 @pytest.fixture(scope="module")

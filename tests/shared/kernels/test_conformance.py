@@ -155,7 +155,7 @@ def _run_attention(backend, ctx_lens, q_lens, block_size, dtype, consecutive=Fal
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 128, 256])  # 256: flash paged KV on cuda
 @pytest.mark.parametrize("case", ["decode", "decode_uniform", "decode_single", "fresh_prefill",
-                                  "chunked_prefill", "uniform_chunks", "mixed"])
+                                  "chunked_prefill", "uniform_chunks", "mixed", "verify"])
 def test_paged_attention(backend, dtype, block_size, case):
     ctx_lens, q_lens = {
         "decode": ([5, 40, 0, 130], [1, 1, 1, 1]),
@@ -165,6 +165,9 @@ def test_paged_attention(backend, dtype, block_size, case):
         "chunked_prefill": ([16, 3, 128], [20, 9, 5]),
         "uniform_chunks": ([32, 32], [16, 16]),
         "mixed": ([37, 0, 200, 12], [1, 21, 1, 17]),
+        # speculative verification: a few tokens per sequence after context (and a short
+        # fresh prompt among them)
+        "verify": ([37, 5, 200, 0, 90], [4, 2, 1, 3, 17]),
     }[case]
     _run_attention(backend, ctx_lens, q_lens, block_size, dtype)
 
@@ -176,7 +179,8 @@ def test_paged_attention_consecutive_blocks(backend, dtype, ctx_lens, q_lens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", ["decode", "chunked_prefill", "fresh_prefill", "mixed"])
+@pytest.mark.parametrize("case", ["decode", "chunked_prefill", "fresh_prefill", "mixed",
+                                  "verify"])
 def test_latent_attention_over_one_cache(backend, dtype, case):
     """MLA's shape: one latent "head" of kv_lora_rank + rope dims (64 + 16 here) per
     token, written once and read as the keys and, its latent dims, the values; every
@@ -184,7 +188,8 @@ def test_latent_attention_over_one_cache(backend, dtype, case):
     ctx_lens, q_lens = {"decode": ([5, 40, 130], [1, 1, 1]),
                         "chunked_prefill": ([16, 3], [20, 9]),
                         "fresh_prefill": ([0, 0], [7, 33]),
-                        "mixed": ([37, 0, 12], [1, 21, 17])}[case]
+                        "mixed": ([37, 0, 12], [1, 21, 17]),
+                        "verify": ([37, 6, 120], [4, 1, 3])}[case]
     q, k, _, cache, _, meta = _paged_batch(ctx_lens, q_lens, 16, kvh=1, h=8, d=80,
                                            dtype=dtype, seed=11)
     dev = backend.device
