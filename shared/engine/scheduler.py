@@ -221,10 +221,7 @@ class Scheduler:
             room = min(room, max_tokens - req.num_output_tokens - 1)
         if room <= 0:
             return None
-        if room < len(drafts.tokens):
-            drafts = Drafts(drafts.tokens[:room],
-                            None if drafts.probs is None else drafts.probs[:room])
-        return drafts
+        return drafts.cut(room) if room < len(drafts.tokens) else drafts
 
     # -- pool loads off the step (async_kv_load) --------------------------------------------
     def _start_load(self, req: Request, hit_tokens: int, pooled: int,
