@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from pdmesh.shared.engine.model_runner import attention_metadata
+from pdmesh.shared.models.corpus import corpus_files
 from pdmesh.shared.models.transformer import DenseMLPWeights, MLAWeights, MoEWeights
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     """Train the first MTP layer of the model in ``folder`` and write it back. Returns the
     held-out greedy agreement of the MTP head with the target (before, after)."""
     from pdmesh.shared.engine import LLM, SamplingParams
-    from pdmesh.shared.models.tiny import _corpus_files
     from pdmesh.shared.models.tokenizer import Tokenizer
 
     t = settings or MtpTraining()
@@ -68,7 +68,7 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     layers = model.config.num_layers
     tok = Tokenizer(folder)
     rng = random.Random(t.seed)
-    text = "".join(Path(f).read_text(errors="replace") for f in (corpus or _corpus_files()))
+    text = "".join(Path(f).read_text(errors="replace") for f in (corpus or corpus_files()))
     prompts = []  # half cut from the corpus, half random token ids (as benchmarks send)
     vocab = model.config.vocab_size
     while len(prompts) < t.prompts:

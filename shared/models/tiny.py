@@ -11,16 +11,15 @@ same seed and size give the same files.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pdmesh.shared.models.corpus import corpus_files
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -33,7 +32,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-CORPUS_BYTES = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -115,17 +113,6 @@ class DeepSeekV4Shape:
                 "heavily_compressed_attention": self.hca_rate}[kind]
 
 
-def _corpus_files() -> list[str]:
-    libdir = sysconfig.get_paths()["stdlib"]
-    files, total = [], 0
-    for f in sorted(glob.glob(os.path.join(libdir, "*.py"))):
-        files.append(f)
-        total += os.path.getsize(f)
-        if total > CORPUS_BYTES:
-            break
-    return files
-
-
 def train_tokenizer(vocab_size: int) -> Tokenizer:
     """Byte-level BPE (GPT-2 / Qwen style) trained on standard-library sources."""
     tok = Tokenizer(models.BPE())
@@ -139,7 +126,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train(_corpus_files(), trainer)
+    tok.train(corpus_files(), trainer)
     return tok
 
 

@@ -61,15 +61,18 @@ def test_checks_a_line_for_a_device_this_machine_lacks():
     assert r.returncode == 2 and "--device" in r.stderr
 
 
-def test_speculative_config_takes_effect_for_ngram_and_is_listed_otherwise():
+def test_speculative_config_takes_effect_for_ngram_and_mtp_and_is_listed_otherwise():
     r = check("--role", "mixed", "--speculative-config",
               '{"method": "ngram", "num_speculative_tokens": 3}')
     assert r.returncode == 0 and "--speculative-config" not in r.stderr, r.stderr
     r = check("--role", "decode", "--speculative-config",
               '{"method": "deepseek_mtp", "num_speculative_tokens": 1}')
+    assert r.returncode == 0 and "--speculative-config" not in r.stderr, r.stderr
+    r = check("--role", "decode", "--speculative-config",
+              '{"method": "eagle", "num_speculative_tokens": 1}')
     assert r.returncode == 0
     assert "accepted without effect: --speculative-config" in r.stderr
-    assert "method 'deepseek_mtp' is not run yet" in r.stderr
+    assert "method 'eagle' is not run yet" in r.stderr
     for bad, names in (('{"method": "ngram", "num_speculative_tokens": 99}',
                         "num_speculative_tokens"), ("[1]", "must be a JSON object")):
         r = check("--role", "mixed", "--speculative-config", bad)

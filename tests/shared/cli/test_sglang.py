@@ -55,9 +55,10 @@ def test_implemented_flags_take_effect_and_the_rest_are_listed():
     assert (engine.max_num_batched_tokens, engine.max_num_seqs, engine.block_size,
             engine.max_model_len, engine.gpu_memory_utilization,
             engine.enable_prefix_caching) == (512, 7, 32, 256, 0.5, False)
-    # (NEXTN: DeepSeek's MTP, read into --speculative-config, which does not run it yet)
-    assert {"--enable-dp-attention", "--speculative-config", "--cuda-graph-bs"} <= set(
-        cfg.accepted_without_effect)
+    # (NEXTN: DeepSeek's MTP, read into --speculative-config, which runs it)
+    assert {"--enable-dp-attention", "--cuda-graph-bs"} <= set(cfg.accepted_without_effect)
+    assert "--speculative-config" not in cfg.accepted_without_effect
+    assert engine.speculative_config.is_mtp
     # --max-num-batched-tokens wins; -1 is SGLang's "no chunking" (no CPU default cap)
     _, _, both = parse_args(["config", "check", "--role", "mixed", "--model", "/tmp/m",
                              "--device", "cpu", "--max-num-batched-tokens", "100",
