@@ -59,7 +59,7 @@ class MtpProposer:
         self._first = {}
         bs = self.block_size
         picked, ids, positions, hidden_rows, slots = [], [], [], [], []
-        starts, counts, tables, last = [], [], [], []
+        starts, counts, seqs, last = [], [], [], []
         for i, r in enumerate(rows.requests):
             if r.is_finished and id(r) not in keep:
                 continue
@@ -77,7 +77,7 @@ class MtpProposer:
             slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
             starts.append(s)
             counts.append(n)
-            tables.append(table)
+            seqs.append(i)
             last.append(not r.is_finished and s + n == r.num_tokens - 1)
         if not picked:
             return
@@ -87,7 +87,7 @@ class MtpProposer:
         hidden = rows.hidden.index_select(
             0, torch.from_numpy(np.concatenate(hidden_rows)).to(rows.hidden.device))
         logits, out = self._run(ids, positions, hidden, slots, starts, counts,
-                                np.stack(tables), qsl, qsl[1:][want] - 1)
+                                rows.tables[seqs], qsl, qsl[1:][want] - 1)
         tokens, conf = self._pick(logits)
         for n, k in enumerate(want):
             self._first[picked[k]] = (tokens[n], conf[n], out[int(qsl[k + 1]) - 1])

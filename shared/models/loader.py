@@ -208,6 +208,20 @@ def _read_dense(ckpt: CheckpointReader, p: str, dtype: torch.dtype,
                            down=_input_major(ckpt.get(p + "down_proj.weight", dtype, dev)))
 
 
+def mla_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint rows, in the loader's order, of the q projection (all heads) and of
+    kv_a_proj_with_mqa: rotary dims stored interleaved (rope_interleave) are taken even
+    dims first, then odd (rotate-half order); every other row keeps its place."""
+    m = cfg.mla
+    assert m is not None
+    h, nope, rope, lat = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    order = (torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+             if m.rope_interleave else torch.arange(rope))
+    q_rows = torch.cat([torch.cat((torch.arange(nope), nope + order)) + j * (nope + rope)
+                        for j in range(h)])
+    return q_rows, torch.cat((torch.arange(lat), lat + order))
+
+
 def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dtype,
               dev: torch.device) -> MLAWeights:
     """DeepSeek's latent attention. Rotary dims stored interleaved (rope_interleave) are
@@ -215,16 +229,12 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
     product is the same, and the rotary kernel is the one the other models use."""
     m = cfg.mla
     assert m is not None
-    h, nope, rope, lat = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    h, nope, lat = cfg.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
 
     def get(name: str) -> torch.Tensor:
         return ckpt.get(p + "self_attn." + name, dtype, dev)
 
-    order = (torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
-             if m.rope_interleave else torch.arange(rope))
-    q_rows = torch.cat([torch.cat((torch.arange(nope), nope + order)) + j * (nope + rope)
-                        for j in range(h)])
-    kv_rows = torch.cat((torch.arange(lat), lat + order))
+    q_rows, kv_rows = mla_rows(cfg)
     if m.q_lora_rank is None:
         q, q_a, q_a_norm, q_b = _input_major(get("q_proj.weight")[q_rows]), None, None, None
     else:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from pdmesh.shared.engine.model_runner import attention_metadata
 from pdmesh.shared.models.corpus import corpus_files
+from pdmesh.shared.models.loader import mla_rows
 from pdmesh.shared.models.transformer import DenseMLPWeights, MLAWeights, MoEWeights
 
 log = logging.getLogger(__name__)
@@ -233,13 +234,8 @@ def _mla_checkpoint(cfg, w: MLAWeights) -> dict[str, torch.Tensor]:
     """MLA weights in the loader's form back in the checkpoint's: [out, in], the rotary
     dims interleaved again where the checkpoint has them so, kv_b from W_UK and W_UV.
     (The inverse of ``loader._read_mla``.)"""
-    m = cfg.mla
-    h, nope, rope, lat = cfg.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-    order = (torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
-             if m.rope_interleave else torch.arange(rope))
-    q_rows = torch.cat([torch.cat((torch.arange(nope), nope + order)) + j * (nope + rope)
-                        for j in range(h)])
-    kv_rows = torch.cat((torch.arange(lat), lat + order))
+    lat = cfg.mla.kv_lora_rank
+    q_rows, kv_rows = mla_rows(cfg)
 
     def unpermute(loaded: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(loaded.t())

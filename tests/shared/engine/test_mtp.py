@@ -217,3 +217,19 @@ def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
         written = _mlp_checkpoint(w, stored, f"model.layers.{i}.mlp.")
         assert written and all(torch.equal(x, stored[key]) for key, x in written.items())
     assert f"model.layers.{cfg.num_layers}.mlp.experts.0.down_proj.weight" in written
+
+
+def test_the_training_forward_is_the_engines_mlp(ds3):
+    """The distillation trains through ``mtp_train._mlp_forward``; it computes what the
+    engine's ``CausalLM._mlp`` does, for a dense layer and for routed plus shared experts."""
+    from pdmesh.shared.models.mtp_train import _mlp_forward
+
+    llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
+    model = llm.engine.model
+    x = torch.randn(37, llm.engine.model_config.hidden_size,
+                    generator=torch.Generator().manual_seed(0))
+    for w, layer in ((model.w.layers[0].mlp, 0), (model.w.mtp[0].layer.mlp, None)):
+        want = model._mlp(w, x.clone(), layer)
+        got = _mlp_forward(model, w, x.clone())
+        assert got.shape == want.shape and not torch.equal(got, torch.zeros_like(got))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
