@@ -12,7 +12,8 @@ group; systems interleaved within each round so a noisy machine hurts all alike.
 decoding (``NGRAM``) on the engines; ``pd-ngramcap`` the same with vLLM's
 ``disable_by_batch_size`` at 16 (no drafts while more requests run or wait);
 ``pd-mtp1`` .. ``pd-mtp3`` with DeepSeek MTP drafting 1..3 tokens (a model with an MTP
-layer: `pdmesh make-tiny-model DIR --arch deepseek_v3 --train-mtp`).
+layer: `pdmesh make-tiny-model DIR --arch deepseek_v3 --train-mtp`); each with ``fixed``
+after it (``pd-mtp1fixed``) drafts k every step (``"adaptive_drafts": false``).
 
 ``pd-base`` is `pdmesh up` of another tree (``--base-tree``: a folder holding a
 ``pdmesh`` package with its ``shared`` and ``services`` inside, e.g. an earlier commit's
@@ -61,6 +62,9 @@ NGRAM = ('{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,'
 SPEC = {"ngram": NGRAM, "ngramcap": NGRAM[:-1] + ',"disable_by_batch_size":16}',
         **{f"mtp{k}": f'{{"method":"deepseek_mtp","num_speculative_tokens":{k}}}'
            for k in (1, 2, 3)}}
+# "...fixed": the same drafting k every step (pdmesh's adaptive draft length off)
+SPEC.update({f"{name}fixed": spec[:-1] + ',"adaptive_drafts":false}'
+             for name, spec in list(SPEC.items())})
 GOODPUT = ["ttft:2000", "tpot:100"]  # DistServe-style chat SLOs, loosened for a CPU
 FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),
            ("ttft_ms_p99", "TTFT p99"), ("tpot_ms_median", "TPOT p50"),

@@ -20,6 +20,7 @@ import torch
 
 from pdmesh.shared.engine.block_manager import GroupBlocks, KVBlock, KVCacheManager
 from pdmesh.shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pdmesh.shared.engine.draft_length import DraftLength
 from pdmesh.shared.engine.kv_cache_spec import (
     FULL,
     allocate_caches,
@@ -127,6 +128,9 @@ class EngineCore:
                 self.proposer = make_ngram_proposer(spec)
             if spec.dynamic is not None:
                 self.verify_budget = VerifyBudget(spec.dynamic, spec.num_speculative_tokens)
+        self.draft_length: DraftLength | None = None
+        if self.speculative is not None and self.speculative.adaptive:
+            self.draft_length = DraftLength(self.speculative.num_speculative_tokens)
         self.spec_stats = SpecStats()
         self.connector = None
         if kv_pool is not None:
@@ -418,15 +422,23 @@ class EngineCore:
         finished = self.scheduler.update(sched, tokens)
         decoding = [n for r, n in zip(sched.requests, sched.num_tokens, strict=True)
                     if n == 1 or r in sched.drafts]
-        self.step_costs.record(time.perf_counter() - t_start,
-                               sched.total_tokens - sum(decoding), len(decoding))
+        prompt_tokens = sched.total_tokens - sum(decoding)
+        self.step_costs.record(time.perf_counter() - t_start, prompt_tokens, len(decoding))
         for req in finished:
             self._requests.pop(req.request_id, None)
         if self.proposer is not None:
+            ready, k = self._draft_plan()
             if self.proposer.needs_hidden:
                 rows, self.runner.last_rows = self.runner.last_rows, None
-                self.proposer.absorb(rows, saving)
-            self._propose()
+                if k or not ready:
+                    self.proposer.absorb(rows, saving)
+                else:  # no drafts next step: the proposer's state has a gap
+                    self.proposer.skip(rows)
+            if ready and k:
+                self._propose(ready, k)
+            if self.draft_length is not None and not prompt_tokens:
+                self.draft_length.record_step(sched.total_tokens,
+                                              time.perf_counter() - t_start)
         done = {id(r) for r in finished} - saving  # those saving finish with their put
         return saved + [StepOutput(sched.requests[i], tokens[i] if sched.requests[i] in
                                    sched.drafts else [tokens[i]], id(sched.requests[i]) in done)
@@ -463,22 +475,34 @@ class EngineCore:
                 [reqs[i] for i in spec], drafts, self.speculative)
             for i, d, tokens in zip(spec, drafts, kept, strict=True):
                 self.spec_stats.record(len(d.tokens), len(tokens) - 1)
+                if self.draft_length is not None:
+                    self.draft_length.record_verified(len(d.tokens), len(tokens) - 1)
                 out[i] = tokens
         return out
 
-    def _propose(self) -> None:
-        """Drafts for the next step, for the running requests about to decode whose
-        sampling verification reproduces exactly."""
-        assert self.proposer is not None and self.speculative is not None
-        most = self.speculative.disable_by_batch_size
-        if most is not None and len(self.scheduler.running) + len(self.scheduler.waiting) \
-                > most:
-            return
-        ready = [r for r in self.scheduler.running
-                 if r.num_tokens - r.num_computed_tokens == 1 and drafts_allowed(r)]
-        if not ready:
-            return
-        proposed = self.proposer.propose(ready, self.speculative.num_speculative_tokens)
+    def _draft_plan(self) -> tuple[list[Request], int]:
+        """The running requests about to decode whose sampling verification reproduces
+        exactly, and how many drafts each is to verify next step (0: none)."""
+        spec = self.speculative
+        assert spec is not None
+        decoding = [r for r in self.scheduler.running
+                    if r.num_tokens - r.num_computed_tokens == 1]
+        ready = [r for r in decoding if drafts_allowed(r)]
+        most = spec.disable_by_batch_size
+        if not ready or (most is not None and len(self.scheduler.running)
+                         + len(self.scheduler.waiting) > most):
+            return ready, 0
+        k = spec.num_speculative_tokens if self.draft_length is None else \
+            self.draft_length.choose(len(ready), len(decoding) - len(ready))
+        self.spec_stats.draft_length = k
+        return ready, k
+
+    def _propose(self, ready: list[Request], k: int) -> None:
+        """Up to ``k`` drafts for each of ``ready`` for the next step."""
+        assert self.proposer is not None
+        if self.draft_length is not None:
+            self.draft_length.record_asked(len(ready), k)
+        proposed = self.proposer.propose(ready, k)
         if self.verify_budget is not None:
             proposed = self.verify_budget.apply(proposed)
         for req, drafts in zip(ready, proposed, strict=True):

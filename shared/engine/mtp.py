@@ -14,6 +14,9 @@ prefill instance's pool blocks carry it to the decode instance):
                          its KV written ahead in the request's blocks and overwritten
                          with the real one once the target has computed that position
 
+A step not absorbed (the engine drafts nothing after it, e.g. at high load) leaves its
+requests' MTP KV with a gap; they are drafted for no more.
+
 Drafts are the MTP head's argmax, verified as point masses (the target's distribution
 is kept for any sampling). With several MTP layers only the first is run (chained), as
 the checkpoints pdmesh serves have one.
@@ -22,6 +25,7 @@ the checkpoints pdmesh serves have one.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numpy as np
 import torch
@@ -54,6 +58,12 @@ class MtpProposer:
         self.block_size = kv.block_size
         # request -> (draft 1, its confidence, the MTP output hidden at its position)
         self._first: dict[Request, tuple[int, float, torch.Tensor]] = {}
+        # requests whose MTP KV misses positions (steps not absorbed): drafted no more
+        self._gapped: weakref.WeakSet[Request] = weakref.WeakSet()
+
+    def skip(self, rows: StepRows) -> None:
+        self._first = {}
+        self._gapped.update(rows.requests)
 
     def absorb(self, rows: StepRows, keep: set[int]) -> None:
         self._first = {}
@@ -61,7 +71,7 @@ class MtpProposer:
         picked, ids, positions, hidden_rows, slots = [], [], [], [], []
         starts, counts, seqs, last = [], [], [], []
         for i, r in enumerate(rows.requests):
-            if r.is_finished and id(r) not in keep:
+            if (r.is_finished and id(r) not in keep) or r in self._gapped:
                 continue
             s = rows.starts[i]
             # positions computed and kept whose next token is known

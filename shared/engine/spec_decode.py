@@ -51,7 +51,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # vLLM's speculative_config keys pdmesh reads, and the others it knows (accepted and
 # reported as without effect; any other key is refused as unknown)
 TAKEN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-              "disable_by_batch_size")
+              "disable_by_batch_size", "adaptive_drafts")
 INACTIVE_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len",
                  "revision", "code_revision", "enforce_eager", "disable_padded_drafter_batch",
                  "speculative_token_tree", "disable_logprobs", "disable_log_stats",
@@ -134,6 +134,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # no drafts in a step while more requests than this run or wait (None: always draft)
     disable_by_batch_size: int | None = None
+    # pdmesh's: each step verifies as many drafts (up to num_speculative_tokens) as the
+    # measured step times and acceptance say pay for themselves (draft_length.py);
+    # False: always num_speculative_tokens
+    adaptive: bool = True
     # vLLM-Ascend's rejection_sampler_config (--additional-config): lossy, off by default
     enable_block_verify: bool = False
     enable_entropy_verify: bool = False
@@ -185,7 +189,11 @@ class SpeculativeConfig:
                                   or batch < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size: must be an integer "
                              f">= 1, got {batch!r}")
-        return cls("mtp" if method in MTP_METHODS else "ngram", k, lo, hi, batch)
+        adaptive = raw.get("adaptive_drafts", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive_drafts: must be true or false, got "
+                             f"{adaptive!r}")
+        return cls("mtp" if method in MTP_METHODS else "ngram", k, lo, hi, batch, adaptive)
 
     @staticmethod
     def inactive_keys(raw: dict[str, Any]) -> list[str]:
@@ -223,6 +231,11 @@ class Proposer(Protocol):
         blocks are still read (a prompt being put into the pool)."""
         ...
 
+    def skip(self, rows: Any) -> None:
+        """The step just run, not absorbed (no drafts follow it): what the proposer kept
+        of its requests misses those positions."""
+        ...
+
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
         """Drafts (at most ``k`` tokens) for each request, in order."""
         ...
@@ -247,6 +260,9 @@ class NgramProposer:
 
     def absorb(self, rows: Any, keep: set[int]) -> None:
         pass
+
+    def skip(self, rows: Any) -> None:
+        pass  # (the index reads the tokens, whenever asked)
 
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
         out = []
@@ -300,6 +316,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    draft_length: int = 0  # the drafts per request last chosen (a gauge)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1

@@ -132,6 +132,9 @@ def _spec_metrics(stats: Any, labels: dict[str, str]) -> Iterator[Metric]:
     for position, accepted in enumerate(stats.accepted_per_position):
         per_pos.add_metric([*labels.values(), str(position)], accepted)
     yield per_pos
+    yield gauge("pdmesh_spec_decode_draft_length", "Drafts per request the engine chose "
+                "for its last drafting decision (adaptive_drafts; else the configured "
+                "count).", labels, stats.draft_length)
 
 
 # request phases take milliseconds to minutes

@@ -192,6 +192,9 @@ def test_ngram_speculation_serves_exactly_and_counts_its_drafts(qwen3_path, tmp_
         accepted = total("pdmesh_spec_decode_num_accepted_tokens_total")
         per_pos = total("pdmesh_spec_decode_num_accepted_tokens_per_pos_total")
         assert drafted > 0 and 0 < accepted <= drafted and per_pos == accepted
+        lengths = [float(v) for k, v in lines
+                   if k.split("{")[0] == "pdmesh_spec_decode_draft_length"]
+        assert len(lengths) == 1 and 0 <= lengths[0] <= 3  # (the gauge: the last choice)
         # and the registry (`pdmesh status`) shows them, at the next heartbeat
         from pdmesh.shared.infra.registry import Registry
 

@@ -23,7 +23,8 @@ from tests.shared.engine.spec_runs import assert_no_block_held, run
 
 
 def mtp(k: int | None, method: str = "deepseek_mtp") -> dict:
-    spec = {"method": method}
+    """(Every step drafts k: test_draft_length.py tests how many drafts pay.)"""
+    spec = {"method": method, "adaptive_drafts": False}
     if k is not None:
         spec["num_speculative_tokens"] = k
     return spec
@@ -98,7 +99,7 @@ def test_a_verify_budget_of_one_verifies_one_draft_and_keeps_the_output(referenc
     budget = DynamicBudget(initial_verify_budget_per_req=1, budget_update_interval=4,
                            budget_threshold=0.999, min_verify_tokens=1)
     got, llm = run(path, ps, params,
-                   speculative_config=SpeculativeConfig("mtp", 3, dynamic=budget))
+                   speculative_config=SpeculativeConfig("mtp", 3, adaptive=False, dynamic=budget))
     assert got == want
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens == stats.num_drafts
@@ -112,7 +113,7 @@ def test_mtp_kv_built_step_by_step_drafts_as_a_fresh_computation(ds3):
     step), drafts what an engine computing the MTP layer over the whole sequence at once
     drafts, with the same confidences."""
     budget = DynamicBudget(initial_verify_budget_per_req=3, min_verify_tokens=3)
-    spec = SpeculativeConfig("mtp", 3, dynamic=budget)
+    spec = SpeculativeConfig("mtp", 3, adaptive=False, dynamic=budget)
     stepped = LLM(str(ds3), device="cpu", block_size=16, dtype="float32",
                   max_num_batched_tokens=16, speculative_config=spec).engine
     req = stepped.add_request(list(range(100, 150)),

@@ -21,8 +21,10 @@ from tests.shared.engine.spec_runs import assert_no_block_held, run
 
 
 def ngram(k: int, lo: int = 1, hi: int = 4) -> dict:
+    """(Every step drafts k: these tests are of drafting and verifying, not of how many
+    drafts pay - test_draft_length.py.)"""
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
-            "prompt_lookup_max": hi}
+            "prompt_lookup_max": hi, "adaptive_drafts": False}
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -333,7 +335,7 @@ def test_greedy_requests_ignore_the_lossy_options(qwen3_path, greedy_reference):
     assert verify(None, argmax, Drafts([4, 1, 2]), True, lambda j: None, [0.1] * 3,
                   True) == [4, 7]
     ps, params, want = greedy_reference
-    lossy = SpeculativeConfig("ngram", 3, 1, 4, enable_block_verify=True,
+    lossy = SpeculativeConfig("ngram", 3, 1, 4, adaptive=False, enable_block_verify=True,
                               enable_entropy_verify=True, posterior_threshold=0.5)
     got, llm = run(qwen3_path, ps, params, speculative_config=lossy)
     assert got == want and llm.engine.spec_stats.num_accepted_tokens > 0
@@ -343,7 +345,7 @@ def test_lossy_sampling_accepts_more_drafts_in_the_engine(qwen3_path):
     ps = prompts(8, seed=9)
     params = SamplingParams(temperature=0.3, seed=3, max_tokens=40, ignore_eos=True)
     plain = run(qwen3_path, ps, params, speculative_config=ngram(3))[1].engine.spec_stats
-    lossy = SpeculativeConfig("ngram", 3, 1, 4, enable_block_verify=True,
+    lossy = SpeculativeConfig("ngram", 3, 1, 4, adaptive=False, enable_block_verify=True,
                               enable_entropy_verify=True, posterior_threshold=0.3,
                               posterior_alpha=0.4)
     _, llm = run(qwen3_path, ps, params, speculative_config=lossy)

@@ -1,0 +1,118 @@
+"""How many drafts per request a step verifies: as many as pay for themselves.
+
+A draft costs its row in the verifying forward (and the proposer's work); it earns a
+token only when accepted. At low load a step costs about the same whatever its rows
+(launches, weights read once), so every draft earns; at high load on a compute-bound
+device a step costs in proportion to its rows, and drafts that are mostly rejected
+cost throughput. ``DraftLength`` measures both sides as the engine runs and picks, for
+the next step, the number of drafts k (0 .. the configured count) that gives the most
+tokens per second:
+
+    tokens(k)   = m + n * (1 + A_k)        A_k = sum over j < k of accepted_j / asked_j
+    rows(k)     = m + n * (1 + D_k)        D_k = sum over j < k of verified_j / asked_j
+    seconds(k)  = the measured step time at rows(k)
+
+n the requests about to decode that may be drafted for, m the other decoding rows;
+``asked_j`` counts requests whose proposer was asked for a (j+1)-th draft,
+``verified_j`` those that verified one, ``accepted_j`` those that kept it (both after
+any verify budget). Step times are kept per row count (half-octave buckets of
+pure-decode steps, moving means), and read between buckets by linear interpolation.
+Until two buckets and some verifications are measured it gives the configured count.
+
+Counts decay (each observation weighs ``1 - DECAY`` of the history), so the choice
+follows the traffic and the model's acceptance as they change."""
+
+from __future__ import annotations
+
+import math
+
+DECAY = 0.02  # the weight of a new observation in the moving means and counts
+MIN_ASKED = 4.0  # a position's rates count once this many requests were asked for it
+
+
+class DraftLength:
+    def __init__(self, k: int):
+        self.k = k
+        self.asked = [0.0] * k
+        self.verified = [0.0] * k
+        self.accepted = [0.0] * k
+        # bucket -> [observations, mean rows, mean seconds]
+        self._steps: dict[int, list[float]] = {}
+
+    # -- what the engine tells it -----------------------------------------------------
+    def record_asked(self, requests: int, k: int) -> None:
+        """The proposer was asked for ``k`` drafts for each of ``requests`` requests."""
+        if not requests:
+            return
+        for j in range(self.k):
+            self.asked[j] *= 1 - DECAY
+            self.verified[j] *= 1 - DECAY
+            self.accepted[j] *= 1 - DECAY
+            if j < k:
+                self.asked[j] += requests
+
+    def record_verified(self, drafted: int, accepted: int) -> None:
+        """A request verified ``drafted`` drafts and kept ``accepted`` of them."""
+        for j in range(min(drafted, self.k)):
+            self.verified[j] += 1
+            if j < accepted:
+                self.accepted[j] += 1
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        """A step that decoded ``rows`` rows (drafts included) and computed no prompt
+        tokens took ``seconds``, proposing for the next one included."""
+        if rows <= 0 or seconds <= 0:
+            return
+        b = self._steps.setdefault(_bucket(rows), [0.0, 0.0, 0.0])
+        b[0] += 1
+        w = max(1.0 / b[0], DECAY)
+        b[1] += (rows - b[1]) * w
+        b[2] += (seconds - b[2]) * w
+
+    # -- the choice -------------------------------------------------------------------
+    def choose(self, drafted: int, others: int) -> int:
+        """The drafts per request for a step that decodes ``drafted`` requests that may
+        be drafted for and ``others`` that may not."""
+        if not drafted or self.k == 0:
+            return self.k
+        points = sorted((b[1], b[2]) for b in self._steps.values())
+        if len(points) < 2 or self.asked[0] < MIN_ASKED:
+            return self.k
+        best, best_rate = 0, 0.0
+        rows = tokens = 0.0
+        for k in range(self.k + 1):
+            if k:
+                j = k - 1
+                if self.asked[j] < MIN_ASKED:
+                    # not asked this far lately: when the longest length measured is
+                    # the best so far, the longer ones may pay too - ask for them
+                    return self.k if best == j else best
+                rows += self.verified[j] / self.asked[j]
+                tokens += self.accepted[j] / self.asked[j]
+            seconds = _interpolate(points, others + drafted * (1 + rows))
+            rate = (others + drafted * (1 + tokens)) / seconds
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def seconds_at(self, rows: float) -> float | None:
+        """The step time the measurements give for ``rows`` rows (None: too few)."""
+        points = sorted((b[1], b[2]) for b in self._steps.values())
+        return _interpolate(points, rows) if len(points) >= 2 else None
+
+
+def _bucket(rows: int) -> int:
+    return int(2 * math.log2(rows))
+
+
+def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """The piecewise-linear function through ``points`` (sorted by x, at least two) at
+    ``x``, extended past the ends by the end segments' slopes (never falling: a step
+    with more rows is not cheaper), and never below a tenth of the cheapest point."""
+    floor = 0.1 * min(y for _, y in points)
+    i = 1
+    while i < len(points) - 1 and points[i][0] < x:
+        i += 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    return max(floor, y0 + slope * (x - x0))

@@ -1,0 +1,184 @@
+"""How many drafts a step verifies (``DraftLength``): the configured count until step
+times and acceptance are measured; then as many as give the most tokens per second -
+all of them when a step costs the same whatever its rows, none when steps are
+compute-bound and the drafts mostly rejected; it follows the acceptance as it changes
+and asks again for lengths not measured lately. In the engine: a step that drafts
+nothing leaves the output unchanged, skips the MTP layer, and holds no block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine.draft_length import MIN_ASKED, DraftLength
+from pdmesh.shared.engine.spec_decode import SpeculativeConfig
+from tests.shared.engine.spec_runs import assert_no_block_held, run
+
+
+def measured(k: int, seconds_of, accept: list[float], n: int = 32, steps: int = 300,
+             seed: int = 0, into: DraftLength | None = None) -> DraftLength:
+    """A DraftLength that saw steps of 1 .. 256 rows take ``seconds_of(rows)``, and
+    ``steps`` verifications of k drafts for n requests, draft j accepted (after the
+    ones before it) with probability ``accept[j]``."""
+    rng = random.Random(seed)
+    dl = into or DraftLength(k)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for _ in range(3):
+            dl.record_step(rows, seconds_of(rows))
+    for _ in range(steps):
+        dl.record_asked(n, k)
+        for _ in range(n):
+            kept = 0
+            while kept < k and rng.random() < accept[kept]:
+                kept += 1
+            dl.record_verified(k, kept)
+    return dl
+
+
+def compute_bound(rows: float) -> float:
+    return 1e-3 + 1e-4 * rows  # 0.1 ms a row over a 1 ms step
+
+
+def test_until_measured_it_drafts_what_was_configured():
+    dl = DraftLength(3)
+    assert dl.choose(64, 0) == 3
+    for _ in range(10):
+        dl.record_step(64, 0.05)  # one row count only: no slope to read
+    dl.record_asked(64, 3)
+    for _ in range(64):
+        dl.record_verified(3, 0)
+    assert dl.seconds_at(100) is None and dl.choose(64, 0) == 3
+    dl.record_step(128, 0.1)
+    assert dl.seconds_at(96) == pytest.approx(0.075)
+    assert dl.choose(64, 0) == 0  # rows cost, drafts are all rejected
+    assert dl.choose(0, 10) == 3  # nobody to draft for: nothing to decide
+
+
+def test_drafts_pay_when_a_step_costs_the_same_whatever_its_rows():
+    flat = measured(3, lambda rows: 5e-3 + 1e-7 * rows, [0.3, 0.3, 0.3])
+    assert flat.choose(1, 0) == 3 and flat.choose(64, 0) == 3
+
+
+def test_compute_bound_steps_draft_only_at_low_load_when_drafts_are_mostly_rejected():
+    dl = measured(3, compute_bound, [0.3, 0.3, 0.3])
+    assert dl.choose(1, 0) >= 1  # a 1 ms step: a row more costs 0.1 ms
+    assert dl.choose(64, 0) == 0  # 7.4 ms for 64 tokens, 26.6 ms for about 90
+    assert dl.choose(1, 200) == 0  # many undraftable rows make the step full too
+
+
+def test_well_accepted_drafts_pay_even_on_full_compute_bound_steps():
+    dl = measured(3, compute_bound, [0.98, 0.98, 0.98])
+    assert dl.choose(64, 0) >= 1
+    rejected = measured(3, compute_bound, [0.02, 0.02, 0.02])
+    assert rejected.choose(64, 0) == 0
+
+
+def test_it_follows_the_acceptance_as_it_changes():
+    dl = measured(3, compute_bound, [0.98, 0.98, 0.98])
+    assert dl.choose(64, 0) >= 1
+    measured(3, compute_bound, [0.0, 0.0, 0.0], steps=400, into=dl)
+    assert dl.choose(64, 0) == 0
+    measured(3, compute_bound, [1.0, 1.0, 1.0], steps=400, into=dl)
+    assert dl.choose(64, 0) >= 1
+
+
+def test_a_length_not_asked_lately_is_asked_for_again():
+    dl = measured(3, lambda rows: 5e-3, [0.5, 0.5, 0.5])
+    # a long run asked for one draft only: positions 2 and 3 fade out of the counts
+    for _ in range(400):
+        dl.record_asked(8, 1)
+        for _ in range(8):
+            dl.record_verified(1, 1)
+    assert dl.asked[1] < MIN_ASKED <= dl.asked[0]
+    assert dl.choose(8, 0) == 3  # one draft pays; whether more do is asked again
+    # and when the lengths measured show fewer pay, the longer ones are not asked
+    for _ in range(400):
+        dl.record_asked(64, 1)
+        for _ in range(64):
+            dl.record_verified(1, 0)
+    slow = measured(3, compute_bound, [0.0], steps=0, into=dl)
+    assert slow.choose(64, 0) == 0
+
+
+def spec(method: str = "ngram", **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(method, 3, 1, 4, **kw)
+
+
+def test_adaptive_drafts_as_the_config_says():
+    raw = {"method": "ngram", "num_speculative_tokens": 2}
+    assert SpeculativeConfig.from_dict(raw).adaptive
+    assert not SpeculativeConfig.from_dict({**raw, "adaptive_drafts": False}).adaptive
+    with pytest.raises(ValueError, match="speculative_config.adaptive_drafts: must be true"):
+        SpeculativeConfig.from_dict({**raw, "adaptive_drafts": "no"})
+
+
+class Scripted(DraftLength):
+    """The engine's DraftLength with its choices scripted (it still records)."""
+
+    def __init__(self, k: int, choices):
+        super().__init__(k)
+        self.choices = choices
+        self.asked_for: list[int] = []
+
+    def choose(self, drafted: int, others: int) -> int:
+        k = self.choices(len(self.asked_for))
+        self.asked_for.append(k)
+        return k
+
+
+def repetitive(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(10, 900) for _ in range(rng.randrange(2, 6))] * 20)
+            [:rng.randrange(12, 60)] for _ in range(n)]
+
+
+def test_the_engine_measures_its_steps_and_drafts_what_is_chosen(qwen3_path):
+    ps = repetitive(6)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want, _ = run(qwen3_path, ps, params)
+    got, llm = run(qwen3_path, ps, params, speculative_config=spec())
+    dl = llm.engine.draft_length
+    assert got == want and dl is not None
+    assert dl.asked[0] > 0 and dl.verified[0] > 0 and len(dl._steps) >= 2
+    assert run(qwen3_path, ps[:1], params, speculative_config=spec(adaptive=False)
+               )[1].engine.draft_length is None
+    # choices of none, then one, then none again: the output stays, only what is chosen
+    # is drafted
+    llm = LLM(str(qwen3_path), device="cpu", block_size=16, speculative_config=spec())
+    llm.engine.draft_length = scripted = Scripted(3, lambda i: 1 if 4 <= i < 12 else 0)
+    outs = llm.generate(ps, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_drafts and stats.num_draft_tokens == stats.num_drafts
+    assert stats.num_drafts <= 8 * len(ps) and scripted.asked_for.count(0) > 0
+    assert stats.draft_length == scripted.asked_for[-1]  # (the metrics' gauge)
+    assert_no_block_held(llm)
+
+
+def test_an_mtp_step_drafting_nothing_skips_the_mtp_layer(tiny_models):
+    """After a step that drafts nothing its requests' MTP KV has a gap: they are drafted
+    for no more; requests that come later are. The output is unchanged throughout."""
+    model = tiny_models["deepseek_v3"]
+    ps = repetitive(4, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want, _ = run(model, ps + ps[:2], params)
+    llm = LLM(str(model), device="cpu", block_size=16, speculative_config=spec("mtp"))
+    proposer = llm.engine.proposer
+    absorbed = []
+    real = proposer.absorb
+    proposer.absorb = lambda rows, keep: (absorbed.append(len(rows.requests)),
+                                          real(rows, keep))
+    llm.engine.draft_length = Scripted(3, lambda i: 3 if i < 3 else 0)
+    first = llm.generate(ps, params)
+    assert [o.outputs[0].token_ids for o in first] == want[:4]
+    drafted = llm.engine.spec_stats.num_drafts
+    # drafts verified only in the three steps after the MTP layer ran, and it ran then
+    # (and once more at the end, when no request was left to decide for)
+    assert 0 < drafted <= 3 * len(ps) and len(absorbed) <= 4
+    llm.engine.draft_length = Scripted(3, lambda i: 3)
+    second = llm.generate(ps[:2], params)  # new requests: drafted for again
+    assert [o.outputs[0].token_ids for o in second] == want[4:]
+    assert llm.engine.spec_stats.num_drafts > drafted
+    assert_no_block_held(llm)
