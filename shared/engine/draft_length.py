@@ -10,14 +10,20 @@ tokens per second:
 
     tokens(k)   = m + n * (1 + A_k)        A_k = sum over j < k of accepted_j / asked_j
     rows(k)     = m + n * (1 + D_k)        D_k = sum over j < k of verified_j / asked_j
-    seconds(k)  = the measured step time at rows(k)
+    seconds(k)  = T(rows(k)) + n * P_k
 
 n the requests about to decode that may be drafted for, m the other decoding rows;
 ``asked_j`` counts requests whose proposer was asked for a (j+1)-th draft,
 ``verified_j`` those that verified one, ``accepted_j`` those that kept it (both after
-any verify budget). Step times are kept per row count (half-octave buckets of
-pure-decode steps, moving means), and read between buckets by linear interpolation.
-Until two buckets and some verifications are measured it gives the configured count.
+any verify budget). T: the measured time of pure-decode steps (the proposer's work
+left out) by rows, kept in half-octave buckets (moving means) and read between them
+by linear interpolation. P_k: the proposer's measured time per request asked for k
+drafts (an MTP layer's forwards; P_0 = 0: a step drafting nothing skips it), where
+not measured the measured longest one's in proportion to k.
+
+Until some verifications are measured it gives the configured count; then, if no step
+as small as one without drafts was ever measured, it chooses none once, to measure
+it (with MTP the requests decoding then are drafted for no more).
 
 Counts decay (each observation weighs ``1 - DECAY`` of the history), so the choice
 follows the traffic and the model's acceptance as they change."""
@@ -38,6 +44,8 @@ class DraftLength:
         self.accepted = [0.0] * k
         # bucket -> [observations, mean rows, mean seconds]
         self._steps: dict[int, list[float]] = {}
+        # k -> [observations, mean proposer seconds per request asked]
+        self._proposer: dict[int, list[float]] = {}
 
     # -- what the engine tells it -----------------------------------------------------
     def record_asked(self, requests: int, k: int) -> None:
@@ -60,7 +68,7 @@ class DraftLength:
 
     def record_step(self, rows: int, seconds: float) -> None:
         """A step that decoded ``rows`` rows (drafts included) and computed no prompt
-        tokens took ``seconds``, proposing for the next one included."""
+        tokens took ``seconds`` (its proposer's work not counted)."""
         if rows <= 0 or seconds <= 0:
             return
         b = self._steps.setdefault(_bucket(rows), [0.0, 0.0, 0.0])
@@ -69,14 +77,25 @@ class DraftLength:
         b[1] += (rows - b[1]) * w
         b[2] += (seconds - b[2]) * w
 
+    def record_proposer(self, requests: int, k: int, seconds: float) -> None:
+        """The proposer took ``seconds`` to propose ``k`` drafts for each of
+        ``requests`` requests (and, MTP, to absorb the step before)."""
+        if requests <= 0 or k <= 0:
+            return
+        p = self._proposer.setdefault(k, [0.0, 0.0])
+        p[0] += 1
+        p[1] += (seconds / requests - p[1]) * max(1.0 / p[0], DECAY)
+
     # -- the choice -------------------------------------------------------------------
     def choose(self, drafted: int, others: int) -> int:
         """The drafts per request for a step that decodes ``drafted`` requests that may
         be drafted for and ``others`` that may not."""
-        if not drafted or self.k == 0:
+        if not drafted or self.k == 0 or self.asked[0] < MIN_ASKED or not self._steps:
             return self.k
         points = sorted((b[1], b[2]) for b in self._steps.values())
-        if len(points) < 2 or self.asked[0] < MIN_ASKED:
+        if points[0][0] > 1.5 * (others + drafted):
+            return 0  # what a step without drafts costs was never measured: measure it
+        if len(points) < 2:
             return self.k
         best, best_rate = 0, 0.0
         rows = tokens = 0.0
@@ -89,11 +108,21 @@ class DraftLength:
                     return self.k if best == j else best
                 rows += self.verified[j] / self.asked[j]
                 tokens += self.accepted[j] / self.asked[j]
-            seconds = _interpolate(points, others + drafted * (1 + rows))
+            seconds = _interpolate(points, others + drafted * (1 + rows)) \
+                + drafted * self._proposer_seconds(k)
             rate = (others + drafted * (1 + tokens)) / seconds
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def _proposer_seconds(self, k: int) -> float:
+        """P_k: per request asked for k drafts."""
+        if k == 0 or not self._proposer:
+            return 0.0
+        if k in self._proposer:
+            return self._proposer[k][1]
+        most = max(self._proposer)
+        return self._proposer[most][1] * k / most
 
     def seconds_at(self, rows: float) -> float | None:
         """The step time the measurements give for ``rows`` rows (None: too few)."""

@@ -427,6 +427,7 @@ class EngineCore:
         for req in finished:
             self._requests.pop(req.request_id, None)
         if self.proposer is not None:
+            t_proposer = time.perf_counter()
             ready, k = self._draft_plan()
             if self.proposer.needs_hidden:
                 rows, self.runner.last_rows = self.runner.last_rows, None
@@ -436,9 +437,12 @@ class EngineCore:
                     self.proposer.skip(rows)
             if ready and k:
                 self._propose(ready, k)
-            if self.draft_length is not None and not prompt_tokens:
-                self.draft_length.record_step(sched.total_tokens,
-                                              time.perf_counter() - t_start)
+            if self.draft_length is not None:
+                t_end = time.perf_counter()
+                if ready and k:
+                    self.draft_length.record_proposer(len(ready), k, t_end - t_proposer)
+                if not prompt_tokens:
+                    self.draft_length.record_step(sched.total_tokens, t_proposer - t_start)
         done = {id(r) for r in finished} - saving  # those saving finish with their put
         return saved + [StepOutput(sched.requests[i], tokens[i] if sched.requests[i] in
                                    sched.drafts else [tokens[i]], id(sched.requests[i]) in done)

@@ -1,8 +1,9 @@
 """How many drafts a step verifies (``DraftLength``): the configured count until step
 times and acceptance are measured; then as many as give the most tokens per second -
 all of them when a step costs the same whatever its rows, none when steps are
-compute-bound and the drafts mostly rejected; it follows the acceptance as it changes
-and asks again for lengths not measured lately. In the engine: a step that drafts
+compute-bound and the drafts mostly rejected (the proposer's own time counted); a step
+without drafts is measured once if it never was; it follows the acceptance as it
+changes and asks again for lengths not measured lately. In the engine: a step that drafts
 nothing leaves the output unchanged, skips the MTP layer, and holds no block."""
 
 from __future__ import annotations
@@ -54,6 +55,28 @@ def test_until_measured_it_drafts_what_was_configured():
     assert dl.seconds_at(96) == pytest.approx(0.075)
     assert dl.choose(64, 0) == 0  # rows cost, drafts are all rejected
     assert dl.choose(0, 10) == 3  # nobody to draft for: nothing to decide
+
+
+def test_a_step_without_drafts_is_measured_once_when_it_never_was():
+    dl = DraftLength(2)
+    dl.record_asked(64, 2)
+    for _ in range(64):
+        dl.record_verified(2, 2)
+    for _ in range(5):
+        dl.record_step(192, 0.02)  # every step so far verified two drafts a request
+    assert dl.choose(64, 0) == 0  # how much cheaper 64 rows are is not known: try it
+    dl.record_step(64, 0.0195)
+    assert dl.choose(64, 0) == 2  # and it is barely cheaper: the drafts pay
+
+
+def test_the_proposers_own_time_counts_against_its_drafts():
+    flat = measured(1, lambda rows: 5e-3, [0.5])
+    assert flat.choose(4, 0) == 1  # drafts cost the step nothing
+    flat.record_proposer(4, 1, 4 * 1e-3)  # 1 ms a request: 4 tokens in 5 ms vs 6 in 9
+    assert flat.choose(4, 0) == 0
+    cheap = measured(3, lambda rows: 5e-3, [0.5, 0.5, 0.5])
+    cheap.record_proposer(4, 3, 4 * 3e-5)
+    assert cheap.choose(4, 0) == 3 and cheap.seconds_at(16) == pytest.approx(5e-3)
 
 
 def test_drafts_pay_when_a_step_costs_the_same_whatever_its_rows():
