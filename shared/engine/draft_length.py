@@ -21,6 +21,7 @@ by linear interpolation. P_k: the proposer's measured time per request asked for
 drafts (an MTP layer's forwards; P_0 = 0: a step drafting nothing skips it), where
 not measured the measured longest one's in proportion to k.
 
+Lengths within ``TIE`` of the best rate count as tied, and the longest of them is taken.
 Until some verifications are measured it gives the configured count; then, if no step
 as small as one without drafts was ever measured, it chooses none once, to measure
 it (with MTP the requests decoding then are drafted for no more).
@@ -34,6 +35,10 @@ import math
 
 DECAY = 0.02  # the weight of a new observation in the moving means and counts
 MIN_ASKED = 4.0  # a position's rates count once this many requests were asked for it
+# lengths whose rate is within this fraction of the best count as tied (the step times
+# are moving means on a shared machine); of tied lengths the longest is taken, as more
+# drafts make the running requests' tokens come sooner
+TIE = 0.03
 
 
 class DraftLength:
@@ -97,7 +102,7 @@ class DraftLength:
             return 0  # what a step without drafts costs was never measured: measure it
         if len(points) < 2:
             return self.k
-        best, best_rate = 0, 0.0
+        rates: list[float] = []
         rows = tokens = 0.0
         for k in range(self.k + 1):
             if k:
@@ -105,15 +110,14 @@ class DraftLength:
                 if self.asked[j] < MIN_ASKED:
                     # not asked this far lately: when the longest length measured is
                     # the best so far, the longer ones may pay too - ask for them
+                    best = _best(rates)
                     return self.k if best == j else best
                 rows += self.verified[j] / self.asked[j]
                 tokens += self.accepted[j] / self.asked[j]
             seconds = _interpolate(points, others + drafted * (1 + rows)) \
                 + drafted * self._proposer_seconds(k)
-            rate = (others + drafted * (1 + tokens)) / seconds
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+            rates.append((others + drafted * (1 + tokens)) / seconds)
+        return _best(rates)
 
     def _proposer_seconds(self, k: int) -> float:
         """P_k: per request asked for k drafts."""
@@ -128,6 +132,12 @@ class DraftLength:
         """The step time the measurements give for ``rows`` rows (None: too few)."""
         points = sorted((b[1], b[2]) for b in self._steps.values())
         return _interpolate(points, rows) if len(points) >= 2 else None
+
+
+def _best(rates: list[float]) -> int:
+    """The longest length whose rate is within ``TIE`` of the best."""
+    top = max(rates)
+    return max(k for k, r in enumerate(rates) if r >= (1 - TIE) * top)
 
 
 def _bucket(rows: int) -> int:

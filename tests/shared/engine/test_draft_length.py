@@ -88,7 +88,10 @@ def test_compute_bound_steps_draft_only_at_low_load_when_drafts_are_mostly_rejec
     dl = measured(3, compute_bound, [0.3, 0.3, 0.3])
     assert dl.choose(1, 0) >= 1  # a 1 ms step: a row more costs 0.1 ms
     assert dl.choose(64, 0) == 0  # 7.4 ms for 64 tokens, 26.6 ms for about 90
-    assert dl.choose(1, 200) == 0  # many undraftable rows make the step full too
+    # one draftable request among 200 others: its drafts change the step's rate by
+    # less than the tie margin, and the longest of tied lengths is taken
+    assert dl.choose(1, 200) == 3
+    assert dl.choose(32, 200) == 0  # 32 of them: the drafts' rows cost the step
 
 
 def test_well_accepted_drafts_pay_even_on_full_compute_bound_steps():
