@@ -486,12 +486,14 @@ class EngineCore:
 
     def _draft_plan(self) -> tuple[list[Request], int]:
         """The running requests about to decode whose sampling verification reproduces
-        exactly, and how many drafts each is to verify next step (0: none)."""
+        exactly and that the proposer can draft for, and how many drafts each is to
+        verify next step (0: none)."""
         spec = self.speculative
         assert spec is not None
+        assert self.proposer is not None
         decoding = [r for r in self.scheduler.running
                     if r.num_tokens - r.num_computed_tokens == 1]
-        ready = [r for r in decoding if drafts_allowed(r)]
+        ready = [r for r in decoding if drafts_allowed(r) and self.proposer.can_draft(r)]
         most = spec.disable_by_batch_size
         if not ready or (most is not None and len(self.scheduler.running)
                          + len(self.scheduler.waiting) > most):

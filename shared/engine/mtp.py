@@ -65,6 +65,9 @@ class MtpProposer:
         self._first = {}
         self._gapped.update(rows.requests)
 
+    def can_draft(self, request: Request) -> bool:
+        return request not in self._gapped
+
     def absorb(self, rows: StepRows, keep: set[int]) -> None:
         self._first = {}
         bs = self.block_size

@@ -236,6 +236,11 @@ class Proposer(Protocol):
         of its requests misses those positions."""
         ...
 
+    def can_draft(self, request: Request) -> bool:
+        """Whether ``propose`` may give this request drafts (False: its state has a
+        gap)."""
+        ...
+
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
         """Drafts (at most ``k`` tokens) for each request, in order."""
         ...
@@ -263,6 +268,9 @@ class NgramProposer:
 
     def skip(self, rows: Any) -> None:
         pass  # (the index reads the tokens, whenever asked)
+
+    def can_draft(self, request: Request) -> bool:
+        return True
 
     def propose(self, requests: list[Request], k: int) -> list[Drafts]:
         out = []

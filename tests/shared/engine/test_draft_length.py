@@ -192,17 +192,17 @@ def test_an_mtp_step_drafting_nothing_skips_the_mtp_layer(tiny_models):
     want, _ = run(model, ps + ps[:2], params)
     llm = LLM(str(model), device="cpu", block_size=16, speculative_config=spec("mtp"))
     proposer = llm.engine.proposer
-    absorbed = []
-    real = proposer.absorb
-    proposer.absorb = lambda rows, keep: (absorbed.append(len(rows.requests)),
-                                          real(rows, keep))
-    llm.engine.draft_length = Scripted(3, lambda i: 3 if i < 3 else 0)
+    forwards = []  # the MTP layer's forwards (absorbing a step, or chaining drafts)
+    real = proposer._run
+    proposer._run = lambda *args: (forwards.append(1), real(*args))[1]
+    llm.engine.draft_length = scripted = Scripted(3, lambda i: 3 if i < 3 else 0)
     first = llm.generate(ps, params)
     assert [o.outputs[0].token_ids for o in first] == want[:4]
     drafted = llm.engine.spec_stats.num_drafts
-    # drafts verified only in the three steps after the MTP layer ran, and it ran then
-    # (and once more at the end, when no request was left to decide for)
-    assert 0 < drafted <= 3 * len(ps) and len(absorbed) <= 4
+    # three steps drafted for (the MTP layer absorbing each and chaining two drafts);
+    # then none: the requests were gapped, and not offered for drafts again
+    assert scripted.asked_for == [3, 3, 3, 0]
+    assert 0 < drafted <= 3 * len(ps) and 0 < len(forwards) <= 3 * 3
     llm.engine.draft_length = Scripted(3, lambda i: 3)
     second = llm.generate(ps[:2], params)  # new requests: drafted for again
     assert [o.outputs[0].token_ids for o in second] == want[4:]
