@@ -184,17 +184,20 @@ class EngineLoop:
 
     def _run_lockstep(self) -> None:
         """Expert-parallel ranks: every rank steps when any rank has work (an idle rank's
-        step serves the others' tokens), and all stop together."""
+        step serves the others' tokens), and all stop together. A rank told to drain
+        drains them all (the group cannot step without it; its ranks may run under
+        other launchers, on other nodes, that were not told)."""
         import torch
         import torch.distributed as dist
 
-        # [any work, stop, newest placement version, -oldest placement version, then per
-        # rank: blocks of a long request DyntraLB has not counted yet] - each rank fills
-        # its own slot, so the MAX all-reduce doubles as an all-gather of those
+        # [any work, stop, newest placement version, -oldest placement version, drain
+        # milliseconds left, then per rank: blocks of a long request DyntraLB has not
+        # counted yet] - each rank fills its own slot, so the MAX all-reduce doubles as
+        # an all-gather of those
         world = dist.get_world_size()
         rank = dist.get_rank()
         lb = self.engine.dyntralb
-        flags = torch.zeros(4 + world, dtype=torch.int64)
+        flags = torch.zeros(5 + world, dtype=torch.int64)
         while True:
             self._take_messages()
             version = self.eplb.known_version() if self.eplb is not None else 0
@@ -202,11 +205,16 @@ class EngineLoop:
             flags[0] = int(self.engine.has_unfinished())
             flags[1] = -int(self._should_stop())  # MAX of -stop: every rank wants to stop
             flags[2], flags[3] = version, -version
+            if self._drain_deadline is not None:
+                flags[4] = max(1, int((self._drain_deadline - time.monotonic()) * 1000))
             if lb is not None:
-                flags[4 + rank] = lb.pending_long()
+                flags[5 + rank] = lb.pending_long()
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[1] < 0:  # ranks stop together, once all are done (or told to)
                 return
+            if flags[4] and self._drain_deadline is None:  # another rank drains
+                log.warning("a data-parallel peer is draining; draining with it")
+                self.drain(int(flags[4]) / 1000)
             if self.eplb is not None:
                 self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
             if not flags[0]:
@@ -215,7 +223,7 @@ class EngineLoop:
                 self._idle(0.005)
                 continue
             if lb is not None:
-                self._balance(lb, int(flags[4:].max()), world)
+                self._balance(lb, int(flags[5:].max()), world)
             self._step()
 
     def _balance(self, lb, long_added: int, world: int) -> None:

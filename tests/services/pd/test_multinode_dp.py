@@ -63,3 +63,21 @@ def test_answers_equal_the_single_process_engine(mesh, tiny_models):
     expected = offline_answers(str(tiny_models["qwen3_moe"]))
     assert concurrent_answers(mesh["url"]) == expected
     assert all(node.proc.poll() is None for node in mesh["nodes"])  # both nodes still up
+
+
+def test_stopping_one_node_drains_and_stops_both(mesh):
+    """(Last: it ends the mesh.) SIGTERM to node 1 alone - a node going away, as when its
+    pod is deleted: its rank drains, tells rank 0 in the next lockstep exchange, and both
+    ranks stop together, each launcher exiting by itself (rank 0's was never signalled;
+    before, node 1 stepped on alone until killed, and rank 0 then died of a reset
+    connection)."""
+    import os
+    import signal
+
+    node0, node1 = mesh["nodes"]
+    os.killpg(node1.proc.pid, signal.SIGTERM)
+    assert node1.proc.wait(timeout=20) == 0
+    node0.proc.wait(timeout=20)  # (it exits 1: its rank exited without being told)
+    log = node0.log_path.read_text()
+    assert "a data-parallel peer is draining; draining with it" in log
+    assert "Connection reset by peer" not in log
