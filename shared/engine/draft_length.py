@@ -10,16 +10,18 @@ tokens per second:
 
     tokens(k)   = m + n * (1 + A_k)        A_k = sum over j < k of accepted_j / asked_j
     rows(k)     = m + n * (1 + D_k)        D_k = sum over j < k of verified_j / asked_j
-    seconds(k)  = T(rows(k)) + n * P_k
+    seconds(k)  = T(rows(k)) + P_k(n)
 
 n the requests about to decode that may be drafted for, m the other decoding rows;
 ``asked_j`` counts requests whose proposer was asked for a (j+1)-th draft,
 ``verified_j`` those that verified one, ``accepted_j`` those that kept it (both after
 any verify budget). T: the measured time of pure-decode steps (the proposer's work
 left out) by rows, kept in half-octave buckets (moving means) and read between them
-by linear interpolation. P_k: the proposer's measured time per request asked for k
-drafts (an MTP layer's forwards; P_0 = 0: a step drafting nothing skips it), where
-not measured the measured longest one's in proportion to k.
+by linear interpolation. P_k(n): the proposer's measured time to draft k tokens for n
+requests (an MTP layer's forwards: much of it the same for one request as for many),
+kept the same way by n; measured at one n only, it is taken as that for fewer requests
+and in proportion for more; for a k not measured, the longest measured in proportion to
+k; P_0 = 0 (a step drafting nothing skips the proposer).
 
 Lengths within ``TIE`` of the best rate count as tied, and the longest of them is taken.
 Until some verifications are measured it gives the configured count; then, if no step
@@ -49,8 +51,8 @@ class DraftLength:
         self.accepted = [0.0] * k
         # bucket -> [observations, mean rows, mean seconds]
         self._steps: dict[int, list[float]] = {}
-        # k -> [observations, mean proposer seconds per request asked]
-        self._proposer: dict[int, list[float]] = {}
+        # k -> (bucket of requests asked -> [observations, mean requests, mean seconds])
+        self._proposer: dict[int, dict[int, list[float]]] = {}
 
     # -- what the engine tells it -----------------------------------------------------
     def record_asked(self, requests: int, k: int) -> None:
@@ -74,22 +76,14 @@ class DraftLength:
     def record_step(self, rows: int, seconds: float) -> None:
         """A step that decoded ``rows`` rows (drafts included) and computed no prompt
         tokens took ``seconds`` (its proposer's work not counted)."""
-        if rows <= 0 or seconds <= 0:
-            return
-        b = self._steps.setdefault(_bucket(rows), [0.0, 0.0, 0.0])
-        b[0] += 1
-        w = max(1.0 / b[0], DECAY)
-        b[1] += (rows - b[1]) * w
-        b[2] += (seconds - b[2]) * w
+        if rows > 0 and seconds > 0:
+            _observe(self._steps, rows, seconds)
 
     def record_proposer(self, requests: int, k: int, seconds: float) -> None:
         """The proposer took ``seconds`` to propose ``k`` drafts for each of
         ``requests`` requests (and, MTP, to absorb the step before)."""
-        if requests <= 0 or k <= 0:
-            return
-        p = self._proposer.setdefault(k, [0.0, 0.0])
-        p[0] += 1
-        p[1] += (seconds / requests - p[1]) * max(1.0 / p[0], DECAY)
+        if requests > 0 and k > 0 and seconds > 0:
+            _observe(self._proposer.setdefault(k, {}), requests, seconds)
 
     # -- the choice -------------------------------------------------------------------
     def choose(self, drafted: int, others: int) -> int:
@@ -115,18 +109,18 @@ class DraftLength:
                 rows += self.verified[j] / self.asked[j]
                 tokens += self.accepted[j] / self.asked[j]
             seconds = _interpolate(points, others + drafted * (1 + rows)) \
-                + drafted * self._proposer_seconds(k)
+                + self._proposer_seconds(k, drafted)
             rates.append((others + drafted * (1 + tokens)) / seconds)
         return _best(rates)
 
-    def _proposer_seconds(self, k: int) -> float:
-        """P_k: per request asked for k drafts."""
+    def _proposer_seconds(self, k: int, requests: int) -> float:
+        """P_k(requests)."""
         if k == 0 or not self._proposer:
             return 0.0
         if k in self._proposer:
-            return self._proposer[k][1]
+            return _cost(self._proposer[k], requests)
         most = max(self._proposer)
-        return self._proposer[most][1] * k / most
+        return _cost(self._proposer[most], requests) * k / most
 
     def seconds_at(self, rows: float) -> float | None:
         """The step time the measurements give for ``rows`` rows (None: too few)."""
@@ -142,6 +136,25 @@ def _best(rates: list[float]) -> int:
 
 def _bucket(rows: int) -> int:
     return int(2 * math.log2(rows))
+
+
+def _observe(buckets: dict[int, list[float]], x: int, seconds: float) -> None:
+    """One measurement into its half-octave bucket's moving means."""
+    b = buckets.setdefault(_bucket(x), [0.0, 0.0, 0.0])
+    b[0] += 1
+    w = max(1.0 / b[0], DECAY)
+    b[1] += (x - b[1]) * w
+    b[2] += (seconds - b[2]) * w
+
+
+def _cost(buckets: dict[int, list[float]], x: float) -> float:
+    """The buckets' time at ``x``: interpolated; from one bucket alone, its time for
+    less and its time in proportion for more."""
+    points = sorted((b[1], b[2]) for b in buckets.values())
+    if len(points) == 1:
+        x0, y0 = points[0]
+        return y0 * max(1.0, x / x0)
+    return _interpolate(points, x)
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:

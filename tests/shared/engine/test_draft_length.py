@@ -74,6 +74,15 @@ def test_the_proposers_own_time_counts_against_its_drafts():
     assert flat.choose(4, 0) == 1  # drafts cost the step nothing
     flat.record_proposer(4, 1, 4 * 1e-3)  # 1 ms a request: 4 tokens in 5 ms vs 6 in 9
     assert flat.choose(4, 0) == 0
+    # measured drafting for 32 requests at once: 3 ms; for one request it is taken to
+    # cost no less (an MTP forward's time is mostly the same for one row as for many),
+    # not a 32nd of it
+    fixed = measured(1, lambda rows: 5e-3, [0.5])
+    fixed.record_proposer(32, 1, 3e-3)
+    assert fixed.choose(32, 0) == 0  # 48 tokens in 8 ms against 32 in 5
+    assert fixed.choose(1, 0) == 0  # 1.5 tokens in 8 ms against 1 in 5
+    fixed.record_proposer(1, 1, 1e-4)  # measured: one request's drafts are cheaper
+    assert fixed.choose(1, 0) == 1
     cheap = measured(3, lambda rows: 5e-3, [0.5, 0.5, 0.5])
     cheap.record_proposer(4, 3, 4 * 3e-5)
     assert cheap.choose(4, 0) == 3 and cheap.seconds_at(16) == pytest.approx(5e-3)
