@@ -113,6 +113,7 @@ class EngineLoop:
         self._pending: list[TokenDelta] = []  # deltas for the port, sent once per turn
         self._drain_deadline: float | None = None  # set by ``drain``
         self._drain_told = False
+        self._drain_from_peer = False  # the drain came from a data-parallel peer's
         self._stopping = False  # set by stop(), a second drain() or a lost port
         self._load_sent = 0.0
         self._progress = time.monotonic()  # when a step last ended (or it was idle)
@@ -127,10 +128,21 @@ class EngineLoop:
         flight has finished, or after ``timeout_s`` (what is left then fails, and callers
         continue it elsewhere). A second call stops at once. Plain assignments only: it
         is called from signal handlers (shared.infra.signals)."""
-        if self._drain_deadline is not None:
+        if self._drain_deadline is not None and not self._drain_from_peer:
             self._stopping = True
             return
-        self._drain_deadline = time.monotonic() + timeout_s
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout_s
+        self._drain_from_peer = False  # (the peer's drain came first: this is the first)
+
+    def peer_drain(self, timeout_s: float) -> None:
+        """A data-parallel peer drains (the group cannot step without it): drain with
+        it, for ``timeout_s``. A signal after this is still this instance's first (its
+        launcher may signal every rank at once: the requests in flight still finish)."""
+        if self._drain_deadline is None:
+            log.warning("a data-parallel peer is draining; draining with it")
+            self._drain_from_peer = True
+            self._drain_deadline = time.monotonic() + timeout_s
 
     @property
     def draining(self) -> bool:
@@ -213,8 +225,7 @@ class EngineLoop:
             if flags[1] < 0:  # ranks stop together, once all are done (or told to)
                 return
             if flags[4] and self._drain_deadline is None:  # another rank drains
-                log.warning("a data-parallel peer is draining; draining with it")
-                self.drain(int(flags[4]) / 1000)
+                self.peer_drain(int(flags[4]) / 1000)
             if self.eplb is not None:
                 self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
             if not flags[0]:

@@ -88,3 +88,24 @@ def test_the_load_tells_a_stall(qwen3_path):
     assert loop.load().registry_fields()["stalled_ms"] >= 12_000
     loop._step()  # a step ends: progress again
     assert loop.load().stalled_ms < 1_000
+
+
+def test_a_signal_after_a_peers_drain_is_the_first():
+    """The drain a data-parallel peer passes on (the lockstep's flags) does not make the
+    launcher's own SIGTERM, which may arrive just after, a second one that stops at once:
+    the requests in flight still finish. A signal after that one stops."""
+    from pdmesh.shared.runtime.loop import EngineLoop
+
+    loop = EngineLoop(engine=None, port=None)  # (drain and stop touch neither)
+    loop.peer_drain(5.0)
+    assert loop.draining and not loop._stopping
+    loop.drain(30.0)
+    assert loop.draining and not loop._stopping
+    loop.drain(30.0)
+    assert loop._stopping
+    own = EngineLoop(engine=None, port=None)
+    own.drain(30.0)
+    own.peer_drain(1.0)  # (already draining by its own signal: nothing changes)
+    assert own.draining and not own._stopping
+    own.drain(30.0)
+    assert own._stopping
