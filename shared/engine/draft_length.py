@@ -56,7 +56,9 @@ class DraftLength:
 
     # -- what the engine tells it -----------------------------------------------------
     def record_asked(self, requests: int, k: int) -> None:
-        """The proposer was asked for ``k`` drafts for each of ``requests`` requests."""
+        """A decision: the proposer asked for ``k`` drafts (0: none) for each of
+        ``requests`` requests. Every decision ages the counts, so a length not chosen
+        for a while falls below MIN_ASKED and is asked for again."""
         if not requests:
             return
         for j in range(self.k):

@@ -498,16 +498,18 @@ class EngineCore:
         if not ready or (most is not None and len(self.scheduler.running)
                          + len(self.scheduler.waiting) > most):
             return ready, 0
-        k = spec.num_speculative_tokens if self.draft_length is None else \
-            self.draft_length.choose(len(ready), len(decoding) - len(ready))
+        k = spec.num_speculative_tokens
+        if self.draft_length is not None:
+            k = self.draft_length.choose(len(ready), len(decoding) - len(ready))
+            # every decision ages the counts, none included: lengths not chosen for a
+            # while are asked for again, and their step times measured afresh
+            self.draft_length.record_asked(len(ready), k)
         self.spec_stats.draft_length = k
         return ready, k
 
     def _propose(self, ready: list[Request], k: int) -> None:
         """Up to ``k`` drafts for each of ``ready`` for the next step."""
         assert self.proposer is not None
-        if self.draft_length is not None:
-            self.draft_length.record_asked(len(ready), k)
         proposed = self.proposer.propose(ready, k)
         if self.verify_budget is not None:
             proposed = self.verify_budget.apply(proposed)

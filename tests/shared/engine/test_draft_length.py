@@ -217,3 +217,17 @@ def test_an_mtp_step_drafting_nothing_skips_the_mtp_layer(tiny_models):
     assert [o.outputs[0].token_ids for o in second] == want[4:]
     assert llm.engine.spec_stats.num_drafts > drafted
     assert_no_block_held(llm)
+
+
+def test_lengths_not_chosen_for_a_while_are_tried_again():
+    """Choosing none is not forever: the decisions age the counts, and once the drafts'
+    evidence has faded they are asked for again (their step times may have been measured
+    while the machine was busier)."""
+    dl = measured(3, compute_bound, [0.3, 0.3, 0.3])
+    assert dl.choose(64, 0) == 0
+    for _ in range(1000):
+        k = dl.choose(64, 0)
+        dl.record_asked(64, k)
+        if k:
+            break
+    assert k == 3
