@@ -22,13 +22,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from pdmesh.shared.engine.model_runner import attention_metadata
 from pdmesh.shared.models.corpus import corpus_files
-from pdmesh.shared.models.loader import mla_rows
-from pdmesh.shared.models.transformer import DenseMLPWeights, MLAWeights, MoEWeights
+from pdmesh.shared.models.training import (
+    ATTENTION,
+    Batch,
+    layer_forward,
+    leaf,
+    mla_checkpoint,
+    mlp_checkpoint,
+    mlp_tensors,
+    scratch_cache,
+    trainable_mlp,
+)
+from pdmesh.shared.models.transformer import MLAWeights
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +102,17 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     bs = runner.block_size
     width = -(-max(map(len, train + test)) // bs)
     num_blocks = t.batch * width
-    scratch = {role: torch.zeros((num_blocks + 1, *x.shape[1:]), dtype=x.dtype)
-               for role, x in runner.kv_caches[0].items()}
+    scratch = scratch_cache(runner.kv_caches[0], num_blocks)
     m = model.w.mtp[0]
     attn = m.layer.attn
     if not isinstance(attn, MLAWeights):
         raise ValueError(f"train_mtp: {folder}'s MTP layer is not MLA (DeepSeek-V3's)")
 
-    def leaf(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.detach().clone().requires_grad_()
-
     trained = {name: leaf(getattr(m, name))
                for name in ("enorm", "hnorm", "eh_proj", "head_norm", "head")}
     trained_attn = {name: leaf(getattr(attn, name)) for name in ATTENTION}
     input_norm, post_norm = leaf(m.layer.input_norm), leaf(m.layer.post_attn_norm)
-    mlp = _trainable_mlp(m.layer.mlp, leaf)
+    mlp = trainable_mlp(m.layer.mlp, leaf)
     student = dataclasses.replace(m, **trained, layer=dataclasses.replace(
         m.layer, input_norm=input_norm, post_attn_norm=post_norm, mlp=mlp,
         attn=dataclasses.replace(attn, **trained_attn)))
@@ -116,56 +120,32 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
     if t.parts in ("attention", "all"):
         params += [*trained_attn.values(), input_norm]
     if t.parts == "all":
-        params += [post_norm, *_mlp_tensors(mlp)]
+        params += [post_norm, *mlp_tensors(mlp)]
     params = [x for x in params if x is not None]
 
     def batch(group: list[list[int]]):
         """The target's hidden states and log-probabilities over ``group`` (one prefill
         through the engine's own cache), and the MTP layer's inputs and metadata."""
-        n = [len(s) for s in group]
-        table = np.arange(1, 1 + len(group) * width, dtype=np.int32).reshape(len(group), width)
-        ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in group])
-        pos = np.concatenate([np.arange(k, dtype=np.int64) for k in n])
-        seq = np.repeat(np.arange(len(group)), n)
-        slots = table[seq, pos // bs].astype(np.int64) * bs + pos % bs
-        qsl = np.zeros(len(group) + 1, dtype=np.int32)
-        np.cumsum(n, out=qsl[1:])
-        meta = attention_metadata(torch.device("cpu"), table, [0] * len(group), n, n, pos,
-                                  slots, qsl, bs)
-        model.backend.prepare_attention(meta)
+        target = Batch.of(group, bs, width)
+        model.backend.prepare_attention(target.meta)
         hidden: list[torch.Tensor] = []
-        logits = model.forward(torch.from_numpy(ids), torch.from_numpy(pos), runner.kv_caches,
-                               meta, torch.arange(len(ids)), hidden)
+        logits = model.forward(target.ids, target.positions, runner.kv_caches, target.meta,
+                               torch.arange(len(target.ids)), hidden)
         logp = torch.log_softmax(logits / t.teacher_temperature, dim=-1).clone()
         h = hidden[0].clone()
         # MTP rows: position i of each sequence but its last; target: the row after it
-        keep = np.concatenate([qsl[k] + np.arange(c - 1) for k, c in enumerate(n)])
-        m_n = [c - 1 for c in n]
-        m_pos = np.concatenate([np.arange(c, dtype=np.int64) for c in m_n])
-        m_seq = np.repeat(np.arange(len(group)), m_n)
-        m_slots = table[m_seq, m_pos // bs].astype(np.int64) * bs + m_pos % bs
-        m_qsl = np.zeros(len(group) + 1, dtype=np.int32)
-        np.cumsum(m_n, out=m_qsl[1:])
-        m_meta = attention_metadata(torch.device("cpu"), table, [0] * len(group), m_n, m_n,
-                                    m_pos, m_slots, m_qsl, bs)
-        rows = torch.from_numpy(keep)
-        return (torch.from_numpy(ids[keep + 1]), torch.from_numpy(m_pos), h[rows],
-                logp[rows + 1], m_meta)
-
-    be, eps = model.backend, model.config.rms_norm_eps
-    layer = student.layer
+        qsl = target.starts
+        keep = torch.from_numpy(np.concatenate([qsl[k] + np.arange(len(s) - 1)
+                                                for k, s in enumerate(group)]))
+        rows = Batch.of([s[:-1] for s in group], bs, width)
+        return target.ids[keep + 1], rows.positions, h[keep], logp[keep + 1], rows.meta
 
     def student_logits(ids, pos, h, meta, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``CausalLM.mtp_block``'s computation, differentiable: (logits, output)."""
         model.backend.prepare_attention(meta)
         with torch.set_grad_enabled(grad):
-            x = model.mtp_input(student, ids, pos, h)
-            cache = {role: torch.zeros_like(c) for role, c in scratch.items()}
-            a = model._attention(layer.attn, be.rms_norm(x, layer.input_norm, eps),
-                                 model.cos.index_select(0, pos),
-                                 model.sin.index_select(0, pos), cache, meta)
-            r = x + a
-            out = r + _mlp_forward(model, layer.mlp, be.rms_norm(r, layer.post_attn_norm, eps))
+            out = layer_forward(model, student.layer, model.mtp_input(student, ids, pos, h),
+                                pos, scratch, meta)
             return model.mtp_logits(student, out), out
 
     def chained(pos, h, out) -> torch.Tensor:
@@ -218,99 +198,9 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
         weights[p + key] = (w.t() if t_major else w).contiguous().to(dtype)
     weights[p + "input_layernorm.weight"] = input_norm.detach().to(dtype)
     weights[p + "post_attention_layernorm.weight"] = post_norm.detach().to(dtype)
-    for key, w in _mlp_checkpoint(mlp, weights, p + "mlp.").items():
+    for key, w in mlp_checkpoint(mlp, weights, p + "mlp.").items():
         weights[key] = w.to(dtype)
-    for key, w in _mla_checkpoint(model.config, student.layer.attn).items():
+    for key, w in mla_checkpoint(model.config, student.layer.attn).items():
         weights[p + "self_attn." + key] = w.to(dtype)
     save_file(weights, str(path), metadata={"format": "pt"})
     return before, after
-
-
-# the MLA tensors trained (the loader's form; ``_mla_checkpoint`` writes them back)
-ATTENTION = ("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk", "w_uv", "o")
-
-
-def _mla_checkpoint(cfg, w: MLAWeights) -> dict[str, torch.Tensor]:
-    """MLA weights in the loader's form back in the checkpoint's: [out, in], the rotary
-    dims interleaved again where the checkpoint has them so, kv_b from W_UK and W_UV.
-    (The inverse of ``loader._read_mla``.)"""
-    lat = cfg.mla.kv_lora_rank
-    q_rows, kv_rows = mla_rows(cfg)
-
-    def unpermute(loaded: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(loaded.t())
-        out[rows] = loaded.detach().t()
-        return out.contiguous()
-
-    out = {"kv_a_proj_with_mqa.weight": unpermute(w.kv_a, kv_rows),
-           "kv_a_layernorm.weight": w.kv_a_norm.detach().clone(),
-           "kv_b_proj.weight": torch.cat((w.w_uk.detach(), w.w_uv.detach().transpose(1, 2)),
-                                         dim=1).reshape(-1, lat).contiguous(),
-           "o_proj.weight": w.o.detach().t().contiguous()}
-    if w.q is not None:
-        out["q_proj.weight"] = unpermute(w.q, q_rows)
-    else:
-        out["q_a_proj.weight"] = w.q_a.detach().t().contiguous()
-        out["q_a_layernorm.weight"] = w.q_a_norm.detach().clone()
-        out["q_b_proj.weight"] = unpermute(w.q_b, q_rows)
-    return out
-
-
-def _trainable_mlp(w: DenseMLPWeights | MoEWeights, leaf) -> DenseMLPWeights | MoEWeights:
-    if isinstance(w, DenseMLPWeights):
-        return DenseMLPWeights(leaf(w.gate_up), leaf(w.down))
-    shared = None if w.shared is None else _trainable_mlp(w.shared, leaf)
-    return dataclasses.replace(w, w13=leaf(w.w13), w2=leaf(w.w2), shared=shared)
-
-
-def _mlp_tensors(w: DenseMLPWeights | MoEWeights) -> list[torch.Tensor]:
-    if isinstance(w, DenseMLPWeights):
-        return [w.gate_up, w.down]
-    return [w.w13, w.w2, *([] if w.shared is None else _mlp_tensors(w.shared))]
-
-
-def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = torch.mm(x, gate_up).chunk(2, dim=-1)
-    return torch.mm(F.silu(gate) * up, down)
-
-
-def _mlp_forward(model, w: DenseMLPWeights | MoEWeights, x: torch.Tensor) -> torch.Tensor:
-    """``CausalLM._mlp`` in out-of-place torch ops."""
-    if isinstance(w, DenseMLPWeights):
-        return _swiglu(x, w.gate_up, w.down)
-    with torch.no_grad():
-        weights, ids = model._route(w, x.detach())
-    out = torch.zeros_like(x)
-    for e in range(w.w13.shape[0]):
-        token, slot = (ids == e).nonzero(as_tuple=True)
-        if len(token):
-            y = _swiglu(x[token], w.w13[e], w.w2[e]) * weights[token, slot, None].to(x.dtype)
-            out = out.index_add(0, token, y)
-    if w.shared is not None:
-        out = out + _mlp_forward(model, w.shared, x)
-    return out
-
-
-def _mlp_checkpoint(w: DenseMLPWeights | MoEWeights, stored: dict[str, torch.Tensor],
-                    p: str) -> dict[str, torch.Tensor]:
-    """The MLP's trained tensors under the checkpoint's names, [out, in]."""
-
-    def dense(d: DenseMLPWeights, q: str) -> dict[str, torch.Tensor]:
-        gate, up = d.gate_up.detach().t().chunk(2, dim=0)
-        return {q + "gate_proj.weight": gate.contiguous(), q + "up_proj.weight": up.contiguous(),
-                q + "down_proj.weight": d.down.detach().t().contiguous()}
-
-    if isinstance(w, DenseMLPWeights):
-        return dense(w, p)
-    out = {} if w.shared is None else dense(w.shared, p + "shared_experts.")
-    w13, w2 = w.w13.detach().transpose(1, 2), w.w2.detach().transpose(1, 2)  # [E, out, in]
-    if p + "experts.gate_up_proj" in stored:
-        out[p + "experts.gate_up_proj"] = w13.contiguous()
-        out[p + "experts.down_proj"] = w2.contiguous()
-        return out
-    for e in range(w13.shape[0]):
-        gate, up = w13[e].chunk(2, dim=0)
-        out[f"{p}experts.{e}.gate_proj.weight"] = gate.contiguous()
-        out[f"{p}experts.{e}.up_proj.weight"] = up.contiguous()
-        out[f"{p}experts.{e}.down_proj.weight"] = w2[e].contiguous()
-    return out

@@ -200,14 +200,14 @@ def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
     is the checkpoint's, tensor for tensor."""
     from safetensors.torch import load_file
 
-    from pdmesh.shared.models.mtp_train import _mla_checkpoint, _mlp_checkpoint
+    from pdmesh.shared.models.training import mla_checkpoint, mlp_checkpoint
 
     llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
     cfg = llm.engine.model_config
     stored = load_file(str(ds3 / "model.safetensors"))
     for i, w in ((1, llm.engine.model.w.layers[1].attn),
                  (cfg.num_layers, llm.engine.model.w.mtp[0].layer.attn)):
-        written = _mla_checkpoint(cfg, w)
+        written = mla_checkpoint(cfg, w)
         assert set(written) == {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight",
                                 "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight",
                                 "kv_b_proj.weight", "o_proj.weight"}
@@ -215,15 +215,15 @@ def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
             assert torch.equal(x, stored[f"model.layers.{i}.self_attn.{key}"]), (i, key)
     for i, w in ((0, llm.engine.model.w.layers[0].mlp),  # dense
                  (cfg.num_layers, llm.engine.model.w.mtp[0].layer.mlp)):  # experts + shared
-        written = _mlp_checkpoint(w, stored, f"model.layers.{i}.mlp.")
+        written = mlp_checkpoint(w, stored, f"model.layers.{i}.mlp.")
         assert written and all(torch.equal(x, stored[key]) for key, x in written.items())
     assert f"model.layers.{cfg.num_layers}.mlp.experts.0.down_proj.weight" in written
 
 
 def test_the_training_forward_is_the_engines_mlp(ds3):
-    """The distillation trains through ``mtp_train._mlp_forward``; it computes what the
+    """The distillation trains through ``training.mlp_forward``; it computes what the
     engine's ``CausalLM._mlp`` does, for a dense layer and for routed plus shared experts."""
-    from pdmesh.shared.models.mtp_train import _mlp_forward
+    from pdmesh.shared.models.training import mlp_forward
 
     llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
     model = llm.engine.model
@@ -231,6 +231,6 @@ def test_the_training_forward_is_the_engines_mlp(ds3):
                     generator=torch.Generator().manual_seed(0))
     for w, layer in ((model.w.layers[0].mlp, 0), (model.w.mtp[0].layer.mlp, None)):
         want = model._mlp(w, x.clone(), layer)
-        got = _mlp_forward(model, w, x.clone())
+        got = mlp_forward(model, w, x.clone())
         assert got.shape == want.shape and not torch.equal(got, torch.zeros_like(got))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
