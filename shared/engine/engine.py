@@ -228,10 +228,11 @@ class EngineCore:
             else SpeculativeConfig.from_dict(raw)
         if spec is None or not spec.is_mtp:
             return spec
-        if self.model_config.v4 is not None:
-            log.warning("speculative_config.method mtp: pdmesh does not run DeepSeek-V4's "
-                        "MTP layers yet; without effect, decoding one token a step")
-            return None
+        not_run = getattr(self.model.w, "mtp_not_run", None)
+        if not_run is not None:
+            raise ValueError(f"speculative_config.method: mtp: {self.config.model}'s {not_run}; "
+                             f"pdmesh runs DeepSeek-V4 MTP blocks with sliding-window "
+                             f"attention only")
         layers = len(self.model.w.mtp)
         if not layers:
             raise ValueError(f"speculative_config.method: mtp needs the checkpoint's MTP "

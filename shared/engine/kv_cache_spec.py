@@ -100,7 +100,8 @@ class KVCacheSpec:
 
 def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0) -> KVCacheSpec:
     """``mtp_layers``: MTP layers that run as a proposer keep their KV as layers
-    ``num_layers ..`` of the history group, in the request's own blocks."""
+    ``num_layers ..`` in the request's own blocks (DeepSeek-V4's, sliding-window, in the
+    window group)."""
     if cfg.v4 is None:
         tensors = tuple(CacheTensor(i, role, block_size, cfg.kv_cache_dim, cfg.kv_cache_heads)
                         for i in range(cfg.num_layers + mtp_layers)
@@ -126,6 +127,9 @@ def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0) -> KVCach
             window.append(CacheTensor(i, "index_state", block_size, 4 * v4.index_head_dim,
                                       float32=True))
             history.append(CacheTensor(i, "index_keys", slots, v4.index_head_dim))
+    # MTP blocks attend their sliding window only: their K=V beside the layers'
+    window += [CacheTensor(cfg.num_layers + i, "window", block_size, v4.head_dim)
+               for i in range(mtp_layers)]
     # (sliding layers only: the history group holds no tensor, only the bookkeeping)
     return KVCacheSpec(block_size, (
         CacheGroup("compressed", FULL, tuple(history)),

@@ -25,14 +25,16 @@ log = logging.getLogger(__name__)
 class StepRows:
     """What a step computed, row by row: request i computed positions
     ``starts[i] .. starts[i] + counts[i] - 1``, rows ``row_starts[i] ..`` of ``hidden``
-    (the target's final hidden states, [T, hidden]), through its block table
-    ``tables[i]`` (as it was during the step)."""
+    (the target's final hidden states, [T, hidden]; DeepSeek-V4: its streams,
+    [T, hc * hidden]), through its block table ``tables[i]`` and the other cache groups'
+    ``group_tables[g][i]`` (as they were during the step)."""
 
     requests: list[Request]
     starts: list[int]
     counts: list[int]
     row_starts: np.ndarray  # [num_seqs + 1]
     tables: np.ndarray  # [num_seqs, width] int32
+    group_tables: list[np.ndarray]  # groups 1..: [num_seqs, width_g] int32
     hidden: torch.Tensor
 
 
@@ -140,7 +142,7 @@ class ModelRunner:
         )
         if hidden_out is not None:
             self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,
-                                      hidden_out[0])
+                                      group_tables, hidden_out[0])
         return logits, sample_idx
 
 

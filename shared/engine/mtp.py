@@ -19,7 +19,13 @@ requests' MTP KV with a gap; they are drafted for no more.
 
 Drafts are the MTP head's argmax, verified as point masses (the target's distribution
 is kept for any sampling). With several MTP layers only the first is run (chained), as
-the checkpoints pdmesh serves have one.
+vLLM's proposer does.
+
+The model is either kind: DeepSeek-V3's (``CausalLM``: the hidden state is the final
+normed one, the KV the MTP layer's latent in the history group) or DeepSeek-V4's
+(``DeepseekV4``: the hidden state is the layers' streams before the head collapses them,
+the KV the MTP block's sliding window K=V in the window group); ``mtp_forward`` and
+``StepRows`` hide which.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pdmesh.shared.engine.model_runner import StepRows, attention_metadata, bloc
 from pdmesh.shared.engine.request import Request
 from pdmesh.shared.engine.spec_decode import Drafts
 from pdmesh.shared.kernels import KernelBackend
+from pdmesh.shared.models.deepseek_v4 import DeepseekV4
 from pdmesh.shared.models.transformer import CausalLM, KVCache
 
 log = logging.getLogger(__name__)
@@ -43,13 +50,13 @@ log = logging.getLogger(__name__)
 class MtpProposer:
     needs_hidden = True
 
-    def __init__(self, model: CausalLM, backend: KernelBackend, kv: KVCacheManager,
+    def __init__(self, model: CausalLM | DeepseekV4, backend: KernelBackend, kv: KVCacheManager,
                  cache: KVCache, confidence: bool = False):
         """``cache``: the MTP layer's tensors; ``confidence``: also give each draft's
         max softmax (for dynamic verify budgets)."""
         if len(model.w.mtp) > 1:
-            log.warning("the checkpoint has %d MTP layers; pdmesh chains the first",
-                        len(model.w.mtp))
+            log.warning("the checkpoint has %d MTP layers; pdmesh chains the first (as vLLM "
+                        "does)", len(model.w.mtp))
         self.model = model
         self.backend = backend
         self.kv = kv
@@ -100,7 +107,8 @@ class MtpProposer:
         hidden = rows.hidden.index_select(
             0, torch.from_numpy(np.concatenate(hidden_rows)).to(rows.hidden.device))
         logits, out = self._run(ids, positions, hidden, slots, starts, counts,
-                                rows.tables[seqs], qsl, qsl[1:][want] - 1)
+                                rows.tables[seqs], [t[seqs] for t in rows.group_tables], qsl,
+                                qsl[1:][want] - 1)
         tokens, conf = self._pick(logits)
         for n, k in enumerate(want):
             self._first[picked[k]] = (tokens[n], conf[n], out[int(qsl[k + 1]) - 1])
@@ -123,13 +131,15 @@ class MtpProposer:
                 break
             reqs = [r for r, _ in chain]
             p = [r.num_tokens - 2 + step for r in reqs]
-            table = block_table_of([self.kv.block_ids(r) for r in reqs])
+            table, *group_tables = (block_table_of([self.kv.block_ids(r, g) for r in reqs])
+                                    for g in range(len(self.kv.groups)))
             pos = np.asarray(p, dtype=np.int64)
             slots = table[np.arange(len(reqs)), pos // bs].astype(np.int64) * bs + pos % bs
             qsl = np.arange(len(reqs) + 1, dtype=np.int32)
             logits, out = self._run([np.asarray([drafts[r].tokens[-1]]) for r in reqs],
                                     [pos], torch.stack([h for _, h in chain]), [slots], p,
-                                    [1] * len(reqs), table, qsl, np.arange(len(reqs)))
+                                    [1] * len(reqs), table, group_tables, qsl,
+                                    np.arange(len(reqs)))
             tokens, conf = self._pick(logits)
             for n, r in enumerate(reqs):
                 drafts[r].tokens.append(tokens[n])
@@ -141,12 +151,13 @@ class MtpProposer:
 
     def _run(self, ids: list[np.ndarray], positions: list[np.ndarray], hidden: torch.Tensor,
              slots: list[np.ndarray], starts: list[int], counts: list[int], table: np.ndarray,
-             qsl: np.ndarray, logits_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+             group_tables: list[np.ndarray], qsl: np.ndarray, logits_rows: np.ndarray
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.backend.device
         pos = np.concatenate(positions)
         meta = attention_metadata(dev, table, starts, counts,
                                   [s + n for s, n in zip(starts, counts, strict=True)], pos,
-                                  np.concatenate(slots), qsl, self.block_size)
+                                  np.concatenate(slots), qsl, self.block_size, group_tables)
         self.backend.prepare_attention(meta)
         return self.model.mtp_forward(
             0, torch.from_numpy(np.concatenate(ids)).to(dev), torch.from_numpy(pos).to(dev),

@@ -92,13 +92,35 @@ class V4LayerWeights:
 
 
 @dataclass
+class V4MtpWeights:
+    """One multi-token-prediction block (DeepSeek's ``mtp.{i}``): from the target's
+    streams at position i (before its head collapses them) and token i + 1 it predicts
+    token i + 2 through a V4 layer of its own (sliding-window attention, learned-router
+    MoE, hyper-connections), collapsed by its own head mix and norm into the model's head:
+
+        streams = e_proj(enorm(embed(t_(i+1)))) + h_proj(hnorm(streams_i))   (per stream)
+        logits  = lm_head(norm(hc_head(layer(streams))))
+    """
+
+    e_proj: torch.Tensor  # [hidden, hidden]
+    h_proj: torch.Tensor  # [hidden, hidden]
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    norm: torch.Tensor
+    hc_head: HyperConnectionWeights
+    layer: V4LayerWeights
+
+
+@dataclass
 class V4Weights:
     embed: torch.Tensor  # [V, hidden]
     layers: list[V4LayerWeights]
     final_norm: torch.Tensor
     lm_head: torch.Tensor  # [hidden, V]
     hc_head: HyperConnectionWeights
-    mtp: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    mtp: list[V4MtpWeights] = field(default_factory=list)
+    # MTP blocks the checkpoint has but pdmesh does not run (compressed attention)
+    mtp_not_run: str | None = None
 
 
 @dataclass
@@ -234,28 +256,73 @@ class DeepseekV4:
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,  # [B] int64
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [B, V] float32
-        be, eps = self.backend, self.config.rms_norm_eps
+        """``hidden_out``: gets every row's streams before the head collapses them,
+        [T, hc * hidden], what an MTP block continues from."""
         step = self._step(meta, positions)
-        n = self.v4.hc_mult
-        rope = {name: (cos.index_select(0, positions), sin.index_select(0, positions))
-                for name, (cos, sin) in self.rope.items()}
+        rope = self._rope(positions)
         x = self.w.embed.index_select(0, input_ids)  # [T, hidden]
-        streams = x.unsqueeze(1).expand(-1, n, -1).contiguous()  # [T, hc, hidden]
+        streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, hc, hidden]
         for i, layer in enumerate(self.w.layers):
-            h, post, comb = self._hc_pre(streams, layer.attn_hc)
-            h = self._attention(i, layer.attn, be.rms_norm(h, layer.attn_norm, eps),
-                                kv_caches[i], step, rope)
-            streams = _hc_post(streams, h, post, comb)
-            h, post, comb = self._hc_pre(streams, layer.ffn_hc)
-            h = self._moe(i, layer.mlp, be.rms_norm(h, layer.ffn_norm, eps), input_ids)
-            streams = _hc_post(streams, h, post, comb)
-        last = self._hc_head(streams.index_select(0, logits_rows))
-        return torch.mm(be.rms_norm(last, self.w.final_norm, eps), self.w.lm_head).float()
+            streams = self._layer(i, self.v4.layer_types[i], layer, streams, kv_caches[i],
+                                  step, rope, input_ids)
+        if hidden_out is not None:
+            hidden_out.append(streams.flatten(1))
+        return self._logits(streams.index_select(0, logits_rows), self.w.hc_head,
+                            self.w.final_norm)
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        index: int,  # which MTP block
+        input_ids: torch.Tensor,  # [T]: token i + 1 for each row at position i
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hc * hidden]: the target's streams (or the last MTP's)
+        kv: KVCache,  # the MTP block's own cache (its window K=V)
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [B]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, V] float32, hidden [T, hc * hidden]
+        """One MTP block over a flat varlen batch, as DeepSeek's ``MTPBlock`` runs it;
+        :meth:`CausalLM.mtp_forward`'s interface. Returns the draft logits of
+        ``logits_rows`` and every row's output streams, which a chained step continues
+        from."""
+        be, eps = self.backend, self.config.rms_norm_eps
+        m = self.w.mtp[index]
+        t, n = hidden.shape[0], self.v4.hc_mult
+        e = torch.mm(be.rms_norm(self.w.embed.index_select(0, input_ids), m.enorm, eps), m.e_proj)
+        h = torch.mm(be.rms_norm(hidden.view(t * n, -1), m.hnorm, eps), m.h_proj).view(t, n, -1)
+        streams = self._layer(None, SLIDING, m.layer, h + e.unsqueeze(1), kv,
+                              self._step(meta, positions), self._rope(positions), input_ids)
+        return (self._logits(streams.index_select(0, logits_rows), m.hc_head, m.norm),
+                streams.flatten(1))
+
+    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: (cos.index_select(0, positions), sin.index_select(0, positions))
+                for name, (cos, sin) in self.rope.items()}
+
+    def _layer(self, i: int | None, kind: str, layer: V4LayerWeights, streams: torch.Tensor,
+               cache: KVCache, step: _Step, rope: dict, input_ids: torch.Tensor
+               ) -> torch.Tensor:
+        """One V4 layer on the streams [T, hc, hidden] (``i`` None: an MTP block's)."""
+        be, eps = self.backend, self.config.rms_norm_eps
+        h, post, comb = self._hc_pre(streams, layer.attn_hc)
+        h = self._attention(kind, layer.attn, be.rms_norm(h, layer.attn_norm, eps), cache,
+                            step, rope)
+        streams = _hc_post(streams, h, post, comb)
+        h, post, comb = self._hc_pre(streams, layer.ffn_hc)
+        h = self._moe(i, layer.mlp, be.rms_norm(h, layer.ffn_norm, eps), input_ids)
+        return _hc_post(streams, h, post, comb)
+
+    def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor
+                ) -> torch.Tensor:
+        last = self._hc_head(streams, hc)
+        return torch.mm(self.backend.rms_norm(last, norm, self.config.rms_norm_eps),
+                        self.w.lm_head).float()
 
     # -- hyper-connections ----------------------------------------------------------------
     def _mixes(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:
-        flat = streams.reshape(streams.shape[0], -1).float()
+        flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return torch.mm(flat, hc.fn)
 
@@ -274,8 +341,7 @@ class DeepseekV4:
         collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         return collapsed, post, comb
 
-    def _hc_head(self, streams: torch.Tensor) -> torch.Tensor:
-        hc = self.w.hc_head
+    def _hc_head(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:
         pre = torch.sigmoid(self._mixes(streams, hc) * hc.scale + hc.base) + self.v4.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
 
@@ -286,12 +352,11 @@ class DeepseekV4:
         return torch.cat((x[..., :-r], self.backend.rotary_embedding(x[..., -r:], cos, sin)),
                          dim=-1)
 
-    def _attention(self, layer: int, w: V4AttentionWeights, x: torch.Tensor,
+    def _attention(self, kind: str, w: V4AttentionWeights, x: torch.Tensor,
                    cache: KVCache, step: _Step, rope: dict) -> torch.Tensor:
         be, v4, cfg = self.backend, self.v4, self.config
         eps = cfg.rms_norm_eps
         t, h, d = x.shape[0], cfg.num_heads, v4.head_dim
-        kind = v4.layer_types[layer]
         cos, sin = rope["main" if kind == SLIDING else "compress"]
         parts = torch.mm(x, w.x_proj).split(w.splits, dim=-1)
         q_res = be.rms_norm(parts[0], w.q_a_norm, eps)  # [T, q_lora]
@@ -418,13 +483,14 @@ class DeepseekV4:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * moe.routed_scaling, ids
 
-    def _moe(self, layer: int, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
+    def _moe(self, layer: int | None, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
              ) -> torch.Tensor:
+        """``layer`` None: an MTP block's, whose experts every rank holds whole."""
         be = self.backend
         weights, ids = self.route(w, x, input_ids)
-        if self.load_recorder is not None:
+        if self.load_recorder is not None and layer is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
-        if self.ep is not None:
+        if self.ep is not None and layer is not None:
             out = self.ep.moe(layer, x, weights, ids, be)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids, self.limit)

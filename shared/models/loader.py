@@ -19,13 +19,14 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.shared.kernels import KernelBackend
-from pdmesh.shared.models.config import CSA, ModelConfig
+from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
 from pdmesh.shared.models.deepseek_v4 import (
     CompressorWeights,
     DeepseekV4,
     HyperConnectionWeights,
     V4AttentionWeights,
     V4LayerWeights,
+    V4MtpWeights,
     V4Weights,
 )
 from pdmesh.shared.models.transformer import (
@@ -156,20 +157,6 @@ def _read_mtp_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, embed: tor
         head=_input_major(get("shared_head.head.weight")) if ckpt.has(
             p + "shared_head.head.weight") else lm_head,
         embed=embed)
-
-
-def _read_mtp(ckpt: CheckpointReader, prefixes: list[str], dtype: torch.dtype,
-              dev: torch.device) -> list[dict[str, torch.Tensor]]:
-    """The multi-token-prediction layers a checkpoint carries, one per name prefix
-    (DeepSeek-V3's ``model.layers.{num_hidden_layers + i}.``: enorm, hnorm, eh_proj,
-    shared_head and a decoder layer; DeepSeek-V4's ``mtp.{i}.``), as they are; a
-    checkpoint without them loads too."""
-    layers = []
-    for prefix in prefixes:
-        names = [n for n in ckpt.names() if n.startswith(prefix)]
-        if names:
-            layers.append({n[len(prefix):]: ckpt.get(n, dtype, dev) for n in names})
-    return layers
 
 
 def _input_major(w: torch.Tensor) -> torch.Tensor:
@@ -333,20 +320,39 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
         return HyperConnectionWeights(fn=f32(p + "_fn").t().contiguous(), base=f32(p + "_base"),
                                       scale=f32(p + "_scale"))
 
-    layers = [_read_v4_layer(cfg, ckpt, i, dtype, dev, hc) for i in range(cfg.num_layers)]
+    v4 = cfg.v4
+    assert v4 is not None
+    layers = [_read_v4_layer(cfg, ckpt, f"layers.{i}.", v4.layer_types[i], v4.compress_rates[i],
+                             v4.hash_layers[i], dtype, dev, hc)
+              for i in range(cfg.num_layers)]
     lm_head = ckpt.get("head.weight", dtype, dev)
-    mtp = _read_mtp(ckpt, [f"mtp.{i}." for i in range(cfg.num_nextn_predict_layers)],
-                    dtype, dev)
+    mtp, not_run = [], None
+    for i in range(cfg.num_nextn_predict_layers):
+        p = f"mtp.{i}."
+        if not ckpt.has(p + "e_proj.weight"):
+            break
+        if ckpt.has(p + "attn.compressor.wkv.weight"):
+            not_run = f"{p[:-1]} has compressed attention"
+            break
+        mtp.append(V4MtpWeights(
+            e_proj=_input_major(ckpt.get(p + "e_proj.weight", dtype, dev)),
+            h_proj=_input_major(ckpt.get(p + "h_proj.weight", dtype, dev)),
+            enorm=ckpt.get(p + "enorm.weight", dtype, dev),
+            hnorm=ckpt.get(p + "hnorm.weight", dtype, dev),
+            norm=ckpt.get(p + "norm.weight", dtype, dev), hc_head=hc(p + "hc_head"),
+            layer=_read_v4_layer(cfg, ckpt, p, SLIDING, 0, False, dtype, dev, hc)))
     return V4Weights(embed=ckpt.get("embed.weight", dtype, dev), layers=layers,
                      final_norm=ckpt.get("norm.weight", dtype, dev),
-                     lm_head=_input_major(lm_head), hc_head=hc("hc_head"), mtp=mtp)
+                     lm_head=_input_major(lm_head), hc_head=hc("hc_head"), mtp=mtp,
+                     mtp_not_run=not_run)
 
 
-def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, dtype: torch.dtype,
-                   dev: torch.device, hc) -> V4LayerWeights:
+def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, rate: int,
+                   hashed: bool, dtype: torch.dtype, dev: torch.device, hc) -> V4LayerWeights:
+    """The V4 layer under prefix ``p`` (``layers.{i}.``, or an MTP block's ``mtp.{i}.``:
+    sliding-window attention, learned router)."""
     v4, moe = cfg.v4, cfg.moe
     assert v4 is not None and moe is not None
-    p = f"layers.{i}."
     a = p + "attn."
     h, d, r = cfg.num_heads, v4.head_dim, v4.rope_dim
 
@@ -368,7 +374,6 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, dtype: torc
         return (CompressorWeights(rate=rate, overlap=overlap, dim=dim, ape=ape[:, order],
                                   norm=get(c + "norm.weight")[_rope_order(dim, r)]), proj)
 
-    kind, rate = v4.layer_types[i], v4.compress_rates[i]
     parts = [get(a + "wq_a.weight"), get(a + "wkv.weight")[head_order]]
     comp = index_comp = index_q = None
     if rate:
@@ -409,7 +414,7 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, dtype: torc
                                         get(f + "shared_experts.w3.weight")))),
         down=_input_major(get(f + "shared_experts.w2.weight")))
     tid2eid = bias = None
-    if v4.hash_layers[i]:
+    if hashed:
         tid2eid = ckpt.get(f + "gate.tid2eid", torch.int64, dev)
         if (tuple(tid2eid.shape) != (cfg.vocab_size, moe.top_k)
                 or int(tid2eid.min()) < 0 or int(tid2eid.max()) >= moe.num_experts):

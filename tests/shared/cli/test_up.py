@@ -269,17 +269,20 @@ def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
             s.stop()
 
 
-def test_mtp_speculation_across_the_pd_mesh(tiny_models, tmp_path, registry_prefix):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_mtp_speculation_across_the_pd_mesh(tiny_models, tmp_path, registry_prefix, arch):
     """DeepSeek PD instances with MTP on both sides, as the seed runs them: the prefill
-    instance computes
-    the MTP layer's KV over the prompt and puts it in the pool with the rest; the decode
-    instance continues from the pool (pool hits, its prompt not recomputed) and drafts
-    with MTP (k = 2); the gateway's answers are the offline engine's, many prompts."""
+    instance computes the MTP layer's KV over the prompt and puts it in the pool with the
+    rest (DeepSeek-V4: the MTP block's window K=V in the window group's blocks); the
+    decode instance continues from the pool (pool hits, its prompt not recomputed) and
+    drafts with MTP (k = 2); the gateway's answers are the offline engine's, many
+    prompts."""
     from pdmesh.shared.infra.launcher import Service
     from pdmesh.shared.infra.registry import Registry
 
-    model = str(tiny_models["deepseek_v3"])
-    reg = ["--registry-prefix", registry_prefix + "-mtppd"]
+    model = str(tiny_models[arch])
+    prefix = f"{registry_prefix}-mtppd-{arch}"
+    reg = ["--registry-prefix", prefix]
     spec = '{"num_speculative_tokens": 2, "method": "deepseek_mtp"}'
     common = ["--block-size", "16", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
               "--speculative-config", spec, *reg]
@@ -309,7 +312,7 @@ def test_mtp_speculation_across_the_pd_mesh(tiny_models, tmp_path, registry_pref
             if line.startswith("pdmesh_"))}
         assert metrics["pdmesh_kv_pool_hits_total"] > 0  # prompts continued from the pool
         assert metrics["pdmesh_spec_decode_num_draft_tokens_total"] > 0
-        registry = Registry("redis://127.0.0.1:6379/0", registry_prefix + "-mtppd")
+        registry = Registry("redis://127.0.0.1:6379/0", prefix)
         deadline = time.monotonic() + 10
         while registry.instances(role="decode")[0].load["spec_draft_tokens"] == 0:
             assert time.monotonic() < deadline, "the decode instance never drafted"

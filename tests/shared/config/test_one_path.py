@@ -58,8 +58,7 @@ def test_a_seed_line_starts_a_service_exactly_as_config_check_says():
     config = serve_config("decode", [*tp1, "--kvstore", "127.0.0.1:1"])
     assert config.engine.max_model_len == 131072 and config.engine.block_size == 128
     assert "--no-disable-hybrid-kv-cache-manager" in config.accepted_without_effect
-    # MTP drafting is configured (the engine says at start-up that DeepSeek-V4's MTP
-    # layers do not run yet)
+    # MTP drafting is configured
     assert "--speculative-config" not in config.accepted_without_effect
     assert config.engine.speculative_config.is_mtp
 

@@ -6,8 +6,6 @@ dynamic verify budget; the distilled head gets accepted."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from pdmesh.shared.engine.spec_decode import (
     VerifyBudget,
 )
 from pdmesh.shared.models.tiny import make_tiny_model
-from tests.shared.engine.spec_runs import assert_no_block_held, run
+from tests.shared.engine.spec_runs import assert_no_block_held, mixed_prompts, run
 
 
 def mtp(k: int | None, method: str = "deepseek_mtp") -> dict:
@@ -47,22 +45,10 @@ def trained(tmp_path_factory, bpe_tokenizer):
     return path, before, after
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        if i % 3 == 2:
-            motif = [rng.randrange(10, 900) for _ in range(rng.randrange(2, 9))]
-            out.append((motif * 40)[:rng.randrange(8, 120)])
-        else:
-            out.append([rng.randrange(10, 4000) for _ in range(rng.randrange(4, 90))])
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(trained):
     path = trained[0]
-    ps = prompts(12)
+    ps = mixed_prompts(12)
     params = [SamplingParams(temperature=0, max_tokens=20 + 4 * (i % 4), ignore_eos=True)
               for i in range(len(ps))]
     return path, ps, params, run(path, ps, params)[0]
@@ -107,23 +93,26 @@ def test_a_verify_budget_of_one_verifies_one_draft_and_keeps_the_output(referenc
     assert_no_block_held(llm)
 
 
-def test_mtp_kv_built_step_by_step_drafts_as_a_fresh_computation(ds3):
+@pytest.mark.parametrize("arch,prompt", [("deepseek_v3", 50), ("deepseek_v4", 70)])
+def test_mtp_kv_built_step_by_step_drafts_as_a_fresh_computation(tiny_models, arch, prompt):
     """A request prefilled in chunks, then decoding with verified drafts (random heads:
     nearly all rejected, so the chained drafts' KV is written ahead and overwritten each
     step), drafts what an engine computing the MTP layer over the whole sequence at once
-    drafts, with the same confidences."""
+    drafts, with the same confidences. (DeepSeek-V4: its MTP block's window K=V, the
+    prompt past the sliding window of 16.)"""
     budget = DynamicBudget(initial_verify_budget_per_req=3, min_verify_tokens=3)
     spec = SpeculativeConfig("mtp", 3, adaptive=False, dynamic=budget)
-    stepped = LLM(str(ds3), device="cpu", block_size=16, dtype="float32",
+    model = str(tiny_models[arch])
+    stepped = LLM(model, device="cpu", block_size=16, dtype="float32",
                   max_num_batched_tokens=16, speculative_config=spec).engine
-    req = stepped.add_request(list(range(100, 150)),
+    req = stepped.add_request(list(range(100, 100 + prompt)),
                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     while req.num_output_tokens < 12:
         stepped.step()
     assert stepped.spec_stats.num_drafts >= 3  # it verified drafts on the way
     drafts = req.drafts
     assert drafts is not None and len(drafts.tokens) == 3
-    fresh = LLM(str(ds3), device="cpu", block_size=16, dtype="float32",
+    fresh = LLM(model, device="cpu", block_size=16, dtype="float32",
                 enable_prefix_caching=False, speculative_config=spec).engine
     # its prompt: all but the newest token, which it samples itself (greedy: the same)
     again = fresh.add_request(req.token_ids[:-1],
@@ -184,15 +173,6 @@ def test_the_verify_budget_goes_to_the_surest_drafts():
     low = VerifyBudget(DynamicBudget(initial_verify_budget_per_req=9, min_verify_tokens=0), 3)
     assert low.budget == 3  # clamped to k
     assert [d.tokens for d in low.apply([Drafts([1], confidence=[0.1])])] == [[1]]
-
-
-def test_deepseek_v4_mtp_is_reported_without_effect(tiny_models, caplog):
-    llm = LLM(str(tiny_models["deepseek_v4"]), device="cpu", block_size=16,
-              speculative_config=mtp(1))
-    assert llm.engine.speculative is None and llm.engine.proposer is None
-    assert "does not run DeepSeek-V4's MTP layers yet; without effect" in caplog.text
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
-    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
