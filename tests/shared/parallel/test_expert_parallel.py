@@ -130,6 +130,23 @@ def test_two_ranks_drafting_equal_the_single_process_engine(moe_path, expected):
     assert res[0][3] + res[1][3] > 0  # drafts were verified
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_two_ranks_drafting_with_mtp_equal_the_single_process_engine(tiny_models, arch):
+    """MTP on expert-parallel ranks: the target's MoE layers all-to-all in lockstep, the
+    MTP layer's experts held whole on each rank (no collective, so ranks may draft
+    differently); the greedy answers stay the single-process engine's."""
+    path = str(tiny_models[arch])
+    want = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32",
+                                                 block_size=16).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    shares = [PROMPTS[:2] + PROMPTS[3:], [PROMPTS[2]]]
+    res = run_ranks(path, shares, speculative={
+        "method": "deepseek_mtp", "num_speculative_tokens": 2, "adaptive_drafts": False})
+    assert res[0][0] == want[:2] + want[3:]
+    assert res[1][0] == [want[2]]
+    assert res[0][3] > 0 and res[1][3] > 0  # both ranks drafted
+
+
 def test_redundant_experts_and_live_moves_keep_the_output(moe_path, expected):
     """Two redundant slots, and every MoE layer's placement changed mid-generation."""
     from pdmesh.shared.models.config import ModelConfig
