@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.shared.kernels import KernelBackend
+from pdmesh.shared.models import quantization
 from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
 from pdmesh.shared.models.deepseek_v4 import (
     CompressorWeights,
@@ -55,6 +56,12 @@ class CheckpointReader:
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def dtypes(self) -> dict[str, str]:
+        """Tensor name -> its stored dtype ("F32", "BF16", "I8", "F8_E4M3", ...), from
+        the headers alone."""
+        return {name: h.get_slice(name).get_dtype()  # type: ignore[attr-defined]
+                for name, h in self._where.items()}
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if name not in self._where:
@@ -113,6 +120,9 @@ def load_model(
     config = config or ModelConfig.from_folder(folder)
     dev = backend.device
     with open_checkpoint(folder) as ckpt:
+        quantized = quantization.detect(folder, ckpt.dtypes())
+        if quantized is not None:
+            raise quantization.refusal(folder, quantized)
         if config.v4 is not None:
             return config, DeepseekV4(config, _read_v4(config, ckpt, dtype, dev), backend)
         weights = _read_weights(config, ckpt, dtype, dev)
@@ -309,9 +319,6 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
         raise ValueError("model: this DeepSeek-V4 checkpoint uses transformers' renamed "
                          "layout; pdmesh loads DeepSeek's own (embed.weight, layers.{i}.attn."
                          "wq_a.weight, ...), as the official releases ship it")
-    if ckpt.has("layers.0.attn.wq_a.scale") or cfg.raw.get("quantization_config"):
-        raise ValueError("model: quantized DeepSeek-V4 checkpoints (FP8 / FP4 scales) are "
-                         "not supported; load a bfloat16 or float32 checkpoint")
 
     def f32(name: str) -> torch.Tensor:
         return ckpt.get(name, torch.float32, dev)
