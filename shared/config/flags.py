@@ -193,9 +193,9 @@ FLAGS: list[Flag] = [
              "the one in the registry)"),
             ("--enforce-eager", "bool", False, "run eagerly (pdmesh always does)"),
             ("--speculative-config", "json", None, 'speculative decoding, as vLLM: {"method": '
-             '"ngram", "num_speculative_tokens": k, "prompt_lookup_min": n, '
-             '"prompt_lookup_max": m}; other methods (mtp, deepseek_mtp, eagle, ...) are not '
-             "run yet: accepted, listed without effect"),
+             '"ngram" (with "prompt_lookup_min" / "prompt_lookup_max") or "deepseek_mtp" / '
+             '"mtp" (the checkpoint\'s MTP layers), "num_speculative_tokens": k}; other '
+             "methods (eagle, suffix, draft models) are accepted and listed without effect"),
             ("--kv-transfer-config", "json", None, 'JSON: {"kv_connector": ..., "kv_role": '
              '"kv_producer" | "kv_consumer" | "kv_both", ...}'),
             ("--additional-config", "str", "{}", "vLLM-Ascend's additional config (JSON), "

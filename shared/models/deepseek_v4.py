@@ -99,7 +99,11 @@ class V4MtpWeights:
     MoE, hyper-connections), collapsed by its own head mix and norm into the model's head:
 
         streams = e_proj(enorm(embed(t_(i+1)))) + h_proj(hnorm(streams_i))   (per stream)
-        logits  = lm_head(norm(hc_head(layer(streams))))
+        logits  = head(norm(hc_head(layer(streams))))
+
+    The embedding is zeroed at position 0, as vLLM-Ascend's DeepSeek-V4 MTP does; the
+    embedding and head are the model's unless the checkpoint gives the block its own
+    (``mtp.{i}.emb.tok_emb.weight``, ``mtp.{i}.head.weight``).
     """
 
     e_proj: torch.Tensor  # [hidden, hidden]
@@ -109,6 +113,8 @@ class V4MtpWeights:
     norm: torch.Tensor
     hc_head: HyperConnectionWeights
     layer: V4LayerWeights
+    embed: torch.Tensor  # [V, hidden]
+    head: torch.Tensor  # [hidden, V]
 
 
 @dataclass
@@ -270,7 +276,7 @@ class DeepseekV4:
         if hidden_out is not None:
             hidden_out.append(streams.flatten(1))
         return self._logits(streams.index_select(0, logits_rows), self.w.hc_head,
-                            self.w.final_norm)
+                            self.w.final_norm, self.w.lm_head)
 
     @torch.inference_mode()
     def mtp_forward(
@@ -290,11 +296,12 @@ class DeepseekV4:
         be, eps = self.backend, self.config.rms_norm_eps
         m = self.w.mtp[index]
         t, n = hidden.shape[0], self.v4.hc_mult
-        e = torch.mm(be.rms_norm(self.w.embed.index_select(0, input_ids), m.enorm, eps), m.e_proj)
+        e = m.embed.index_select(0, input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        e = torch.mm(be.rms_norm(e, m.enorm, eps), m.e_proj)
         h = torch.mm(be.rms_norm(hidden.view(t * n, -1), m.hnorm, eps), m.h_proj).view(t, n, -1)
         streams = self._layer(None, SLIDING, m.layer, h + e.unsqueeze(1), kv,
                               self._step(meta, positions), self._rope(positions), input_ids)
-        return (self._logits(streams.index_select(0, logits_rows), m.hc_head, m.norm),
+        return (self._logits(streams.index_select(0, logits_rows), m.hc_head, m.norm, m.head),
                 streams.flatten(1))
 
     def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -314,11 +321,11 @@ class DeepseekV4:
         h = self._moe(i, layer.mlp, be.rms_norm(h, layer.ffn_norm, eps), input_ids)
         return _hc_post(streams, h, post, comb)
 
-    def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor
-                ) -> torch.Tensor:
+    def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor,
+                head: torch.Tensor) -> torch.Tensor:
         last = self._hc_head(streams, hc)
         return torch.mm(self.backend.rms_norm(last, norm, self.config.rms_norm_eps),
-                        self.w.lm_head).float()
+                        head).float()
 
     # -- hyper-connections ----------------------------------------------------------------
     def _mixes(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:

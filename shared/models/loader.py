@@ -332,7 +332,8 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
     layers = [_read_v4_layer(cfg, ckpt, f"layers.{i}.", v4.layer_types[i], v4.compress_rates[i],
                              v4.hash_layers[i], dtype, dev, hc)
               for i in range(cfg.num_layers)]
-    lm_head = ckpt.get("head.weight", dtype, dev)
+    embed, lm_head = ckpt.get("embed.weight", dtype, dev), _input_major(
+        ckpt.get("head.weight", dtype, dev))
     mtp, not_run = [], None
     for i in range(cfg.num_nextn_predict_layers):
         p = f"mtp.{i}."
@@ -347,11 +348,13 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
             enorm=ckpt.get(p + "enorm.weight", dtype, dev),
             hnorm=ckpt.get(p + "hnorm.weight", dtype, dev),
             norm=ckpt.get(p + "norm.weight", dtype, dev), hc_head=hc(p + "hc_head"),
-            layer=_read_v4_layer(cfg, ckpt, p, SLIDING, 0, False, dtype, dev, hc)))
-    return V4Weights(embed=ckpt.get("embed.weight", dtype, dev), layers=layers,
-                     final_norm=ckpt.get("norm.weight", dtype, dev),
-                     lm_head=_input_major(lm_head), hc_head=hc("hc_head"), mtp=mtp,
-                     mtp_not_run=not_run)
+            layer=_read_v4_layer(cfg, ckpt, p, SLIDING, 0, False, dtype, dev, hc),
+            embed=ckpt.get(p + "emb.tok_emb.weight", dtype, dev)
+            if ckpt.has(p + "emb.tok_emb.weight") else embed,
+            head=_input_major(ckpt.get(p + "head.weight", dtype, dev))
+            if ckpt.has(p + "head.weight") else lm_head))
+    return V4Weights(embed=embed, layers=layers, final_norm=ckpt.get("norm.weight", dtype, dev),
+                     lm_head=lm_head, hc_head=hc("hc_head"), mtp=mtp, mtp_not_run=not_run)
 
 
 def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, rate: int,

@@ -103,3 +103,20 @@ def test_without_mtp_blocks_the_method_is_refused(ds4, tmp_path):
     path = _mtp_checkpoint_with(ds4, tmp_path, drop)
     with pytest.raises(ValueError, match="mtp needs the checkpoint's MTP layers"):
         LLM(path, device="cpu", block_size=16, speculative_config=mtp(1))
+
+
+def test_a_block_with_its_own_head_and_embedding_reads_them(ds4, tmp_path):
+    """Checkpoints converted with the MTP block's own copies (``mtp.0.head.weight``,
+    ``mtp.0.emb.tok_emb.weight``) have them read; the official layout shares the
+    model's."""
+    shared = LLM(str(ds4), device="cpu", block_size=16, dtype="float32").engine.model.w
+    assert shared.mtp[0].head is shared.lm_head and shared.mtp[0].embed is shared.embed
+
+    def own(w: dict, cfg: dict) -> None:
+        w["mtp.0.head.weight"] = w["head.weight"] * 2
+        w["mtp.0.emb.tok_emb.weight"] = w["embed.weight"] + 1
+
+    w = LLM(_mtp_checkpoint_with(ds4, tmp_path, own), device="cpu", block_size=16,
+            dtype="float32").engine.model.w
+    torch.testing.assert_close(w.mtp[0].head, 2 * w.lm_head)
+    torch.testing.assert_close(w.mtp[0].embed, w.embed + 1)
