@@ -189,7 +189,10 @@ class DeepseekV4:
         return self.w.embed.dtype
 
     # -- the step plan ----------------------------------------------------------------
-    def _step(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
+    def _step(self, meta: AttentionMetadata, positions: torch.Tensor,
+              compressed: bool = True) -> _Step:
+        """``compressed`` False: the window alone (an MTP block's sliding layer), no
+        compression plans."""
         v4, dev = self.v4, self.backend.device
         bs = meta.block_size
         qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
@@ -220,7 +223,7 @@ class DeepseekV4:
         comp: dict[tuple[int, bool], _Compression] = {}
         for kind, rate in zip(v4.layer_types, v4.compress_rates, strict=True):
             key = (rate, kind == CSA)
-            if not rate or key in comp:
+            if not compressed or not rate or key in comp:
                 continue
             overlap = kind == CSA
             spb = max(1, bs // rate)
@@ -300,7 +303,8 @@ class DeepseekV4:
         e = torch.mm(be.rms_norm(e, m.enorm, eps), m.e_proj)
         h = torch.mm(be.rms_norm(hidden.view(t * n, -1), m.hnorm, eps), m.h_proj).view(t, n, -1)
         streams = self._layer(None, SLIDING, m.layer, h + e.unsqueeze(1), kv,
-                              self._step(meta, positions), self._rope(positions), input_ids)
+                              self._step(meta, positions, compressed=False),
+                              self._rope(positions), input_ids)
         return (self._logits(streams.index_select(0, logits_rows), m.hc_head, m.norm, m.head),
                 streams.flatten(1))
 
