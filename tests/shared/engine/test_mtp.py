@@ -214,3 +214,29 @@ def test_the_training_forward_is_the_engines_mlp(ds3):
         got = mlp_forward(model, w, x.clone())
         assert got.shape == want.shape and not torch.equal(got, torch.zeros_like(got))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_recompute_hand_back_with_mtp_drafts_keeps_every_output_exact(tiny_models, arch):
+    """vLLM-Ascend's recompute scheduler on a decode engine drafting with MTP: a request
+    that must give its blocks up (its MTP KV with them) is handed back; what each request
+    produced until then is the start of its greedy answer, and no block stays held."""
+    from pdmesh.shared.engine.request import RequestStatus
+
+    path = tiny_models[arch]
+    ps = mixed_prompts(10, seed=4, longest=70)
+    params = [SamplingParams(temperature=0, max_tokens=24 + 4 * (i % 3), ignore_eos=True)
+              for i in range(len(ps))]
+    want = run(path, ps, params, dtype="float32")[0]
+    llm = LLM(str(path), device="cpu", block_size=16, dtype="float32", num_kv_blocks=20,
+              recompute_scheduler=True, speculative_config=mtp(2))
+    reqs = [llm.engine.add_request(p, sp) for p, sp in zip(ps, params, strict=True)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    handed = [r for r in reqs if r.status is RequestStatus.FINISHED_RECOMPUTED]
+    assert handed and llm.engine.spec_stats.num_drafts > 0
+    for r, full in zip(reqs, want, strict=True):
+        assert r.output_token_ids == full[:len(r.output_token_ids)]
+        if r.status is not RequestStatus.FINISHED_RECOMPUTED:
+            assert r.output_token_ids == full
+    assert_no_block_held(llm)
