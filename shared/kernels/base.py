@@ -259,6 +259,24 @@ class KernelBackend(ABC):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * scaling, ids
 
+    # -- int8 weights and activations (W8A8_DYNAMIC) -------------------------------------
+    def dynamic_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric per-token int8, as ``npu_dynamic_quant`` defines it: scale =
+        row_max(|x|) / 127, q = round(x / scale). x [T, K] -> (q int8 [T, K], scale [T]
+        float32); x ~ q * scale."""
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / 127.0
+        return torch.round(xf / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor,
+                    weight_scale: torch.Tensor) -> torch.Tensor:
+        """W8A8_DYNAMIC: x [T, K] float, qweight [K, N] int8 (input-major, per output
+        channel ``weight_scale`` [N] float32) -> [T, N] in x's dtype: x quantized per token,
+        int8 x int8 -> int32 (real integer compute), dequantized by both scales."""
+        q, scale = self.dynamic_quant(x)
+        acc = torch._int_mm(q, qweight)  # [T, N] int32
+        return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
+
     def grouped_matmul(
         self, x: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]
     ) -> torch.Tensor:

@@ -36,6 +36,21 @@ class CUDABackend(CPUBackend):
         super().__init__(device)
         self._flash = _flash_varlen(device)
 
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor,
+                    weight_scale: torch.Tensor) -> torch.Tensor:
+        """``torch._int_mm`` on CUDA takes more than 16 rows and K, N multiples of 8: fewer
+        rows are padded with zeros; other K, N compute on the dequantized weight."""
+        k, n = qweight.shape
+        if k % 8 or n % 8:
+            q, scale = self.dynamic_quant(x)
+            return ((q.float() * scale[:, None]) @ (qweight.float() * weight_scale)).to(x.dtype)
+        q, scale = self.dynamic_quant(x)
+        t = q.shape[0]
+        if t <= 16:
+            q = torch.cat((q, q.new_zeros((17 - t, k))))
+        acc = torch._int_mm(q, qweight)[:t]
+        return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, eps)

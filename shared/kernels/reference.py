@@ -159,3 +159,20 @@ def hc_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
                 for a, b in line:
                     m[a, b] = float(m[a, b]) / total
     return out
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
+                ) -> torch.Tensor:
+    """W8A8_DYNAMIC from its definition, float64: each row of x quantized to int8 by
+    row_max(|x|) / 127 and rounded, times the dequantized weight (qweight * scale)."""
+    xd = x.double()
+    scale = xd.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+    q = torch.round(xd / scale).clamp(-127, 127)
+    return ((q * scale) @ (qweight.double() * weight_scale.double())).to(x.dtype)
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [K, N] (input-major) -> (int8 [K, N], scale [N] float32), symmetric
+    per output channel: w ~ q * scale."""
+    scale = w.float().abs().amax(dim=0).clamp_min(1e-12) / 127.0
+    return torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale

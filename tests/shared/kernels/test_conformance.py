@@ -408,3 +408,34 @@ def test_decode_steps_in_sequence(backend, dtype):
     mirror = getattr(backend, "_mirror", None)  # the CPU backend's; others keep no state
     if mirror is not None:
         assert mirror.appends >= 6 and mirror.rebuilds >= 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_int8_linear_is_w8a8_dynamic(backend, dtype, rows):
+    """Per-token dynamic int8 activations times per-channel int8 weights: what the
+    definition computes (float64), close to the float product (cosine >= 0.999), every
+    weight scale read (one scale doubled doubles its column alone)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    w = 0.05 * torch.randn(64, 48, generator=g)
+    qweight, scale = ref.quantize_per_channel(w)
+    assert qweight.dtype == torch.int8 and scale.shape == (48,)
+    dev = backend.device
+    got = backend.int8_linear(x.to(dev), qweight.to(dev), scale.to(dev))
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    close(got, ref.int8_linear(x, qweight, scale), dtype)
+    exact = (x.double() @ w.double()).flatten()
+    cosine = torch.nn.functional.cosine_similarity(got.cpu().double().flatten(), exact, dim=0)
+    assert cosine >= 0.999, float(cosine)
+    doubled = scale.clone()
+    doubled[3] *= 2
+    again = backend.int8_linear(x.to(dev), qweight.to(dev), doubled.to(dev)).cpu()
+    close(again[:, 3], 2 * got[:, 3].cpu(), dtype)
+    close(torch.cat((again[:, :3], again[:, 4:]), 1),
+          torch.cat((got[:, :3], got[:, 4:]), 1).cpu(), dtype)
+    q, s = backend.dynamic_quant(x.to(dev))
+    assert q.dtype == torch.int8 and s.shape == (rows,) and int(q.abs().max()) <= 127
+    # x ~ q * scale, within half a step
+    err = (q.cpu().float() * s.cpu()[:, None] - x.float()).abs()
+    assert bool((err <= s.cpu()[:, None] * 0.5 + TOL[dtype] * x.float().abs()).all())
