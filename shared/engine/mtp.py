@@ -18,8 +18,8 @@ A step not absorbed (the engine drafts nothing after it, e.g. at high load) leav
 requests' MTP KV with a gap; they are drafted for no more.
 
 Drafts are the MTP head's argmax, verified as point masses (the target's distribution
-is kept for any sampling). With several MTP layers only the first is run (chained), as
-vLLM's proposer does.
+is kept for any sampling). With several MTP layers only the first is run (chained);
+vLLM's model classes pick layer ``step % num_mtp_layers`` for draft ``step``.
 
 The model is either kind: DeepSeek-V3's (``CausalLM``: the hidden state is the final
 normed one, the KV the MTP layer's latent in the history group) or DeepSeek-V4's
@@ -55,8 +55,8 @@ class MtpProposer:
         """``cache``: the MTP layer's tensors; ``confidence``: also give each draft's
         max softmax (for dynamic verify budgets)."""
         if len(model.w.mtp) > 1:
-            log.warning("the checkpoint has %d MTP layers; pdmesh chains the first (as vLLM "
-                        "does)", len(model.w.mtp))
+            log.warning("the checkpoint has %d MTP layers; pdmesh chains the first",
+                        len(model.w.mtp))
         self.model = model
         self.backend = backend
         self.kv = kv
