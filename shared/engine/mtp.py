@@ -125,29 +125,33 @@ class MtpProposer:
             # room for the chained drafts' MTP KV (positions num_tokens - 1 on)
             if k > 1 and self.kv.allocate(r, k - 1, register=False):
                 chain.append((r, h))
+        if chain:
+            self._chain([r for r, _ in chain], torch.stack([h for _, h in chain]), drafts, k)
+        self._first = {}
+        return [drafts.get(r, Drafts([])) for r in requests]
+
+    def _chain(self, reqs: list[Request], hidden: torch.Tensor, drafts: dict[Request, Drafts],
+               k: int) -> None:
+        """Drafts 2..k of ``reqs``, each from the MTP layer's own output at the draft
+        before it (``hidden`` [R, H]: at draft 1), appended to ``drafts``."""
         bs = self.block_size
+        # their blocks, allocated for the chain already, do not change between drafts
+        table, *group_tables = (block_table_of([self.kv.block_ids(r, g) for r in reqs])
+                                for g in range(len(self.kv.groups)))
+        rows = np.arange(len(reqs))
+        qsl = np.arange(len(reqs) + 1, dtype=np.int32)
         for step in range(1, k):
-            if not chain:
-                break
-            reqs = [r for r, _ in chain]
             p = [r.num_tokens - 2 + step for r in reqs]
-            table, *group_tables = (block_table_of([self.kv.block_ids(r, g) for r in reqs])
-                                    for g in range(len(self.kv.groups)))
             pos = np.asarray(p, dtype=np.int64)
-            slots = table[np.arange(len(reqs)), pos // bs].astype(np.int64) * bs + pos % bs
-            qsl = np.arange(len(reqs) + 1, dtype=np.int32)
-            logits, out = self._run([np.asarray([drafts[r].tokens[-1]]) for r in reqs],
-                                    [pos], torch.stack([h for _, h in chain]), [slots], p,
-                                    [1] * len(reqs), table, group_tables, qsl,
-                                    np.arange(len(reqs)))
+            slots = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+            logits, hidden = self._run([np.asarray([drafts[r].tokens[-1]]) for r in reqs],
+                                       [pos], hidden, [slots], p, [1] * len(reqs), table,
+                                       group_tables, qsl, rows)
             tokens, conf = self._pick(logits)
             for n, r in enumerate(reqs):
                 drafts[r].tokens.append(tokens[n])
                 if self.confidence:
                     drafts[r].confidence.append(conf[n])
-            chain = [(r, out[n]) for n, r in enumerate(reqs)]
-        self._first = {}
-        return [drafts.get(r, Drafts([])) for r in requests]
 
     def _run(self, ids: list[np.ndarray], positions: list[np.ndarray], hidden: torch.Tensor,
              slots: list[np.ndarray], starts: list[int], counts: list[int], table: np.ndarray,

@@ -41,10 +41,9 @@ class CUDABackend(CPUBackend):
         """``torch._int_mm`` on CUDA takes more than 16 rows and K, N multiples of 8: fewer
         rows are padded with zeros; other K, N compute on the dequantized weight."""
         k, n = qweight.shape
-        if k % 8 or n % 8:
-            q, scale = self.dynamic_quant(x)
-            return ((q.float() * scale[:, None]) @ (qweight.float() * weight_scale)).to(x.dtype)
         q, scale = self.dynamic_quant(x)
+        if k % 8 or n % 8:
+            return ((q.float() * scale[:, None]) @ (qweight.float() * weight_scale)).to(x.dtype)
         t = q.shape[0]
         if t <= 16:
             q = torch.cat((q, q.new_zeros((17 - t, k))))

@@ -110,8 +110,8 @@ def train_model(folder: str | Path, settings: LmTraining | None = None,
             return F.cross_entropy(logits, b.ids[torch.roll(rows, 1)])
 
     def held_out() -> float:
-        return sum(loss_of(test[k:k + t.batch], grad=False).item() * len(test[k:k + t.batch])
-                   for k in range(0, len(test), t.batch)) / len(test)
+        groups = [test[k:k + t.batch] for k in range(0, len(test), t.batch)]
+        return sum(loss_of(g, grad=False).item() * len(g) for g in groups) / len(test)
 
     before = held_out()
     params = _tensors(student, model.config.tie_word_embeddings)

@@ -26,17 +26,17 @@ from safetensors.torch import load_file, save_file
 
 from pdmesh.shared.models.corpus import corpus_files
 from pdmesh.shared.models.training import (
-    ATTENTION,
     Batch,
+    attention_tensors,
+    layer_checkpoint,
     layer_forward,
     leaf,
-    mla_checkpoint,
-    mlp_checkpoint,
     mlp_tensors,
     scratch_cache,
+    trainable_attention,
     trainable_mlp,
 )
-from pdmesh.shared.models.transformer import MLAWeights
+from pdmesh.shared.models.transformer import LayerWeights, MLAWeights
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,15 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
 
     trained = {name: leaf(getattr(m, name))
                for name in ("enorm", "hnorm", "eh_proj", "head_norm", "head")}
-    trained_attn = {name: leaf(getattr(attn, name)) for name in ATTENTION}
-    input_norm, post_norm = leaf(m.layer.input_norm), leaf(m.layer.post_attn_norm)
-    mlp = trainable_mlp(m.layer.mlp, leaf)
-    student = dataclasses.replace(m, **trained, layer=dataclasses.replace(
-        m.layer, input_norm=input_norm, post_attn_norm=post_norm, mlp=mlp,
-        attn=dataclasses.replace(attn, **trained_attn)))
+    layer = LayerWeights(input_norm=leaf(m.layer.input_norm),
+                         post_attn_norm=leaf(m.layer.post_attn_norm),
+                         attn=trainable_attention(attn, leaf), mlp=trainable_mlp(m.layer.mlp, leaf))
+    student = dataclasses.replace(m, **trained, layer=layer)
     params = list(trained.values())
     if t.parts in ("attention", "all"):
-        params += [*trained_attn.values(), input_norm]
+        params += [*attention_tensors(layer.attn), layer.input_norm]
     if t.parts == "all":
-        params += [post_norm, *mlp_tensors(mlp)]
+        params += [layer.post_attn_norm, *mlp_tensors(layer.mlp)]
     params = [x for x in params if x is not None]
 
     def batch(group: list[list[int]]):
@@ -196,11 +194,7 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
                                ("head", "shared_head.head.weight", True)):
         w = trained[name].detach()
         weights[p + key] = (w.t() if t_major else w).contiguous().to(dtype)
-    weights[p + "input_layernorm.weight"] = input_norm.detach().to(dtype)
-    weights[p + "post_attention_layernorm.weight"] = post_norm.detach().to(dtype)
-    for key, w in mlp_checkpoint(mlp, weights, p + "mlp.").items():
+    for key, w in layer_checkpoint(model, student.layer, weights, p).items():
         weights[key] = w.to(dtype)
-    for key, w in mla_checkpoint(model.config, student.layer.attn).items():
-        weights[p + "self_attn." + key] = w.to(dtype)
     save_file(weights, str(path), metadata={"format": "pt"})
     return before, after

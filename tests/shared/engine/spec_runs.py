@@ -32,3 +32,21 @@ def run(model, ps, params, **engine) -> tuple[list[list[int]], LLM]:
 def assert_no_block_held(llm: LLM) -> None:
     for free, usable in llm.engine.kv.usage().values():
         assert free == usable
+
+
+def assert_hand_back_exact(llm: LLM, ps, params, want: list[list[int]]) -> None:
+    """Run ``ps`` on ``llm`` (a recompute-scheduler engine that drafts) to the end: some
+    request was handed back and drafts were verified; each output is the start of its
+    greedy answer ``want`` (the whole of it where not handed back); no block held."""
+    from pdmesh.shared.engine.request import RequestStatus
+
+    reqs = [llm.engine.add_request(p, sp) for p, sp in zip(ps, params, strict=True)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    handed = [r for r in reqs if r.status is RequestStatus.FINISHED_RECOMPUTED]
+    assert handed and llm.engine.spec_stats.num_drafts > 0
+    for r, full in zip(reqs, want, strict=True):
+        assert r.output_token_ids == full[:len(r.output_token_ids)]
+        if r.status is not RequestStatus.FINISHED_RECOMPUTED:
+            assert r.output_token_ids == full
+    assert_no_block_held(llm)

@@ -17,7 +17,12 @@ from pdmesh.shared.engine.spec_decode import (
     VerifyBudget,
 )
 from pdmesh.shared.models.tiny import make_tiny_model
-from tests.shared.engine.spec_runs import assert_no_block_held, mixed_prompts, run
+from tests.shared.engine.spec_runs import (
+    assert_hand_back_exact,
+    assert_no_block_held,
+    mixed_prompts,
+    run,
+)
 
 
 def mtp(k: int | None, method: str = "deepseek_mtp") -> dict:
@@ -221,8 +226,6 @@ def test_recompute_hand_back_with_mtp_drafts_keeps_every_output_exact(tiny_model
     """vLLM-Ascend's recompute scheduler on a decode engine drafting with MTP: a request
     that must give its blocks up (its MTP KV with them) is handed back; what each request
     produced until then is the start of its greedy answer, and no block stays held."""
-    from pdmesh.shared.engine.request import RequestStatus
-
     path = tiny_models[arch]
     ps = mixed_prompts(10, seed=4, longest=70)
     params = [SamplingParams(temperature=0, max_tokens=24 + 4 * (i % 3), ignore_eos=True)
@@ -230,13 +233,4 @@ def test_recompute_hand_back_with_mtp_drafts_keeps_every_output_exact(tiny_model
     want = run(path, ps, params, dtype="float32")[0]
     llm = LLM(str(path), device="cpu", block_size=16, dtype="float32", num_kv_blocks=20,
               recompute_scheduler=True, speculative_config=mtp(2))
-    reqs = [llm.engine.add_request(p, sp) for p, sp in zip(ps, params, strict=True)]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    handed = [r for r in reqs if r.status is RequestStatus.FINISHED_RECOMPUTED]
-    assert handed and llm.engine.spec_stats.num_drafts > 0
-    for r, full in zip(reqs, want, strict=True):
-        assert r.output_token_ids == full[:len(r.output_token_ids)]
-        if r.status is not RequestStatus.FINISHED_RECOMPUTED:
-            assert r.output_token_ids == full
-    assert_no_block_held(llm)
+    assert_hand_back_exact(llm, ps, params, want)

@@ -17,7 +17,7 @@ from pdmesh.shared.engine.spec_decode import (
     SpeculativeConfig,
     verify,
 )
-from tests.shared.engine.spec_runs import assert_no_block_held, run
+from tests.shared.engine.spec_runs import assert_hand_back_exact, assert_no_block_held, run
 
 
 def ngram(k: int, lo: int = 1, hi: int = 4) -> dict:
@@ -384,18 +384,7 @@ def test_recompute_hand_back_with_drafts_keeps_every_output_exact(qwen3_path,
     """vLLM-Ascend's recompute scheduler on a decode engine that drafts: a request that
     must give its blocks up is handed back; whatever each request produced until then is
     the start of its greedy answer, and no block stays held."""
-    from pdmesh.shared.engine.request import RequestStatus
-
     ps, params, want = greedy_reference
     llm = LLM(str(qwen3_path), device="cpu", block_size=16, num_kv_blocks=20,
               recompute_scheduler=True, speculative_config=ngram(3))
-    reqs = [llm.engine.add_request(p, sp) for p, sp in zip(ps, params, strict=True)]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    handed = [r for r in reqs if r.status is RequestStatus.FINISHED_RECOMPUTED]
-    assert handed and llm.engine.spec_stats.num_drafts > 0
-    for r, full in zip(reqs, want, strict=True):
-        assert r.output_token_ids == full[:len(r.output_token_ids)]
-        if r.status is not RequestStatus.FINISHED_RECOMPUTED:
-            assert r.output_token_ids == full
-    assert_no_block_held(llm)
+    assert_hand_back_exact(llm, ps, params, want)
