@@ -35,6 +35,9 @@ class Command:
 COMMANDS = [
     Command(("make-tiny-model",), "pdmesh.shared.models.tiny",
             "write a random model + locally trained tokenizer", False),
+    Command(("quantize",), "pdmesh.shared.models.quantize",
+            "write a quantized copy of a checkpoint (modelslim W8A8 / W8A8_DYNAMIC / "
+            "W4A8_DYNAMIC, DeepSeek FP8 block)", False),
     Command(("generate",), "pdmesh.shared.cli.generate", "offline generation with the engine",
             True),
     Command(("bench", "offline"), "pdmesh.shared.cli.bench.offline",
@@ -46,6 +49,8 @@ COMMANDS = [
     Command(("bench", "dyntralb"), "pdmesh.shared.cli.bench.dyntralb",
             "lockstep DP decode with DyntraLB off vs on (vLLM-Ascend's planner)",
             False),
+    Command(("bench", "quantization"), "pdmesh.shared.cli.bench.quantization",
+            "decode and batch speed of float32 / bfloat16 / each quantized scheme", False),
     Command(("bench", "kv-transfer"), "pdmesh.shared.cli.bench.kv_transfer",
             "KV put/get throughput through the pool", False),
     Command(("kvstore",), "pdmesh.services.kvstore.main",

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 STAMP=$VENV/.pdmesh-installed
-key=$(cat pyproject.toml setup.py requirements/*.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
+key=$(cat pyproject.toml setup.py requirements/*.txt scripts/setup.sh shared/kernels/cpu_ops.c \
+  shared/infra/bindhost.c | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ]; then
   exit 0
 fi

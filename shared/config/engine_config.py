@@ -18,7 +18,8 @@ CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 2048
 def engine_config(f: Any) -> EngineConfig:
     """The engine flags as they are (the offline tools' engine)."""
     return EngineConfig(
-        model=f.model, device=f.device, dtype=f.dtype, seed=f.seed, block_size=f.block_size,
+        model=f.model, device=f.device, dtype=f.dtype, quantization=f.quantization,
+        seed=f.seed, block_size=f.block_size,
         max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
         max_num_batched_tokens=step_tokens(f),
         enable_prefix_caching=f.enable_prefix_caching and not getattr(

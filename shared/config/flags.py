@@ -132,6 +132,9 @@ FLAGS: list[Flag] = [
              {"choices": DEVICES}),
             ("--dtype", "str", "auto", "auto (the checkpoint's), float32, bfloat16 or "
              "float16", {"choices": DTYPES}),
+            ("--quantization", "str", None, "ascend: a modelslim checkpoint (W8A8, "
+             "W8A8_DYNAMIC, W4A8_DYNAMIC per weight); fp8: DeepSeek's block FP8 (detected "
+             "without it too)", {"aliases": ("-q",)}),
             ("--seed", "int", 0, "the engine's sampling seed", {"aliases": ("--random-seed",)}),
             ("--block-size", "int", 128, "tokens per KV block", {"aliases": ("--page-size",)}),
 
@@ -308,7 +311,6 @@ FLAGS: list[Flag] = [
     *_compat(*WITHOUT_EFFECT),
     # -- `vllm serve` flags accepted without effect -------------------------------------
     *_compat(("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
-             ("--quantization", "str", ("-q",)),
              ("--compilation-config", "json"), ("--async-scheduling", "bool"),
              ("--trust-remote-code", "bool"), ("--api-server-count", "int"),
              ("--tokenizer-mode", "str"), ("--tool-call-parser", "str"),

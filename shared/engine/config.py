@@ -7,6 +7,7 @@ from typing import Any
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when nothing else is said on a CPU
 SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # pdmesh.shared.engine.policy
+QUANTIZATIONS = (None, "ascend", "modelslim", "fp8")  # pdmesh.shared.models.quantization
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,9 @@ class EngineConfig:
     model: str
     device: str = "auto"  # auto | npu | cuda | cpu
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
+    # --quantization: "ascend" (modelslim checkpoints), "fp8" (DeepSeek's block FP8, also
+    # detected without it), None (plain floats, or a format the checkpoint's config names)
+    quantization: str | None = None
     seed: int = 0
     block_size: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -83,6 +87,10 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: pdmesh loads ascend (modelslim; SGLang's "
+                             f"modelslim) and fp8 (DeepSeek's block FP8) checkpoints, not "
+                             f"{self.quantization!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")

@@ -45,6 +45,7 @@ from pdmesh.shared.engine.spec_decode import (
 )
 from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.kernels import get_backend, resolve_device
+from pdmesh.shared.kernels.quant import select_experts
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model, model_fingerprint
@@ -86,7 +87,7 @@ class EngineCore:
         self.dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         t0 = time.perf_counter()
         self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
-                                                   model_cfg)
+                                                   model_cfg, config.quantization)
         self.ep = self._setup_expert_parallel()
         if config.expert_load_window and self.model.moe_layers:
             from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
@@ -200,8 +201,8 @@ class EngineCore:
         if self.model_config.v4 is not None:
             ep.swiglu_limit = self.model_config.v4.swiglu_limit or None
         for w in weights:  # the full expert stacks are not needed any more
-            w.w13 = w.w13.new_empty(0)
-            w.w2 = w.w2.new_empty(0)
+            w.w13 = select_experts(w.w13, torch.empty(0, dtype=torch.int64))
+            w.w2 = select_experts(w.w2, torch.empty(0, dtype=torch.int64))
         self.model.ep = ep
         return ep
 

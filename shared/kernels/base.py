@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdmesh.shared.kernels.quant import DYNAMIC, QuantExperts, QuantLinear
+
 
 @dataclass
 class AttentionMetadata:
@@ -259,6 +261,53 @@ class KernelBackend(ABC):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * scaling, ids
 
+    # -- projections: float or quantized weights -------------------------------------
+    def prepare(self, w: QuantLinear | QuantExperts) -> QuantLinear | QuantExperts:
+        """A quantized weight as this backend computes it best (at load; default: as
+        it is)."""
+        return w
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantLinear,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] @ w [K, N] (+ bias) for a float weight or a quantized one
+        (``quant.QuantLinear``), in x's dtype."""
+        if isinstance(w, torch.Tensor):
+            return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+        out = self.quant_linear(x, w)
+        return out if bias is None else out + bias
+
+    def quant_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+        if w.scheme in DYNAMIC:
+            if w.offset is None:
+                return self.int8_linear(x, w.weight, w.scale)
+            q, scale = self.dynamic_quant(x)
+            acc = self.int_mm(q, w.weight).float()
+            acc -= q.sum(dim=-1, keepdim=True, dtype=torch.int32).float() * w.offset
+            return (acc * scale[:, None] * w.scale).to(x.dtype)
+        return self.static_int8_linear(x, w)
+
+    def int_mm(self, q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+        """int8 [T, K] x int8 [K, N] -> int32 [T, N]."""
+        return torch._int_mm(q, qweight)
+
+    def static_quant(self, x: torch.Tensor, scale: float, offset: float) -> torch.Tensor:
+        """Per-tensor int8 with a calibrated scale and zero point, as ``npu_quantize(x,
+        1 / scale, offset, qint8)``: clamp(round(x / scale + offset), -128, 127)."""
+        return torch.round(x.float() * (1.0 / scale) + offset).clamp_(-128, 127).to(
+            torch.int8)
+
+    def static_int8_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+        """W8A8 (static): (q_x . q_w + quant_bias) * deq_scale per run of columns."""
+        assert w.deq_scale is not None and w.quant_bias is not None
+        outs = []
+        for a, b, scale, offset in w.runs():
+            q = self.static_quant(x, scale, offset)
+            weight = w.weight if len(w.bounds) == 2 else w.weight[:, a:b]
+            acc = self.int_mm(q, weight) + w.quant_bias[a:b]
+            outs.append(acc.float() * w.deq_scale[a:b])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out.to(x.dtype)
+
     # -- int8 weights and activations (W8A8_DYNAMIC) -------------------------------------
     def dynamic_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Symmetric per-token int8, as ``npu_dynamic_quant`` defines it: scale =
@@ -274,13 +323,14 @@ class KernelBackend(ABC):
         channel ``weight_scale`` [N] float32) -> [T, N] in x's dtype: x quantized per token,
         int8 x int8 -> int32 (real integer compute), dequantized by both scales."""
         q, scale = self.dynamic_quant(x)
-        acc = torch._int_mm(q, qweight)  # [T, N] int32
+        acc = self.int_mm(q, qweight)  # [T, N] int32
         return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
 
     def grouped_matmul(
-        self, x: torch.Tensor, weight: torch.Tensor, group_sizes: list[int]
+        self, x: torch.Tensor, weight: torch.Tensor | QuantExperts, group_sizes: list[int]
     ) -> torch.Tensor:
-        """Rows of x sorted by group; group e is multiplied by weight[e].
+        """Rows of x sorted by group; group e is multiplied by weight[e] (float, or one
+        expert of ``quant.QuantExperts``).
 
         x [N, K], weight [E, K, M] (input-major, as ``x @ weight[e]``),
         sum(group_sizes) == N -> [N, M].
@@ -289,7 +339,11 @@ class KernelBackend(ABC):
         start = 0
         for e, n in enumerate(group_sizes):
             if n:
-                torch.mm(x[start : start + n], weight[e], out=out[start : start + n])
+                if isinstance(weight, QuantExperts):
+                    out[start : start + n] = self.quant_linear(x[start : start + n],
+                                                               weight.expert(e))
+                else:
+                    torch.mm(x[start : start + n], weight[e], out=out[start : start + n])
                 start += n
         return out
 

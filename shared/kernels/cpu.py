@@ -19,6 +19,7 @@ query-length axis, so K/V are never repeated:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import logging
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
+from pdmesh.shared.kernels.quant import DYNAMIC, QuantExperts, QuantLinear
 
 log = logging.getLogger(__name__)
 CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
@@ -36,6 +38,10 @@ CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
 # times the longest sequence stay below AS_DECODE_MAX_KEYS (the gathered keys' count)
 AS_DECODE_MAX_QUERY = 17
 AS_DECODE_MAX_KEYS = 1 << 20
+# the C int8 kernel's output tile, and the most rows it takes (it reads the weight once
+# per 4 rows; beyond this torch._int_mm's blocked GEMM is faster, measured here)
+INT8_TILE = 64
+INT8_TILE_ROWS = 32
 
 
 class CPUBackend(KernelBackend):
@@ -46,11 +52,56 @@ class CPUBackend(KernelBackend):
         _keep_freed_memory()
         self._mirror = DecodeKVMirror()
         self._ops = _cpu_ops()
+        self._int8 = self._ops is not None and hasattr(self._ops, "pdmesh_int8_supported") \
+            and bool(self._ops.pdmesh_int8_supported())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
         return super().rms_norm(x, weight, eps)
+
+    # -- int8 projections: VNNI tiles for a few rows, torch._int_mm for batches -------
+    def prepare(self, w: QuantLinear | QuantExperts) -> QuantLinear | QuantExperts:
+        """Dynamic schemes also get their weight in the C kernel's VNNI tiles
+        (cpu_ops.c), which a step of up to INT8_TILE_ROWS rows (decode) reads instead:
+        the int8 weight is then held twice, half of float32's bytes in all."""
+        if self._ops is None or not self._int8 or w.scheme not in DYNAMIC \
+                or w.weight.device.type != "cpu":
+            return w
+        if isinstance(w, QuantExperts):
+            tiles = [self._pack(w.weight[e]) for e in range(w.shape[0])]
+            if not tiles:
+                return w
+            return dataclasses.replace(w, packed=torch.stack([t for t, _ in tiles]),
+                                       colsum=torch.stack([c for _, c in tiles]))
+        packed, colsum = self._pack(w.weight)
+        return dataclasses.replace(w, packed=packed, colsum=colsum)
+
+    def _pack(self, qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, n = qweight.shape
+        kp, np_ = -(-k // 4) * 4, -(-n // INT8_TILE) * INT8_TILE
+        packed = torch.empty(np_ * kp, dtype=torch.int8)
+        colsum = torch.empty(np_, dtype=torch.int32)
+        self._ops.pdmesh_int8_pack(qweight.contiguous().data_ptr(), k, n, packed.data_ptr(),
+                                   colsum.data_ptr())
+        return packed, colsum
+
+    def quant_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+        m = x.shape[0]
+        if w.packed is None or not 0 < m <= INT8_TILE_ROWS:
+            return super().quant_linear(x, w)
+        k, n = w.shape
+        xf = x.float().contiguous()
+        y = torch.empty((m, n), dtype=torch.float32)
+        work = torch.empty(m * -(-k // 4) * 4, dtype=torch.uint8)
+        scales = torch.empty(m, dtype=torch.float32)
+        qsum = torch.empty(m, dtype=torch.int32)
+        assert w.colsum is not None
+        self._ops.pdmesh_int8_linear(
+            xf.data_ptr(), m, k, n, w.packed.data_ptr(), w.colsum.data_ptr(),
+            w.scale.data_ptr(), None if w.offset is None else w.offset.data_ptr(),
+            y.data_ptr(), work.data_ptr(), scales.data_ptr(), qsum.data_ptr())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -304,6 +355,14 @@ def _cpu_ops() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float]
     fn.restype = None
+    if hasattr(lib, "pdmesh_int8_linear"):  # (a build from before they were added: none)
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.pdmesh_int8_supported.restype = ctypes.c_int
+        lib.pdmesh_int8_pack.argtypes = [ptr, i64, i64, ptr, ptr]
+        lib.pdmesh_int8_pack.restype = None
+        lib.pdmesh_int8_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
+                                           ptr, ptr]
+        lib.pdmesh_int8_linear.restype = None
     return lib
 
 

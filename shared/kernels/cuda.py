@@ -36,19 +36,16 @@ class CUDABackend(CPUBackend):
         super().__init__(device)
         self._flash = _flash_varlen(device)
 
-    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor,
-                    weight_scale: torch.Tensor) -> torch.Tensor:
+    def int_mm(self, q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
         """``torch._int_mm`` on CUDA takes more than 16 rows and K, N multiples of 8: fewer
-        rows are padded with zeros; other K, N compute on the dequantized weight."""
+        rows are padded with zeros; other K, N multiply exactly in float64."""
         k, n = qweight.shape
-        q, scale = self.dynamic_quant(x)
-        if k % 8 or n % 8:
-            return ((q.float() * scale[:, None]) @ (qweight.float() * weight_scale)).to(x.dtype)
+        if k % 8 or n % 8 or not qweight.is_contiguous():
+            return (q.double() @ qweight.double()).to(torch.int32)
         t = q.shape[0]
         if t <= 16:
             q = torch.cat((q, q.new_zeros((17 - t, k))))
-        acc = torch._int_mm(q, qweight)[:t]
-        return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
+        return torch._int_mm(q, qweight)[:t]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == weight.dtype == torch.float32:

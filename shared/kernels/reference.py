@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdmesh.shared.kernels.base import AttentionMetadata
+from pdmesh.shared.kernels.quant import DYNAMIC, QuantLinear, quantize_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,16 +164,34 @@ def hc_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
                 ) -> torch.Tensor:
-    """W8A8_DYNAMIC from its definition, float64: each row of x quantized to int8 by
-    row_max(|x|) / 127 and rounded, times the dequantized weight (qweight * scale)."""
+    """W8A8_DYNAMIC from its definition, float64 (``quant_linear``)."""
+    return quant_linear(x, QuantLinear("w8a8_dynamic", qweight, weight_scale))
+
+
+def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+    """What ``KernelBackend.linear`` computes for a QuantLinear, from the definitions in
+    ``quant``'s docstring, in float64 (no integer kernels): dynamic schemes quantize each
+    row of x by row_max(|x|) / 127; static W8A8 each run of columns with its scale and
+    zero point."""
     xd = x.double()
-    scale = xd.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-    q = torch.round(xd / scale).clamp(-127, 127)
-    return ((q * scale) @ (qweight.double() * weight_scale.double())).to(x.dtype)
+    qw = w.weight.double()
+    if w.scheme in DYNAMIC:
+        s = xd.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+        qx = torch.round(xd / s).clamp(-127, 127)
+        acc = qx @ qw
+        if w.offset is not None:
+            acc = acc - qx.sum(-1, keepdim=True) * w.offset.double()
+        return (acc * s * w.scale.double()).to(x.dtype)
+    assert w.deq_scale is not None and w.quant_bias is not None
+    outs = []
+    for a, b, scale, offset in w.runs():
+        qx = torch.round(xd / scale + offset).clamp(-128, 127)
+        outs.append((qx @ qw[:, a:b] + w.quant_bias[a:b].double()) * w.deq_scale[a:b].double())
+    return torch.cat(outs, dim=-1).to(x.dtype)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [K, N] (input-major) -> (int8 [K, N], scale [N] float32), symmetric
     per output channel: w ~ q * scale."""
-    scale = w.float().abs().amax(dim=0).clamp_min(1e-12) / 127.0
-    return torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale
+    q, scale = quantize_weight(w.t(), "w8a8_dynamic")
+    return q.t().contiguous(), scale

@@ -300,8 +300,8 @@ class DeepseekV4:
         m = self.w.mtp[index]
         t, n = hidden.shape[0], self.v4.hc_mult
         e = m.embed.index_select(0, input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        e = torch.mm(be.rms_norm(e, m.enorm, eps), m.e_proj)
-        h = torch.mm(be.rms_norm(hidden.view(t * n, -1), m.hnorm, eps), m.h_proj).view(t, n, -1)
+        e = be.linear(be.rms_norm(e, m.enorm, eps), m.e_proj)
+        h = be.linear(be.rms_norm(hidden.view(t * n, -1), m.hnorm, eps), m.h_proj).view(t, n, -1)
         streams = self._layer(None, SLIDING, m.layer, h + e.unsqueeze(1), kv,
                               self._step(meta, positions, compressed=False),
                               self._rope(positions), input_ids)
@@ -328,8 +328,8 @@ class DeepseekV4:
     def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor,
                 head: torch.Tensor) -> torch.Tensor:
         last = self._hc_head(streams, hc)
-        return torch.mm(self.backend.rms_norm(last, norm, self.config.rms_norm_eps),
-                        head).float()
+        be = self.backend
+        return be.linear(be.rms_norm(last, norm, self.config.rms_norm_eps), head).float()
 
     # -- hyper-connections ----------------------------------------------------------------
     def _mixes(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:
@@ -369,9 +369,9 @@ class DeepseekV4:
         eps = cfg.rms_norm_eps
         t, h, d = x.shape[0], cfg.num_heads, v4.head_dim
         cos, sin = rope["main" if kind == SLIDING else "compress"]
-        parts = torch.mm(x, w.x_proj).split(w.splits, dim=-1)
+        parts = be.linear(x, w.x_proj).split(w.splits, dim=-1)
         q_res = be.rms_norm(parts[0], w.q_a_norm, eps)  # [T, q_lora]
-        q = torch.mm(q_res, w.q_b).view(t, h, d)
+        q = be.linear(q_res, w.q_b).view(t, h, d)
         q = be.head_rms_norm(q, self._ones, eps)  # unweighted, per head
         q = self._rotate(q, cos, sin)
         kv = self._rotate(be.rms_norm(parts[1], w.kv_norm, eps).unsqueeze(1), cos, sin)
@@ -405,7 +405,7 @@ class DeepseekV4:
         o = self._rotate(self._unpad(o, step), cos, -sin)  # undo K=V's rotation
         g = v4.o_groups
         o = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), w.o_a)  # [g, T, o_lora]
-        return torch.mm(o.transpose(0, 1).reshape(t, -1), w.o_b)
+        return be.linear(o.transpose(0, 1).reshape(t, -1), w.o_b)
 
     def _compress(self, c: CompressorWeights, proj: torch.Tensor, state: torch.Tensor,
                   entries: torch.Tensor, plan: _Compression, step: _Step) -> None:
@@ -444,7 +444,8 @@ class DeepseekV4:
         assert w.index_q is not None
         t = q_res.shape[0]
         cos, sin = rope["compress"]
-        q = self._rotate(torch.mm(q_res, w.index_q).view(t, v4.index_heads, -1), cos, sin)
+        q = self._rotate(self.backend.linear(q_res, w.index_q).view(t, v4.index_heads, -1), cos,
+                         sin)
         keys = _gather(index_keys, plan.entry_slots).float()  # [S, E, I]
         qp = self._pad(q, step).float()  # [S, nI, Lq, I]
         wp = self._pad(weights.float().unsqueeze(-1), step)[..., 0]  # [S, nI, Lq]
@@ -507,8 +508,8 @@ class DeepseekV4:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids, self.limit)
         shared = w.shared
         assert isinstance(shared, DenseMLPWeights)
-        return out + torch.mm(be.silu_and_mul(torch.mm(x, shared.gate_up), self.limit),
-                              shared.down)
+        return out + be.linear(be.silu_and_mul(be.linear(x, shared.gate_up), self.limit),
+                               shared.down)
 
 
 def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor,

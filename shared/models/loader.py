@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pdmesh.shared.kernels import KernelBackend
+from pdmesh.shared.kernels.quant import QuantExperts, QuantLinear
 from pdmesh.shared.models import quantization
 from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
 from pdmesh.shared.models.deepseek_v4 import (
@@ -30,6 +31,7 @@ from pdmesh.shared.models.deepseek_v4 import (
     V4MtpWeights,
     V4Weights,
 )
+from pdmesh.shared.models.quantization import QTensor
 from pdmesh.shared.models.transformer import (
     AttentionWeights,
     CausalLM,
@@ -45,11 +47,18 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointReader:
-    """Tensor name -> tensor across every safetensors file of a folder, read lazily."""
+    """Tensor name -> tensor across every safetensors file of a folder, read lazily.
+
+    With a quantization plan (``quant``), ``get`` of a quantized weight returns it as
+    ``quantization.QTensor`` (modelslim) or dequantized per block (FP8); an integer or
+    FP8 tensor asked for as a float that the plan does not cover is an error, never a
+    cast."""
 
     def __init__(self, folder: Path, handles: dict[str, object]):
         self.folder = folder
         self._where = handles  # tensor name -> safe_open handle
+        self.quant: quantization.QuantPlan | None = None
+        self.dequantize = False  # quantized weights read as floats (a float reference)
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -63,15 +72,51 @@ class CheckpointReader:
         return {name: h.get_slice(name).get_dtype()  # type: ignore[attr-defined]
                 for name, h in self._where.items()}
 
-    def get(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def stored(self, name: str) -> torch.Tensor | None:
+        """A tensor as stored (its own dtype, on the CPU), None if absent."""
+        if name not in self._where:
+            return None
+        return self._where[name].get_tensor(name)  # type: ignore[attr-defined]
+
+    def get(self, name: str, dtype: torch.dtype, device: torch.device
+            ) -> torch.Tensor | quantization.QTensor:
         if name not in self._where:
             raise ValueError(
                 f"model: tensor {name!r} missing from the safetensors in {self.folder}")
+        q = self.quant
+        if q is not None and q.kind == "modelslim" and name in q.types:
+            w = quantization.read_quantized(name, q.types[name], self.stored, device)
+            return w.dequantize(dtype) if self.dequantize else w
         t = self._where[name].get_tensor(name)  # type: ignore[attr-defined]
+        if dtype.is_floating_point and not t.dtype.is_floating_point:
+            raise ValueError(f"model: {name} is stored as {t.dtype}, not as floats, and "
+                             f"nothing says how it is quantized")
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and dtype != t.dtype:
+            return self._fp8(name, t, dtype, device)
         return t.to(device=device, dtype=dtype)
 
+    def _fp8(self, name: str, w: torch.Tensor, dtype: torch.dtype, device: torch.device
+             ) -> torch.Tensor:
+        if self.quant is None or self.quant.kind != "fp8":
+            raise ValueError(f"model: {name} is stored as {w.dtype} but the checkpoint has "
+                             f"no fp8 quantization_config")
+        base = name.removesuffix("weight")
+        scale = self.stored(base + "weight_scale_inv")
+        if scale is None:
+            scale = self.stored(base + "scale")
+        if scale is None:
+            raise ValueError(f"model: {name} is FP8 without {base}weight_scale_inv "
+                             f"(or {base}scale)")
+        return quantization.dequantize_fp8(w.to(device), scale.to(device), self.quant.block,
+                                           dtype, name)
+
+    def dense(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A weight as floats, dequantized if it is quantized (what no int8 kernel
+        computes)."""
+        return quantization.dense(self.get(name, dtype, device), dtype)
+
     def maybe(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        return self.get(name, dtype, device) if name in self._where else None
+        return self.dense(name, dtype, device) if name in self._where else None
 
 
 @contextmanager
@@ -113,29 +158,52 @@ def model_fingerprint(folder: str | Path) -> str:
 
 def load_model(
     folder: str | Path, backend: KernelBackend, dtype: torch.dtype,
-    config: ModelConfig | None = None,
+    config: ModelConfig | None = None, quantization_flag: str | None = None,
+    dequantize: bool = False,
 ) -> tuple[ModelConfig, CausalLM | DeepseekV4]:
     """Read config (unless given) and weights; weights land on the backend's device in
-    ``dtype``."""
+    ``dtype``. ``quantization_flag``: --quantization; ``dequantize``: quantized weights
+    read as the floats they stand for (the reference the quantized model is measured
+    against)."""
     config = config or ModelConfig.from_folder(folder)
     dev = backend.device
     with open_checkpoint(folder) as ckpt:
-        quantized = quantization.detect(folder, ckpt.dtypes())
-        if quantized is not None:
-            raise quantization.refusal(folder, quantized)
+        ckpt.quant = quantization.plan(folder, ckpt.dtypes(), quantization_flag)
+        ckpt.dequantize = dequantize
+        if ckpt.quant is not None:
+            log.info("model: %s: %s%s", folder, ckpt.quant.describe(),
+                     " (read as floats)" if dequantize else "")
         if config.v4 is not None:
-            return config, DeepseekV4(config, _read_v4(config, ckpt, dtype, dev), backend)
-        weights = _read_weights(config, ckpt, dtype, dev)
+            v4 = _prepared(_read_v4(config, ckpt, dtype, dev), backend)
+            return config, DeepseekV4(config, v4, backend)
+        weights = _prepared(_read_weights(config, ckpt, dtype, dev), backend)
     return config, CausalLM(config, weights, backend)
+
+
+def _prepared(obj, backend: KernelBackend):
+    """Every quantized weight in the weights' dataclasses as the backend computes it
+    (``KernelBackend.prepare``), in place."""
+    if isinstance(obj, list):
+        for i, item in enumerate(obj):
+            obj[i] = _prepared(item, backend)
+    elif isinstance(obj, QuantLinear | QuantExperts):
+        return backend.prepare(obj)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            value = getattr(obj, name)
+            if isinstance(value, list | QuantLinear | QuantExperts) or hasattr(
+                    value, "__dataclass_fields__"):
+                setattr(obj, name, _prepared(value, backend))
+    return obj
 
 
 def _read_weights(
     cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype, dev: torch.device
 ) -> ModelWeights:
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(name, dtype, dev)
 
-    embed = get("model.embed_tokens.weight")
+    embed = ckpt.dense("model.embed_tokens.weight", dtype, dev)
     if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings:
         lm_head = _input_major(get("lm_head.weight"))
     else:
@@ -157,7 +225,7 @@ def _read_mtp_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, embed: tor
     copy a checkpoint carries is not read), the head its own where it has one."""
     p = f"model.layers.{i}."
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(p + name, dtype, dev)
 
     return MtpWeights(
@@ -169,9 +237,10 @@ def _read_mtp_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, embed: tor
         embed=embed)
 
 
-def _input_major(w: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's [out, in] (or stacked [E, out, in]) -> contiguous [in, out]."""
-    return w.transpose(-1, -2).contiguous()
+def _input_major(w: torch.Tensor | QTensor) -> torch.Tensor | QuantLinear | QuantExperts:
+    """nn.Linear's [out, in] (or stacked [E, out, in]) -> contiguous [in, out], float or
+    quantized."""
+    return quantization.kernel(w)
 
 
 def _read_layer(
@@ -179,7 +248,7 @@ def _read_layer(
 ) -> LayerWeights:
     p = f"model.layers.{i}."
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(p + name, dtype, dev)
 
     attn = _read_mla(cfg, ckpt, p, dtype, dev) if cfg.mla else _read_attention(
@@ -199,8 +268,8 @@ def _read_layer(
 
 def _read_dense(ckpt: CheckpointReader, p: str, dtype: torch.dtype,
                 dev: torch.device) -> DenseMLPWeights:
-    gate_up = torch.cat([ckpt.get(p + "gate_proj.weight", dtype, dev),
-                         ckpt.get(p + "up_proj.weight", dtype, dev)], dim=0)
+    gate_up = quantization.cat([ckpt.get(p + "gate_proj.weight", dtype, dev),
+                                ckpt.get(p + "up_proj.weight", dtype, dev)], dtype)
     return DenseMLPWeights(gate_up=_input_major(gate_up),
                            down=_input_major(ckpt.get(p + "down_proj.weight", dtype, dev)))
 
@@ -228,7 +297,7 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
     assert m is not None
     h, nope, lat = cfg.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(p + "self_attn." + name, dtype, dev)
 
     q_rows, kv_rows = mla_rows(cfg)
@@ -236,8 +305,9 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
         q, q_a, q_a_norm, q_b = _input_major(get("q_proj.weight")[q_rows]), None, None, None
     else:
         q, q_a = None, _input_major(get("q_a_proj.weight"))
-        q_a_norm, q_b = get("q_a_layernorm.weight"), _input_major(get("q_b_proj.weight")[q_rows])
-    kv_b = get("kv_b_proj.weight")
+        q_a_norm = ckpt.dense(p + "self_attn.q_a_layernorm.weight", dtype, dev)
+        q_b = _input_major(get("q_b_proj.weight")[q_rows])
+    kv_b = ckpt.dense(p + "self_attn.kv_b_proj.weight", dtype, dev)  # absorbed: floats
     expected = (h * (nope + m.v_head_dim), lat)
     if tuple(kv_b.shape) != expected:
         raise ValueError(f"model: {p}self_attn.kv_b_proj has shape {tuple(kv_b.shape)}, "
@@ -246,7 +316,7 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
     return MLAWeights(
         q=q, q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
         kv_a=_input_major(get("kv_a_proj_with_mqa.weight")[kv_rows]),
-        kv_a_norm=get("kv_a_layernorm.weight"),
+        kv_a_norm=ckpt.dense(p + "self_attn.kv_a_layernorm.weight", dtype, dev),
         w_uk=kv_b[:, :nope].contiguous(),  # [H, nope, L]
         w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),  # [H, L, v]
         o=_input_major(get("o_proj.weight")))
@@ -254,21 +324,24 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
 
 def _read_attention(cfg: ModelConfig, ckpt: CheckpointReader, p: str, i: int,
                     dtype: torch.dtype, dev: torch.device) -> AttentionWeights:
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(p + name, dtype, dev)
 
     def maybe(name: str) -> torch.Tensor | None:
         return ckpt.maybe(p + name, dtype, dev)
 
-    qkv = torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+    qkv = quantization.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"], dtype)
     biases = [maybe(f"self_attn.{n}_proj.bias") for n in "qkv"]
     if cfg.qkv_bias and any(b is None for b in biases):
         raise ValueError(f"model: layer {i} lacks q/k/v biases that {cfg.architecture} needs")
     qkv_bias = torch.cat(biases, dim=0) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
+    if isinstance(qkv, QTensor) and qkv.scheme == "w8a8":
+        qkv_bias = None  # static W8A8 folds the bias into quant_bias (vLLM-Ascend adds none)
     qk_norm = None
     if cfg.qk_norm:
-        qk_norm = torch.cat([get("self_attn.q_norm.weight").expand(cfg.num_heads, -1),
-                             get("self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
+        qk_norm = torch.cat([ckpt.dense(p + "self_attn.q_norm.weight", dtype, dev).expand(
+            cfg.num_heads, -1), ckpt.dense(p + "self_attn.k_norm.weight", dtype, dev).expand(
+            cfg.num_kv_heads, -1)])
     return AttentionWeights(qkv=_input_major(qkv), qkv_bias=qkv_bias,
                             o=_input_major(get("self_attn.o_proj.weight")), qk_norm=qk_norm)
 
@@ -277,19 +350,19 @@ def _read_experts(
     cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dtype, dev: torch.device
 ) -> MoEWeights:
     assert cfg.moe is not None
-    router = ckpt.get(p + "mlp.gate.weight", dtype, dev)
+    router = ckpt.dense(p + "mlp.gate.weight", dtype, dev)
     if ckpt.has(p + "mlp.experts.gate_up_proj"):
-        w13 = ckpt.get(p + "mlp.experts.gate_up_proj", dtype, dev)
-        w2 = ckpt.get(p + "mlp.experts.down_proj", dtype, dev)
+        w13 = ckpt.dense(p + "mlp.experts.gate_up_proj", dtype, dev)
+        w2 = ckpt.dense(p + "mlp.experts.down_proj", dtype, dev)
     else:
         e = p + "mlp.experts.{}.{}_proj.weight"
-        w13 = torch.stack([
-            torch.cat([ckpt.get(e.format(j, "gate"), dtype, dev),
-                       ckpt.get(e.format(j, "up"), dtype, dev)], dim=0)
+        w13 = quantization.stack([
+            quantization.cat([ckpt.get(e.format(j, "gate"), dtype, dev),
+                              ckpt.get(e.format(j, "up"), dtype, dev)], dtype)
             for j in range(cfg.moe.num_experts)
-        ])
-        w2 = torch.stack([ckpt.get(e.format(j, "down"), dtype, dev)
-                          for j in range(cfg.moe.num_experts)])
+        ], dtype)
+        w2 = quantization.stack([ckpt.get(e.format(j, "down"), dtype, dev)
+                                 for j in range(cfg.moe.num_experts)], dtype)
     expected = (cfg.moe.num_experts, 2 * cfg.moe.intermediate_size, cfg.hidden_size)
     if tuple(w13.shape) != expected:
         raise ValueError(f"model: {p}mlp.experts gate/up has shape {tuple(w13.shape)}, "
@@ -332,7 +405,7 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
     layers = [_read_v4_layer(cfg, ckpt, f"layers.{i}.", v4.layer_types[i], v4.compress_rates[i],
                              v4.hash_layers[i], dtype, dev, hc)
               for i in range(cfg.num_layers)]
-    embed, lm_head = ckpt.get("embed.weight", dtype, dev), _input_major(
+    embed, lm_head = ckpt.dense("embed.weight", dtype, dev), _input_major(
         ckpt.get("head.weight", dtype, dev))
     mtp, not_run = [], None
     for i in range(cfg.num_nextn_predict_layers):
@@ -349,7 +422,7 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
             hnorm=ckpt.get(p + "hnorm.weight", dtype, dev),
             norm=ckpt.get(p + "norm.weight", dtype, dev), hc_head=hc(p + "hc_head"),
             layer=_read_v4_layer(cfg, ckpt, p, SLIDING, 0, False, dtype, dev, hc),
-            embed=ckpt.get(p + "emb.tok_emb.weight", dtype, dev)
+            embed=ckpt.dense(p + "emb.tok_emb.weight", dtype, dev)
             if ckpt.has(p + "emb.tok_emb.weight") else embed,
             head=_input_major(ckpt.get(p + "head.weight", dtype, dev))
             if ckpt.has(p + "head.weight") else lm_head))
@@ -366,7 +439,7 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
     a = p + "attn."
     h, d, r = cfg.num_heads, v4.head_dim, v4.rope_dim
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(name, dtype, dev)
 
     head_order = _rope_order(d, r)
@@ -376,13 +449,15 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
                    ) -> tuple[CompressorWeights, torch.Tensor]:
         halves = 2 if overlap else 1
         order = torch.cat([_rope_order(dim, r) + j * dim for j in range(halves)])
-        proj = torch.cat((get(c + "wkv.weight")[order], get(c + "wgate.weight")[order]))
+        proj = quantization.cat([get(c + "wkv.weight")[order], get(c + "wgate.weight")[order]],
+                                dtype)
         ape = ckpt.get(c + "ape", torch.float32, dev)
         if tuple(ape.shape) != (rate, halves * dim):
             raise ValueError(f"model: {c}ape has shape {tuple(ape.shape)}, expected "
                              f"{(rate, halves * dim)} (compress rate {rate})")
         return (CompressorWeights(rate=rate, overlap=overlap, dim=dim, ape=ape[:, order],
-                                  norm=get(c + "norm.weight")[_rope_order(dim, r)]), proj)
+                                  norm=ckpt.dense(c + "norm.weight", dtype, dev)[
+                                      _rope_order(dim, r)]), proj)
 
     parts = [get(a + "wq_a.weight"), get(a + "wkv.weight")[head_order]]
     comp = index_comp = index_q = None
@@ -396,7 +471,7 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         parts.append(get(a + "indexer.weights_proj.weight"))
         rows = torch.cat([_rope_order(ih, r) + j * ih for j in range(v4.index_heads)])
         index_q = _input_major(get(a + "indexer.wq_b.weight")[rows])
-    o_a = get(a + "wo_a.weight")  # [groups * o_lora, H * D / groups]
+    o_a = ckpt.dense(a + "wo_a.weight", dtype, dev)  # [groups * o_lora, H * D / groups]
     g = v4.o_groups
     expected = (g * v4.o_lora_rank, h * d // g)
     if tuple(o_a.shape) != expected:
@@ -404,24 +479,25 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
     in_order = torch.cat([head_order + j * d for j in range(h // g)])
     o_a = o_a[:, in_order].view(g, v4.o_lora_rank, -1).transpose(1, 2).contiguous()
     attn = V4AttentionWeights(
-        x_proj=_input_major(torch.cat(parts)), splits=tuple(t.shape[0] for t in parts),
-        q_a_norm=get(a + "q_norm.weight"), q_b=_input_major(get(a + "wq_b.weight")[q_rows]),
-        kv_norm=get(a + "kv_norm.weight")[head_order], o_a=o_a,
+        x_proj=_input_major(quantization.cat(parts, dtype)),
+        splits=tuple(t.shape[0] for t in parts), q_a_norm=get(a + "q_norm.weight"),
+        q_b=_input_major(get(a + "wq_b.weight")[q_rows]),
+        kv_norm=ckpt.dense(a + "kv_norm.weight", dtype, dev)[head_order], o_a=o_a,
         o_b=_input_major(get(a + "wo_b.weight")),
         sinks=ckpt.get(a + "attn_sink", torch.float32, dev), compressor=comp, index_q=index_q,
         index_compressor=index_comp)
     f = p + "ffn."
     e = f + "experts.{}.{}.weight"
-    w13 = torch.stack([torch.cat((get(e.format(j, "w1")), get(e.format(j, "w3"))))
-                       for j in range(moe.num_experts)])
-    w2 = torch.stack([get(e.format(j, "w2")) for j in range(moe.num_experts)])
+    w13 = quantization.stack([quantization.cat([get(e.format(j, "w1")), get(e.format(j, "w3"))],
+                                               dtype) for j in range(moe.num_experts)], dtype)
+    w2 = quantization.stack([get(e.format(j, "w2")) for j in range(moe.num_experts)], dtype)
     expected = (moe.num_experts, 2 * moe.intermediate_size, cfg.hidden_size)
     if tuple(w13.shape) != expected:
         raise ValueError(f"model: {f}experts w1/w3 have shape {tuple(w13.shape)}, "
                          f"expected {expected}")
     shared = DenseMLPWeights(
-        gate_up=_input_major(torch.cat((get(f + "shared_experts.w1.weight"),
-                                        get(f + "shared_experts.w3.weight")))),
+        gate_up=_input_major(quantization.cat([get(f + "shared_experts.w1.weight"),
+                                               get(f + "shared_experts.w3.weight")], dtype)),
         down=_input_major(get(f + "shared_experts.w2.weight")))
     tid2eid = bias = None
     if hashed:
@@ -432,7 +508,8 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
                              f"expert ids below {moe.num_experts}")
     else:
         bias = ckpt.get(f + "gate.bias", torch.float32, dev)
-    mlp = MoEWeights(router=_input_major(get(f + "gate.weight")), w13=_input_major(w13),
+    mlp = MoEWeights(router=_input_major(ckpt.dense(f + "gate.weight", dtype, dev)),
+                     w13=_input_major(w13),
                      w2=_input_major(w2), correction_bias=bias, shared=shared, tid2eid=tid2eid)
     return V4LayerWeights(
         attn_norm=get(p + "attn_norm.weight"), ffn_norm=get(p + "ffn_norm.weight"),

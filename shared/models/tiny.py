@@ -51,6 +51,11 @@ class Shape:
 SIZES = {
     "tiny": Shape(hidden=256, intermediate=768, layers=4, heads=8, kv_heads=2, head_dim=32,
                   vocab=4096, experts=8, experts_per_token=2, expert_intermediate=256),
+    # weights dominate a decode step (~57M parameters, ~230 MB in float32): the size the
+    # quantization benchmarks run on
+    "medium": Shape(hidden=768, intermediate=2048, layers=8, heads=12, kv_heads=4,
+                    head_dim=64, vocab=4096, experts=8, experts_per_token=2,
+                    expert_intermediate=1024),
     # Qwen3-0.6B's width (1024 hidden, 16 q / 8 kv heads of 128, 3072 MLP) on 12 layers
     # and this tokenizer's vocabulary: ~190M parameters, ~770 MB in float32.
     "small": Shape(hidden=1024, intermediate=3072, layers=12, heads=16, kv_heads=8,

@@ -167,10 +167,10 @@ class CausalLM:
         if hidden_out is not None:
             every = be.rms_norm(h + residual, self.w.final_norm, eps)
             hidden_out.append(every)
-            return torch.mm(every.index_select(0, logits_rows), self.w.lm_head).float()
+            return be.linear(every.index_select(0, logits_rows), self.w.lm_head).float()
         last = (h + residual).index_select(0, logits_rows)  # [B, hidden]
         last = be.rms_norm(last, self.w.final_norm, eps)
-        return torch.mm(last, self.w.lm_head).float()
+        return be.linear(last, self.w.lm_head).float()
 
     @torch.inference_mode()
     def mtp_forward(
@@ -198,7 +198,7 @@ class CausalLM:
         be, eps = self.backend, self.config.rms_norm_eps
         e = be.rms_norm(m.embed.index_select(0, input_ids), m.enorm, eps)
         e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        return torch.mm(torch.cat((e, be.rms_norm(hidden, m.hnorm, eps)), dim=-1), m.eh_proj)
+        return be.linear(torch.cat((e, be.rms_norm(hidden, m.hnorm, eps)), dim=-1), m.eh_proj)
 
     def mtp_block(self, m: MtpWeights, x: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                   meta: AttentionMetadata) -> torch.Tensor:
@@ -215,8 +215,9 @@ class CausalLM:
 
     def mtp_logits(self, m: MtpWeights, out: torch.Tensor) -> torch.Tensor:
         """shared_head: head(norm(out)), float32."""
-        return torch.mm(self.backend.rms_norm(out, m.head_norm, self.config.rms_norm_eps),
-                        m.head).float()
+        be = self.backend
+        return be.linear(be.rms_norm(out, m.head_norm, self.config.rms_norm_eps),
+                         m.head).float()
 
     def _attention(
         self,
@@ -231,7 +232,7 @@ class CausalLM:
             return self._latent_attention(w, x, cos, sin, kv["latent"], meta)
         be, cfg = self.backend, self.config
         t = x.shape[0]
-        qkv = _project(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
+        qkv = be.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)  # [T, H+KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if w.qk_norm is not None:
@@ -244,7 +245,7 @@ class CausalLM:
             o = be.paged_attention_decode(q, k_cache, v_cache, meta, self.scale)
         else:
             o = be.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale)
-        return torch.mm(o.reshape(t, self.q_size), w.o)  # [T, hidden]
+        return be.linear(o.reshape(t, self.q_size), w.o)  # [T, hidden]
 
     def _latent_attention(
         self,
@@ -261,11 +262,11 @@ class CausalLM:
         t, h = x.shape[0], cfg.num_heads
         nope, lat = m.qk_nope_head_dim, m.kv_lora_rank
         if w.q is not None:
-            q = torch.mm(x, w.q)
+            q = be.linear(x, w.q)
         else:
-            q = torch.mm(be.rms_norm(torch.mm(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+            q = be.linear(be.rms_norm(be.linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
         q = q.view(t, h, nope + m.qk_rope_head_dim)
-        latent = torch.mm(x, w.kv_a)  # [T, L + R]
+        latent = be.linear(x, w.kv_a)  # [T, L + R]
         c = be.rms_norm(latent[:, :lat], w.kv_a_norm, cfg.rms_norm_eps)  # [T, L]
         # one rotary call for the query heads' rope dims and the shared key's
         rope = be.rotary_embedding(torch.cat((q[:, :, nope:], latent[:, None, lat:]), dim=1),
@@ -280,14 +281,14 @@ class CausalLM:
         else:
             o = be.latent_attention_prefill(query, entry, cache, meta, self.scale, lat)
         v = torch.bmm(o.transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]
-        return torch.mm(v.reshape(t, h * m.v_head_dim), w.o)  # [T, hidden]
+        return be.linear(v.reshape(t, h * m.v_head_dim), w.o)  # [T, hidden]
 
     def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int | None
              ) -> torch.Tensor:
         """``layer`` None: an MTP layer's, whose experts every rank holds whole."""
         be = self.backend
         if isinstance(w, DenseMLPWeights):
-            return torch.mm(be.silu_and_mul(torch.mm(x, w.gate_up)), w.down)
+            return be.linear(be.silu_and_mul(be.linear(x, w.gate_up)), w.down)
         weights, ids = self._route(w, x)
         if self.load_recorder is not None and layer is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
@@ -311,6 +312,3 @@ class CausalLM:
             router_logits, moe.top_k, moe.num_groups, moe.topk_groups, w.correction_bias,
             moe.norm_topk_prob, moe.routed_scaling)
 
-
-def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)

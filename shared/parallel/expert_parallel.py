@@ -31,6 +31,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pdmesh.shared.kernels.quant import (
+    QuantExperts,
+    expert_tensors,
+    select_experts,
+    with_expert_tensors,
+)
 from pdmesh.shared.models.transformer import MoEWeights
 
 log = logging.getLogger(__name__)
@@ -130,12 +136,14 @@ class ExpertParallel:
         self._device = experts[0].w13.device if experts else torch.device("cpu")
         self._maps = [self._on_device(p) for p in self.placements]
         mine = slice(rank * self.slots_per_rank, (rank + 1) * self.slots_per_rank)
-        self.w13: list[torch.Tensor] = []  # [slots_per_rank, H, 2I] per MoE layer
-        self.w2: list[torch.Tensor] = []  # [slots_per_rank, I, H]
+        # [slots_per_rank, H, 2I] and [slots_per_rank, I, H] per MoE layer: float, or
+        # quantized with their scales (every tensor expert-major, moved alike)
+        self.w13: list[torch.Tensor | QuantExperts] = []
+        self.w2: list[torch.Tensor | QuantExperts] = []
         for w, p in zip(experts, self.placements, strict=True):
-            local = p.phy2log[mine].to(w.w13.device)
-            self.w13.append(w.w13.index_select(0, local).contiguous())
-            self.w2.append(w.w2.index_select(0, local).contiguous())
+            local = p.phy2log[mine]
+            self.w13.append(select_experts(w.w13, local))
+            self.w2.append(select_experts(w.w2, local))
         self.bytes_moved = 0
 
     def _on_device(self, p: LayerPlacement) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,23 +229,36 @@ class ExpertParallel:
         recv_split = [sum(1 for s in recv if src_rank[s] == r) for r in range(self.world)]
         moved = 0
         new_w = []
-        for w in (self.w13[i], self.w2[i]):
-            local_old = [int(src_slot[s]) - self.rank * spr for s in send]
-            out = w.new_empty((len(recv), *w.shape[1:]))
-            dist.all_to_all_single(out, w[local_old].contiguous() if send else
-                                   w.new_empty((0, *w.shape[1:])), recv_split, send_split)
-            fresh = w.new_empty(w.shape)
-            got = dict(zip(recv, out, strict=True))
-            for j in range(spr):
-                s = self.rank * spr + j
-                if s in got:
-                    fresh[j] = got[s]
-                else:  # the expert was already here, in some local slot
-                    fresh[j] = w[int(src_slot[s]) - self.rank * spr]
-            new_w.append(fresh)
-            moved += out.numel() * out.element_size()
+        for stacked in (self.w13[i], self.w2[i]):
+            fresh_tensors = []
+            for w in expert_tensors(stacked):
+                fresh, n = self._exchange(w, send, recv, src_slot, send_split, recv_split)
+                fresh_tensors.append(fresh)
+                moved += n
+            new_w.append(with_expert_tensors(stacked, fresh_tensors))
         self.w13[i], self.w2[i] = new_w
         self.placements[i] = LayerPlacement.from_phy2log(new_phy2log, self.num_experts)
         self._maps[i] = self._on_device(self.placements[i])
         self.bytes_moved += moved
         return moved
+
+    def _exchange(self, w: torch.Tensor, send: list[int], recv: list[int],
+                  src_slot: torch.Tensor, send_split: list[int], recv_split: list[int]
+                  ) -> tuple[torch.Tensor, int]:
+        """One expert-major tensor of a layer under the new placement: the rows for the
+        slots in ``recv`` from their ranks, the others from this rank's old slots.
+        Returns it and the bytes received."""
+        spr = self.slots_per_rank
+        local_old = [int(src_slot[s]) - self.rank * spr for s in send]
+        out = w.new_empty((len(recv), *w.shape[1:]))
+        dist.all_to_all_single(out, w[local_old].contiguous() if send else
+                               w.new_empty((0, *w.shape[1:])), recv_split, send_split)
+        fresh = w.new_empty(w.shape)
+        got = dict(zip(recv, out, strict=True))
+        for j in range(spr):
+            s = self.rank * spr + j
+            if s in got:
+                fresh[j] = got[s]
+            else:  # the expert was already here, in some local slot
+                fresh[j] = w[int(src_slot[s]) - self.rank * spr]
+        return fresh, out.numel() * out.element_size()

@@ -34,8 +34,8 @@ def test_vllm_flags_without_effect_are_accepted(qwen3_path):
     """A vLLM-Ascend command line's extra flags pass the parser: start-up gets as far as
     the (unreachable) kvstore, and says which flags had no effect."""
     r = start("prefill", "--model", str(qwen3_path), "--kvstore", "127.0.0.1:1",
-              "--device", "cpu", "--quantization", "ascend", "--trust-remote-code",
+              "--device", "cpu", "--pipeline-parallel-size", "1", "--trust-remote-code",
               "--speculative-config", '{"method": "mtp"}', "--async-scheduling")
     assert r.returncode == 2, r.stderr
     assert "kvstore" in r.stderr and "unrecognized" not in r.stderr
-    assert "--quantization" in r.stderr and "--trust-remote-code" in r.stderr
+    assert "--pipeline-parallel-size" in r.stderr and "--trust-remote-code" in r.stderr

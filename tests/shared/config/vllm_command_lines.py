@@ -280,7 +280,7 @@ SEED_COMMANDS: tuple[SeedCommand, ...] = (
     SeedCommand(
         "features_quantization", "vllm-ascend-features.zh.txt:83",
         r"""vllm serve /home/models/Qwen3-8B-w4a8 --served-model-name "qwen3-8b-w4a8" --max-model-len 4096 --quantization ascend""",
-        expect={"model": "/home/models/Qwen3-8B-w4a8", "served_model_name": ("qwen3-8b-w4a8",), "max_model_len": 4096, "accepted_without_effect": ("--quantization",)},
+        expect={"model": "/home/models/Qwen3-8B-w4a8", "served_model_name": ("qwen3-8b-w4a8",), "max_model_len": 4096, "quantization": "ascend", "accepted_without_effect": ()},
     ),
     SeedCommand(
         "features_no_prefix_cache", "vllm-ascend-features.zh.txt:121",

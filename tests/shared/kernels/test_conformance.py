@@ -439,3 +439,65 @@ def test_int8_linear_is_w8a8_dynamic(backend, dtype, rows):
     # x ~ q * scale, within half a step
     err = (q.cpu().float() * s.cpu()[:, None] - x.float()).abs()
     assert bool((err <= s.cpu()[:, None] * 0.5 + TOL[dtype] * x.float().abs()).all())
+
+
+def _quantized(scheme: str, k: int, n: int, g: torch.Generator, offsets: bool = False):
+    from pdmesh.shared.kernels.quant import QuantLinear
+
+    hi = 7 if scheme == "w4a8_dynamic" else 127
+    q = torch.randint(-hi - (scheme == "w4a8_dynamic"), hi + 1, (k, n), generator=g,
+                      dtype=torch.int8)
+    scale = torch.rand(n, generator=g) / 40 + 1e-3
+    if scheme != "w8a8":
+        offset = torch.randint(-3, 4, (n,), generator=g).float() if offsets else None
+        return QuantLinear(scheme, q, scale, offset)
+    # two runs of columns with their own input scale and zero point (q | kv calibrated apart)
+    cut = n // 3
+    return QuantLinear(scheme, q, scale, deq_scale=scale * 0.03,
+                       quant_bias=torch.randint(-900, 900, (n,), generator=g, dtype=torch.int32),
+                       input_scale=(0.03, 0.011), input_offset=(0.0, -7.0), bounds=(0, cut, n))
+
+
+def _on(w, dev):
+    import dataclasses
+
+    return dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dev)
+                                     for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("scheme", "offsets"), [("w8a8_dynamic", False), ("w8a8_dynamic", True),
+                                                 ("w4a8_dynamic", False), ("w8a8", False)])
+def test_quantized_linear_is_its_scheme(backend, dtype, scheme, offsets):
+    """``linear`` on a QuantLinear computes the scheme's definition (reference, float64):
+    dynamic per-token int8 with weight zero points, int4 weights, static per-tensor
+    activations in runs of columns with their own scales, quant_bias and deq_scale."""
+    g = torch.Generator().manual_seed(12)
+    w = _quantized(scheme, 64, 48, g, offsets)
+    tol = torch.bfloat16 if backend.name == "npu" and dtype == torch.float32 else dtype
+    # as loaded: in the backend's own layout too, where it has one (cpu: VNNI tiles)
+    prepared = backend.prepare(_on(w, backend.device))
+    for rows in (1, 4, 7, 33):
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        for weight in (_on(w, backend.device), prepared):
+            got = backend.linear(x.to(backend.device), weight)
+            assert got.dtype == dtype and got.shape == (rows, 48)
+            close(got, ref.quant_linear(x, w), tol)
+
+
+def test_grouped_matmul_takes_quantized_experts(backend):
+    from pdmesh.shared.kernels.quant import QuantExperts
+
+    g = torch.Generator().manual_seed(13)
+    sizes = [3, 0, 5, 1]
+    x = torch.randn(sum(sizes), 16, generator=g)
+    experts = QuantExperts("w8a8_dynamic",
+                           torch.randint(-127, 128, (4, 16, 8), generator=g, dtype=torch.int8),
+                           torch.rand(4, 8, generator=g) / 50)
+    expected = torch.cat([ref.quant_linear(x[s:s + n], experts.expert(e)) for e, (s, n) in
+                          enumerate(zip([0, 3, 3, 8], sizes, strict=True))])
+    on = _on(experts, backend.device)
+    for weight in (on, backend.prepare(on)):
+        out = backend.grouped_matmul(x.to(backend.device), weight, sizes)
+        close(out, expected, torch.bfloat16 if backend.name == "npu" else torch.float32)

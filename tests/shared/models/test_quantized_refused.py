@@ -47,8 +47,13 @@ def test_a_config_quantization_config_is_named(tiny_models, tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                   "fmt": "e4m3", "weight_block_size": [128, 128]}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"fp8 checkpoint \(config.json quantization_config: "
-                                         r"quant_method fp8, weight_block_size \[128, 128\]"):
+    with pytest.raises(ValueError, match=r"config.json says fp8 \(quantization_config\) but "
+                                         r"no tensor is stored as FP8"):
+        LLM(str(folder), device="cpu")
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"awq checkpoint \(config.json quantization_config: "
+                                         r"quant_method awq, bits 4\); pdmesh loads modelslim"):
         LLM(str(folder), device="cpu")
 
 

@@ -25,7 +25,7 @@ def free_port() -> int:
 
 def rank_main(rank: int, world: int, address: str, model: str, prompts: list[list[int]],
               redundant: int, moves: list, out: mp.Queue, expert_map: str | None = None,
-              speculative: dict | None = None) -> None:
+              speculative: dict | None = None, quantization: str | None = None) -> None:
     """One DP rank: its share of the prompts, stepped in lockstep with the others; after
     ``moves[i][0]`` steps, every rank switches MoE layer moves[i][1] to moves[i][2].
     ``speculative``: the ranks draft and verify (their step sizes then differ more)."""
@@ -41,7 +41,7 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
             data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
             enable_expert_parallel=True, num_redundant_experts=redundant,
             expert_load_window=8, expert_map_path=expert_map,
-            speculative_config=speculative))
+            speculative_config=speculative, quantization=quantization))
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW,
                                                  ignore_eos=True)).request_id
                for p in prompts]
@@ -72,14 +72,15 @@ def rank_main(rank: int, world: int, address: str, model: str, prompts: list[lis
 
 def run_ranks(model: str, shares: list[list[list[int]]], redundant: int = 0,
               moves: list | None = None, expert_map: str | None = None,
-              speculative: dict | None = None) -> dict[int, tuple]:
+              speculative: dict | None = None, quantization: str | None = None
+              ) -> dict[int, tuple]:
     """rank -> (its outputs, expert bytes moved, expert load recorded, drafts verified)."""
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=rank_main, args=(r, len(shares), address, model, shares[r],
                                                  redundant, moves or [], out, expert_map,
-                                                 speculative))
+                                                 speculative, quantization))
              for r in range(len(shares))]
     for p in procs:
         p.start()
@@ -165,6 +166,36 @@ def test_redundant_experts_and_live_moves_keep_the_output(moe_path, expected):
     assert res[0][0] == expected[:3] and res[1][0] == expected[3:]
     assert res[0][1] > 0 and res[1][1] > 0  # weights really crossed between the ranks
     assert identity_placement(n_moe, experts, slots).shape == (n_moe, slots)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8_dynamic", "w4a8_dynamic"])
+def test_quantized_experts_move_with_their_scales(tiny_models, tmp_path, scheme):
+    """modelslim experts over two EP ranks, redundant slots and live moves: the int8
+    weights travel with their per-channel scales (a scale left behind would change the
+    answers), and the answers are the single-process quantized engine's."""
+    from pdmesh.shared.models.config import ModelConfig
+    from pdmesh.shared.models.quantize import quantize_checkpoint
+
+    path = str(tmp_path / scheme)
+    quantize_checkpoint(tiny_models["qwen3_moe"], path, scheme)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=16, quantization="ascend")
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
+    cfg = ModelConfig.from_folder(path)
+    g = torch.Generator().manual_seed(7)
+    moves = [(2 + layer, layer, torch.cat([torch.randperm(cfg.moe.num_experts, generator=g),
+                                           torch.randint(0, cfg.moe.num_experts, (2,),
+                                                         generator=g)]).tolist())
+             for layer in range(cfg.num_layers)]
+    res = run_ranks(path, [PROMPTS[:3], PROMPTS[3:]], redundant=2, moves=moves,
+                    quantization="ascend")
+    assert res[0][0] == want[:3] and res[1][0] == want[3:]
+    # int8 weights (1 byte each) and float32 scales crossed, not float32 weights
+    e = cfg.moe
+    per_expert = (2 * e.intermediate_size * cfg.hidden_size + e.intermediate_size
+                  * cfg.hidden_size) + 4 * (2 * e.intermediate_size + cfg.hidden_size)
+    for rank in (0, 1):
+        assert res[rank][1] > 0 and res[rank][1] % per_expert == 0, (res[rank][1], per_expert)
 
 
 def test_layer_placement_maps_agree():
