@@ -26,9 +26,11 @@ BIND_SHIM = Extension("pdmesh.shared.infra._bindhost", ["shared/infra/bindhost.c
 
 # Not a Python module either: small C kernels the cpu backend calls through ctypes
 # (shared/kernels/cpu.py). Optional too: without them it runs the same math as torch ops.
-# OpenMP: loaded after torch, it binds to the libgomp torch has loaded (one thread pool).
+# OpenMP: loaded after torch, it binds to the libgomp torch has loaded (one thread pool);
+# no fused multiply-add contraction, so activations round exactly as torch rounds them.
 CPU_OPS = Extension("pdmesh.shared.kernels._cpu_ops", ["shared/kernels/cpu_ops.c"],
-                    extra_compile_args=["-fopenmp"], extra_link_args=["-fopenmp"],
+                    extra_compile_args=["-fopenmp", "-ffp-contract=off"],
+                    extra_link_args=["-fopenmp"],
                     optional=True)
 
 setup(packages=packages(), package_dir=FOLDERS, ext_modules=[BIND_SHIM, CPU_OPS])

@@ -135,6 +135,9 @@ FLAGS: list[Flag] = [
             ("--quantization", "str", None, "ascend: a modelslim checkpoint (W8A8, "
              "W8A8_DYNAMIC, W4A8_DYNAMIC per weight); fp8: DeepSeek's block FP8 (detected "
              "without it too)", {"aliases": ("-q",)}),
+            ("--kv-cache-dtype", "str", "auto", "auto (the model's dtype) or int8 (K and V "
+             "per token and head in int8, their scales in the same blocks: half of "
+             "bfloat16's bytes, in the cache and through the pool)"),
             ("--seed", "int", 0, "the engine's sampling seed", {"aliases": ("--random-seed",)}),
             ("--block-size", "int", 128, "tokens per KV block", {"aliases": ("--page-size",)}),
 
@@ -319,7 +322,7 @@ FLAGS: list[Flag] = [
              ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),
              ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
-             ("--kv-cache-dtype", "str"), ("--tokenizer", "str", ("--tokenizer-path",)),
+             ("--tokenizer", "str", ("--tokenizer-path",)),
              ("--trust-request-chat-template", "bool"), ("--chat-template", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--disable-log-stats", "bool"),

@@ -8,6 +8,7 @@ from typing import Any
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when nothing else is said on a CPU
 SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # pdmesh.shared.engine.policy
 QUANTIZATIONS = (None, "ascend", "modelslim", "fp8")  # pdmesh.shared.models.quantization
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class EngineConfig:
     # --quantization: "ascend" (modelslim checkpoints), "fp8" (DeepSeek's block FP8, also
     # detected without it), None (plain floats, or a format the checkpoint's config names)
     quantization: str | None = None
+    # --kv-cache-dtype: "auto" (the model's dtype) or "int8" (each token's K and V per
+    # head in int8 with a float32 scale kept beside it in the same blocks)
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     block_size: int = 128
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -91,6 +95,9 @@ class EngineConfig:
             raise ValueError(f"quantization: pdmesh loads ascend (modelslim; SGLang's "
                              f"modelslim) and fp8 (DeepSeek's block FP8) checkpoints, not "
                              f"{self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: pdmesh keeps the KV cache in the model's "
+                             f"dtype (auto) or in int8, not {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")

@@ -104,7 +104,8 @@ class EngineCore:
         self.speculative = self._speculative_config()
         mtp = self.speculative is not None and self.speculative.is_mtp
         self.cache_spec = cache_spec(self.model_config, config.block_size,
-                                     mtp_layers=1 if mtp else 0)
+                                     mtp_layers=1 if mtp else 0,
+                                     int8=config.kv_cache_dtype == "int8")
         self.kv_bytes_per_token = round(self.cache_spec.bytes_per_token(self.dtype))
         groups = self._resolve_num_blocks()
         num_blocks = groups[0].num_blocks

@@ -41,9 +41,10 @@ class CacheTensor:
     dim: int
     heads: int = 1
     float32: bool = False  # kept in float32 whatever the model's dtype (compressor inputs)
+    int8: bool = False  # --kv-cache-dtype int8: its scales are the role + "_scale" tensor
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return torch.float32 if self.float32 else model_dtype
+        return torch.int8 if self.int8 else torch.float32 if self.float32 else model_dtype
 
     def block_bytes(self, model_dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=self.dtype(model_dtype)).element_size()
@@ -79,6 +80,7 @@ class KVCacheSpec:
         return ";".join(
             f"{g.name}:{g.kind}:{g.window}:" + ",".join(
                 f"{t.layer}.{t.role}.{t.slots}x{t.heads}x{t.dim}{'f' if t.float32 else ''}"
+                f"{'q' if t.int8 else ''}"
                 for t in g.tensors)
             for g in self.groups)
 
@@ -98,20 +100,37 @@ class KVCacheSpec:
                    if g.kind == SLIDING)
 
 
-def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0) -> KVCacheSpec:
+def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0,
+               int8: bool = False) -> KVCacheSpec:
     """``mtp_layers``: MTP layers that run as a proposer keep their KV as layers
     ``num_layers ..`` in the request's own blocks (DeepSeek-V4's, sliding-window, in the
-    window group)."""
+    window group). ``int8``: K and V (MLA: the latent; DeepSeek-V4: the window K=V, the
+    compressed entries and the indexer keys) in int8, each token's heads with a float32
+    scale in a tensor of their own (role + "_scale"), in the same blocks, so the pool and
+    the prefix cache carry them along."""
     if cfg.v4 is None:
-        tensors = tuple(CacheTensor(i, role, block_size, cfg.kv_cache_dim, cfg.kv_cache_heads)
-                        for i in range(cfg.num_layers + mtp_layers)
-                        for role in (("latent",) if cfg.mla is not None else ("k", "v")))
-        return KVCacheSpec(block_size, (CacheGroup("kv", FULL, tensors),))
+        roles = ("latent",) if cfg.mla is not None else ("k", "v")
+        tensors: list[CacheTensor] = []
+        for i in range(cfg.num_layers + mtp_layers):
+            for role in roles:
+                tensors.append(CacheTensor(i, role, block_size, cfg.kv_cache_dim,
+                                           cfg.kv_cache_heads, int8=int8))
+                if int8:
+                    tensors.append(CacheTensor(i, role + "_scale", block_size, 1,
+                                               cfg.kv_cache_heads, float32=True))
+        return KVCacheSpec(block_size, (CacheGroup("kv", FULL, tuple(tensors)),))
     v4 = cfg.v4
     history: list[CacheTensor] = []
     window: list[CacheTensor] = []
+
+    def kv(layer: int, role: str, slots: int, dim: int) -> list[CacheTensor]:
+        """A K=V tensor (window K=V, compressed entries, indexer keys), and under int8
+        its scales; the compressors' float32 inputs stay float32."""
+        return [CacheTensor(layer, role, slots, dim, int8=int8)] + (
+            [CacheTensor(layer, role + "_scale", slots, 1, float32=True)] if int8 else [])
+
     for i, (kind, rate) in enumerate(zip(v4.layer_types, v4.compress_rates, strict=True)):
-        window.append(CacheTensor(i, "window", block_size, v4.head_dim))
+        window += kv(i, "window", block_size, v4.head_dim)
         if not rate:
             continue
         if rate % block_size and block_size % rate:
@@ -122,14 +141,14 @@ def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0) -> KVCach
         # per token: the compressor's kv and gate (+ position bias), both halves for CSA
         window.append(CacheTensor(i, "state", block_size, 2 * overlap * v4.head_dim,
                                   float32=True))
-        history.append(CacheTensor(i, "entries", slots, v4.head_dim))
+        history += kv(i, "entries", slots, v4.head_dim)
         if kind == CSA:
             window.append(CacheTensor(i, "index_state", block_size, 4 * v4.index_head_dim,
                                       float32=True))
-            history.append(CacheTensor(i, "index_keys", slots, v4.index_head_dim))
+            history += kv(i, "index_keys", slots, v4.index_head_dim)
     # MTP blocks attend their sliding window only: their K=V beside the layers'
-    window += [CacheTensor(cfg.num_layers + i, "window", block_size, v4.head_dim)
-               for i in range(mtp_layers)]
+    for i in range(mtp_layers):
+        window += kv(cfg.num_layers + i, "window", block_size, v4.head_dim)
     # (sliding layers only: the history group holds no tensor, only the bookkeeping)
     return KVCacheSpec(block_size, (
         CacheGroup("compressed", FULL, tuple(history)),

@@ -162,6 +162,67 @@ class KernelBackend(ABC):
         k_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, k)
         v_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, slot_mapping, v)
 
+    # -- int8 KV cache (--kv-cache-dtype int8) -----------------------------------------
+    def quantize_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, N, D] -> (int8 [T, N, D], float32 scale [T, N, 1]): symmetric per token
+        and head, scale = max|x| / 127."""
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+        return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+    def write_int8_cache(self, x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+        """x [T, N, D] quantized into its slots of an int8 cache and its scales
+        [blocks, bs, N, 1]."""
+        q, s = self.quantize_kv(x)
+        self.write_cache(q, cache, slot_mapping)
+        self.write_cache(s, scales, slot_mapping)
+
+    def int8_cache_view(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                        meta: AttentionMetadata, dtype: torch.dtype
+                        ) -> tuple[list[torch.Tensor], AttentionMetadata]:
+        """The blocks this step reads of int8 caches (each with its scales), dequantized
+        to ``dtype`` into compact caches, and the step's metadata renumbered to them: any
+        attention op then runs as on a float cache. The renumbering is built once a step
+        (every layer shares the block tables); the dequantized blocks once a layer."""
+        state = meta.backend_state
+        if "int8_view" not in state:
+            state["int8_view"] = self._renumbered(meta)
+        ids, sub = state["int8_view"]
+        out = []
+        for cache, scales in pairs:
+            rows = cache.index_select(0, ids).to(dtype)
+            out.append(rows.mul_(scales.index_select(0, ids).to(dtype)))
+        return out, sub
+
+    def _renumbered(self, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+        import numpy as np
+
+        tables = meta.block_tables_host
+        if tables is None:
+            tables = meta.block_tables.cpu().numpy()
+        ids = np.union1d(np.zeros(1, dtype=np.int64), tables.astype(np.int64))  # 0 first
+        remap = np.zeros(int(ids[-1]) + 1, dtype=np.int32)
+        remap[ids] = np.arange(len(ids), dtype=np.int32)
+        new_tables = np.ascontiguousarray(remap[tables])
+        bs = meta.block_size
+        slots = meta.slot_mapping.cpu().numpy()
+        new_slots = remap[slots // bs].astype(np.int64) * bs + slots % bs
+        dev = meta.block_tables.device
+        sub = AttentionMetadata(
+            slot_mapping=torch.from_numpy(new_slots).to(dev),
+            query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            context_lens=meta.context_lens,
+            block_tables=torch.from_numpy(new_tables).to(dev),
+            query_lens_host=meta.query_lens_host, seq_lens_host=meta.seq_lens_host,
+            context_lens_host=meta.context_lens_host, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, block_size=bs, block_tables_host=new_tables,
+            group_tables_host=meta.group_tables_host, positions_host=meta.positions_host,
+            # the views are new tensors every layer: nothing may be carried across steps
+            backend_state={"transient_caches": True})
+        self.prepare_attention(sub)
+        return torch.from_numpy(ids).to(dev), sub
+
     @abstractmethod
     def paged_attention_prefill(
         self,

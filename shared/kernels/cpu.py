@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
-from pdmesh.shared.kernels.quant import DYNAMIC, QuantExperts, QuantLinear
+from pdmesh.shared.kernels.quant import QuantExperts, QuantLinear
 
 log = logging.getLogger(__name__)
 CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
@@ -38,8 +38,8 @@ CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
 # times the longest sequence stay below AS_DECODE_MAX_KEYS (the gathered keys' count)
 AS_DECODE_MAX_QUERY = 17
 AS_DECODE_MAX_KEYS = 1 << 20
-# the C int8 kernel's output tile, and the most rows it takes (it reads the weight once
-# per 4 rows; beyond this torch._int_mm's blocked GEMM is faster, measured here)
+# the C int8 / int4 kernels' output tile, and the most rows they take (they read the
+# weight once per 4 rows; beyond this torch._int_mm's blocked GEMM is faster, measured)
 INT8_TILE = 64
 INT8_TILE_ROWS = 32
 
@@ -52,8 +52,9 @@ class CPUBackend(KernelBackend):
         _keep_freed_memory()
         self._mirror = DecodeKVMirror()
         self._ops = _cpu_ops()
-        self._int8 = self._ops is not None and hasattr(self._ops, "pdmesh_int8_supported") \
-            and bool(self._ops.pdmesh_int8_supported())
+        # the int8 / int4 kernels: AVX-512 VNNI on this CPU, and a build that has them
+        self._int8 = self._ops is not None and hasattr(
+            self._ops, "pdmesh_int8_static_linear") and bool(self._ops.pdmesh_int8_supported())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -62,28 +63,35 @@ class CPUBackend(KernelBackend):
 
     # -- int8 projections: VNNI tiles for a few rows, torch._int_mm for batches -------
     def prepare(self, w: QuantLinear | QuantExperts) -> QuantLinear | QuantExperts:
-        """Dynamic schemes also get their weight in the C kernel's VNNI tiles
-        (cpu_ops.c), which a step of up to INT8_TILE_ROWS rows (decode) reads instead:
-        the int8 weight is then held twice, half of float32's bytes in all."""
-        if self._ops is None or not self._int8 or w.scheme not in DYNAMIC \
-                or w.weight.device.type != "cpu":
+        """The weight also in the C kernels' VNNI tiles (cpu_ops.c), which a step of up
+        to INT8_TILE_ROWS rows (decode) reads instead: int8 tiles (W8A8_DYNAMIC, static
+        W8A8 of one input scale) or int4, two to a byte (W4A8_DYNAMIC). The int8 weight
+        stays for larger steps: the weights take 2 (W4A8: 1.5) bytes a parameter."""
+        if not self._int8 or w.weight.device.type != "cpu" or (
+                w.scheme == "w8a8" and (isinstance(w, QuantExperts) or len(w.bounds) != 2)):
             return w
         if isinstance(w, QuantExperts):
-            tiles = [self._pack(w.weight[e]) for e in range(w.shape[0])]
+            tiles = [self._pack(w.weight[e], w.scheme) for e in range(w.shape[0])]
             if not tiles:
                 return w
-            return dataclasses.replace(w, packed=torch.stack([t for t, _ in tiles]),
-                                       colsum=torch.stack([c for _, c in tiles]))
-        packed, colsum = self._pack(w.weight)
+            return dataclasses.replace(
+                w, packed=torch.stack([t for t, _ in tiles]),
+                colsum=None if tiles[0][1] is None else torch.stack([c for _, c in tiles]))
+        packed, colsum = self._pack(w.weight, w.scheme)
         return dataclasses.replace(w, packed=packed, colsum=colsum)
 
-    def _pack(self, qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, qweight: torch.Tensor, scheme: str
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         k, n = qweight.shape
-        kp, np_ = -(-k // 4) * 4, -(-n // INT8_TILE) * INT8_TILE
-        packed = torch.empty(np_ * kp, dtype=torch.int8)
+        np_ = -(-n // INT8_TILE) * INT8_TILE
+        q = qweight.contiguous()
+        if scheme == "w4a8_dynamic":
+            packed = torch.empty(np_ * (-(-k // 8) * 8) // 2, dtype=torch.uint8)
+            self._ops.pdmesh_int4_pack(q.data_ptr(), k, n, packed.data_ptr())
+            return packed, None
+        packed = torch.empty(np_ * (-(-k // 4) * 4), dtype=torch.int8)
         colsum = torch.empty(np_, dtype=torch.int32)
-        self._ops.pdmesh_int8_pack(qweight.contiguous().data_ptr(), k, n, packed.data_ptr(),
-                                   colsum.data_ptr())
+        self._ops.pdmesh_int8_pack(q.data_ptr(), k, n, packed.data_ptr(), colsum.data_ptr())
         return packed, colsum
 
     def quant_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
@@ -93,14 +101,33 @@ class CPUBackend(KernelBackend):
         k, n = w.shape
         xf = x.float().contiguous()
         y = torch.empty((m, n), dtype=torch.float32)
-        work = torch.empty(m * -(-k // 4) * 4, dtype=torch.uint8)
+        ops = self._ops
+        if w.scheme == "w8a8":
+            assert w.colsum is not None and w.deq_scale is not None \
+                and w.quant_bias is not None
+            work = torch.empty(m * -(-k // 4) * 4, dtype=torch.uint8)
+            ops.pdmesh_int8_static_linear(
+                xf.data_ptr(), m, k, n, w.packed.data_ptr(), w.colsum.data_ptr(),
+                # (1 / scale as torch rounds it: in float32, from the double)
+                ctypes.c_float(1.0 / w.input_scale[0]), ctypes.c_float(w.input_offset[0]),
+                w.quant_bias.data_ptr(), w.deq_scale.data_ptr(), y.data_ptr(),
+                work.data_ptr())
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         scales = torch.empty(m, dtype=torch.float32)
         qsum = torch.empty(m, dtype=torch.int32)
-        assert w.colsum is not None
-        self._ops.pdmesh_int8_linear(
-            xf.data_ptr(), m, k, n, w.packed.data_ptr(), w.colsum.data_ptr(),
-            w.scale.data_ptr(), None if w.offset is None else w.offset.data_ptr(),
-            y.data_ptr(), work.data_ptr(), scales.data_ptr(), qsum.data_ptr())
+        offset = None if w.offset is None else w.offset.data_ptr()
+        if w.scheme == "w4a8_dynamic":
+            work = torch.empty(m * -(-k // 8) * 8, dtype=torch.int8)
+            ops.pdmesh_int4_linear(xf.data_ptr(), m, k, n, w.packed.data_ptr(),
+                                   w.scale.data_ptr(), offset, y.data_ptr(), work.data_ptr(),
+                                   scales.data_ptr(), qsum.data_ptr())
+        else:
+            assert w.colsum is not None
+            work = torch.empty(m * -(-k // 4) * 4, dtype=torch.uint8)
+            ops.pdmesh_int8_linear(xf.data_ptr(), m, k, n, w.packed.data_ptr(),
+                                   w.colsum.data_ptr(), w.scale.data_ptr(), offset,
+                                   y.data_ptr(), work.data_ptr(), scales.data_ptr(),
+                                   qsum.data_ptr())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,8 +189,9 @@ class CPUBackend(KernelBackend):
             # [B, 1, 1, Lk] additive mask (faster than a boolean one in torch's CPU flash
             # attention); none at all when every sequence has the same length
             state["mask"] = _additive(in_seq[:, None, None, :], self.device) if ragged else None
-            state["mirror"] = self._mirror.plan(tables, seq_lens, bs, meta.slot_mapping,
-                                                self.device)
+            if not state.get("transient_caches"):  # (int8 views are new every layer)
+                state["mirror"] = self._mirror.plan(tables, seq_lens, bs, meta.slot_mapping,
+                                                    self.device)
             return
         qlens = np.asarray(meta.query_lens_host)
         if not meta.has_context and bool((qlens == qlens[0]).all()):
@@ -355,14 +383,20 @@ def _cpu_ops() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float]
     fn.restype = None
-    if hasattr(lib, "pdmesh_int8_linear"):  # (a build from before they were added: none)
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    if hasattr(lib, "pdmesh_int8_static_linear"):  # (an older build: none of them)
+        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        signatures = {
+            "pdmesh_int8_pack": [ptr, i64, i64, ptr, ptr],
+            "pdmesh_int8_linear": [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
+            "pdmesh_int4_pack": [ptr, i64, i64, ptr],
+            "pdmesh_int4_linear": [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
+            "pdmesh_int8_static_linear": [ptr, i64, i64, i64, ptr, ptr, f32, f32, ptr, ptr,
+                                          ptr, ptr],
+        }
+        for name, args in signatures.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
         lib.pdmesh_int8_supported.restype = ctypes.c_int
-        lib.pdmesh_int8_pack.argtypes = [ptr, i64, i64, ptr, ptr]
-        lib.pdmesh_int8_pack.restype = None
-        lib.pdmesh_int8_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                                           ptr, ptr]
-        lib.pdmesh_int8_linear.restype = None
     return lib
 
 

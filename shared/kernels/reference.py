@@ -170,22 +170,23 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
 
 def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     """What ``KernelBackend.linear`` computes for a QuantLinear, from the definitions in
-    ``quant``'s docstring, in float64 (no integer kernels): dynamic schemes quantize each
-    row of x by row_max(|x|) / 127; static W8A8 each run of columns with its scale and
-    zero point."""
-    xd = x.double()
+    ``quant``'s docstring (no integer kernels): the activations quantized in float32, as
+    the NPU ops define it (dynamic: each row by scale = row_max(|x|) / 127, q =
+    round(x / scale); static W8A8: each run of columns by round(x * (1 / input_scale) +
+    input_offset)), the products and scales in float64."""
+    xf = x.float()
     qw = w.weight.double()
     if w.scheme in DYNAMIC:
-        s = xd.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-        qx = torch.round(xd / s).clamp(-127, 127)
+        s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+        qx = torch.round(xf / s).clamp(-127, 127).double()
         acc = qx @ qw
         if w.offset is not None:
             acc = acc - qx.sum(-1, keepdim=True) * w.offset.double()
-        return (acc * s * w.scale.double()).to(x.dtype)
+        return (acc * s.double() * w.scale.double()).to(x.dtype)
     assert w.deq_scale is not None and w.quant_bias is not None
     outs = []
     for a, b, scale, offset in w.runs():
-        qx = torch.round(xd / scale + offset).clamp(-128, 127)
+        qx = torch.round(xf * (1.0 / scale) + offset).clamp(-128, 127).double()
         outs.append((qx @ qw[:, a:b] + w.quant_bias[a:b].double()) * w.deq_scale[a:b].double())
     return torch.cat(outs, dim=-1).to(x.dtype)
 

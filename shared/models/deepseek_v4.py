@@ -375,27 +375,27 @@ class DeepseekV4:
         q = be.head_rms_norm(q, self._ones, eps)  # unweighted, per head
         q = self._rotate(q, cos, sin)
         kv = self._rotate(be.rms_norm(parts[1], w.kv_norm, eps).unsqueeze(1), cos, sin)
-        window = cache["window"]
-        be.write_cache(kv, window, step.write_slots)
-        keys = _gather(window, step.window_slots)  # [S, Lw, D]
+        self._write(kv, cache, "window", step.write_slots)
+        keys = self._read(cache, "window", step.window_slots)  # [S, Lw, D]
         visible = step.window_visible
         if w.compressor is not None:
             c = w.compressor
             plan = step.compression[(c.rate, c.overlap)]
-            self._compress(c, parts[2], cache["state"], cache["entries"], plan, step)
+            self._compress(c, parts[2], cache["state"], cache, "entries", plan, step)
             if w.index_compressor is None:  # HCA: every entry the query has seen
-                entries = _gather(cache["entries"], plan.entry_slots)  # [S, E, D]
+                entries = self._read(cache, "entries", plan.entry_slots)  # [S, E, D]
                 chosen = plan.causal
             else:
                 ic = w.index_compressor
-                self._compress(ic, parts[3], cache["index_state"], cache["index_keys"],
+                self._compress(ic, parts[3], cache["index_state"], cache, "index_keys",
                                plan, step)
-                ids, ok = self._index(w, q_res, parts[4], cache["index_keys"], plan, step, rope)
+                ids, ok = self._index(w, q_res, parts[4], cache, plan, step, rope)
                 if step.decode:  # the chosen entries alone (index_topk), not every entry
-                    entries = _gather(cache["entries"], plan.entry_slots.gather(1, ids[:, 0]))
+                    entries = self._read(cache, "entries",
+                                         plan.entry_slots.gather(1, ids[:, 0]))
                     chosen = ok
                 else:
-                    entries = _gather(cache["entries"], plan.entry_slots)
+                    entries = self._read(cache, "entries", plan.entry_slots)
                     chosen = torch.zeros_like(plan.causal)
                     chosen.scatter_(-1, ids, ok)
                     chosen &= plan.causal
@@ -407,10 +407,30 @@ class DeepseekV4:
         o = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), w.o_a)  # [g, T, o_lora]
         return be.linear(o.transpose(0, 1).reshape(t, -1), w.o_b)
 
+    def _write(self, x: torch.Tensor, cache: KVCache, role: str, slots: torch.Tensor
+               ) -> None:
+        """Rows x [T, 1, D] into their slots of the cache's ``role`` tensor (int8 with
+        its scales under --kv-cache-dtype int8)."""
+        scales = cache.get(role + "_scale")
+        if scales is None:
+            self.backend.write_cache(x, cache[role], slots)
+        else:
+            self.backend.write_int8_cache(x, cache[role], scales, slots)
+
+    def _read(self, cache: KVCache, role: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of the cache's ``role`` tensor at flat slots [S, L] -> [S, L, D], in the
+        model's dtype."""
+        rows = _gather(cache[role], slots)
+        scales = cache.get(role + "_scale")
+        if scales is None:
+            return rows
+        return rows.to(self.dtype).mul_(_gather(scales, slots).to(self.dtype))
+
     def _compress(self, c: CompressorWeights, proj: torch.Tensor, state: torch.Tensor,
-                  entries: torch.Tensor, plan: _Compression, step: _Step) -> None:
+                  cache: KVCache, role: str, plan: _Compression, step: _Step) -> None:
         """Keep this step's compressor inputs (kv | gate + position bias, per token) and
-        write the entry of every window this step closes."""
+        write the entry of every window this step closes into the cache's ``role``."""
+
         be = self.backend
         half = proj.shape[-1] // 2
         rows = proj.float()
@@ -433,10 +453,10 @@ class DeepseekV4:
         cos, sin = self.rope["compress"]
         entry = self._rotate(entry, cos.index_select(0, plan.closing_pos),
                              sin.index_select(0, plan.closing_pos))
-        be.write_cache(entry, entries, plan.closing_dest)
+        self._write(entry, cache, role, plan.closing_dest)
 
     def _index(self, w: V4AttentionWeights, q_res: torch.Tensor, weights: torch.Tensor,
-               index_keys: torch.Tensor, plan: _Compression, step: _Step, rope: dict
+               cache: KVCache, plan: _Compression, step: _Step, rope: dict
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The lightning indexer: each query's ``index_topk`` entries, scored
         sum_h w_h * relu(q_h . k); -> (entry ids [S, Lq, k], chosen [S, Lq, k] bool)."""
@@ -446,7 +466,7 @@ class DeepseekV4:
         cos, sin = rope["compress"]
         q = self._rotate(self.backend.linear(q_res, w.index_q).view(t, v4.index_heads, -1), cos,
                          sin)
-        keys = _gather(index_keys, plan.entry_slots).float()  # [S, E, I]
+        keys = self._read(cache, "index_keys", plan.entry_slots).float()  # [S, E, I]
         qp = self._pad(q, step).float()  # [S, nI, Lq, I]
         wp = self._pad(weights.float().unsqueeze(-1), step)[..., 0]  # [S, nI, Lq]
         scores = torch.relu(torch.matmul(qp, keys.transpose(1, 2).unsqueeze(1)))  # [S,nI,Lq,E]

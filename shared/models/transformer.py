@@ -229,7 +229,7 @@ class CausalLM:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         if isinstance(w, MLAWeights):
-            return self._latent_attention(w, x, cos, sin, kv["latent"], meta)
+            return self._latent_attention(w, x, cos, sin, kv, meta)
         be, cfg = self.backend, self.config
         t = x.shape[0]
         qkv = be.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
@@ -240,7 +240,13 @@ class CausalLM:
         qk = be.rotary_embedding(qk, cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         k_cache, v_cache = kv["k"], kv["v"]
-        be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if "k_scale" in kv:  # --kv-cache-dtype int8
+            be.write_int8_cache(k, k_cache, kv["k_scale"], meta.slot_mapping)
+            be.write_int8_cache(v, v_cache, kv["v_scale"], meta.slot_mapping)
+            (k_cache, v_cache), meta = be.int8_cache_view(
+                [(k_cache, kv["k_scale"]), (v_cache, kv["v_scale"])], meta, x.dtype)
+        else:
+            be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = be.paged_attention_decode(q, k_cache, v_cache, meta, self.scale)
         else:
@@ -253,7 +259,7 @@ class CausalLM:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: torch.Tensor,  # [blocks, bs, 1, L + R]
+        kv: KVCache,  # latent [blocks, bs, 1, L + R] (and its int8 scales)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         be, cfg = self.backend, self.config
@@ -272,7 +278,12 @@ class CausalLM:
         rope = be.rotary_embedding(torch.cat((q[:, :, nope:], latent[:, None, lat:]), dim=1),
                                    cos, sin)  # [T, H + 1, R]
         entry = torch.cat((c, rope[:, h]), dim=-1).unsqueeze(1)  # [T, 1, L + R]
-        be.write_cache(entry, cache, meta.slot_mapping)
+        cache = kv["latent"]
+        if "latent_scale" in kv:  # --kv-cache-dtype int8
+            be.write_int8_cache(entry, cache, kv["latent_scale"], meta.slot_mapping)
+            (cache,), meta = be.int8_cache_view([(cache, kv["latent_scale"])], meta, x.dtype)
+        else:
+            be.write_cache(entry, cache, meta.slot_mapping)
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk).transpose(0, 1)
         query = torch.cat((q_latent, rope[:, :h]), dim=-1)  # [T, H, L + R]
         # the values are the latents: their rope dims are not part of them

@@ -451,11 +451,13 @@ def _quantized(scheme: str, k: int, n: int, g: torch.Generator, offsets: bool = 
     if scheme != "w8a8":
         offset = torch.randint(-3, 4, (n,), generator=g).float() if offsets else None
         return QuantLinear(scheme, q, scale, offset)
-    # two runs of columns with their own input scale and zero point (q | kv calibrated apart)
-    cut = n // 3
+    # offsets: two runs of columns with their own input scale and zero point (q | kv
+    # calibrated apart); else one, as a projection calibrated whole
+    runs = dict(input_scale=(0.03, 0.011), input_offset=(0.0, -7.0), bounds=(0, n // 3, n)) \
+        if offsets else dict(input_scale=(0.021,), input_offset=(5.0,), bounds=(0, n))
     return QuantLinear(scheme, q, scale, deq_scale=scale * 0.03,
                        quant_bias=torch.randint(-900, 900, (n,), generator=g, dtype=torch.int32),
-                       input_scale=(0.03, 0.011), input_offset=(0.0, -7.0), bounds=(0, cut, n))
+                       **runs)
 
 
 def _on(w, dev):
@@ -467,12 +469,14 @@ def _on(w, dev):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("scheme", "offsets"), [("w8a8_dynamic", False), ("w8a8_dynamic", True),
-                                                 ("w4a8_dynamic", False), ("w8a8", False)])
+@pytest.mark.parametrize(("scheme", "offsets"), [
+    ("w8a8_dynamic", False), ("w8a8_dynamic", True), ("w4a8_dynamic", False),
+    ("w4a8_dynamic", True), ("w8a8", False), ("w8a8", True)])
 def test_quantized_linear_is_its_scheme(backend, dtype, scheme, offsets):
     """``linear`` on a QuantLinear computes the scheme's definition (reference, float64):
     dynamic per-token int8 with weight zero points, int4 weights, static per-tensor
-    activations in runs of columns with their own scales, quant_bias and deq_scale."""
+    activations (in one run, or runs of columns with their own scales), quant_bias and
+    deq_scale; as the engine loads it too (``prepare``: the cpu backend's VNNI tiles)."""
     g = torch.Generator().manual_seed(12)
     w = _quantized(scheme, 64, 48, g, offsets)
     tol = torch.bfloat16 if backend.name == "npu" and dtype == torch.float32 else dtype

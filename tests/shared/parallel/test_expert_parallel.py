@@ -190,10 +190,14 @@ def test_quantized_experts_move_with_their_scales(tiny_models, tmp_path, scheme)
     res = run_ranks(path, [PROMPTS[:3], PROMPTS[3:]], redundant=2, moves=moves,
                     quantization="ascend")
     assert res[0][0] == want[:3] and res[1][0] == want[3:]
-    # int8 weights (1 byte each) and float32 scales crossed, not float32 weights
-    e = cfg.moe
-    per_expert = (2 * e.intermediate_size * cfg.hidden_size + e.intermediate_size
-                  * cfg.hidden_size) + 4 * (2 * e.intermediate_size + cfg.hidden_size)
+    # whole experts crossed: every tensor they are held as (the int8 weight, its scales,
+    # the backend's own tiles), never a part of one
+    from pdmesh.shared.kernels.quant import expert_tensors
+
+    mlp = llm.engine.model.w.layers[0].mlp
+    per_expert = sum(t[0].numel() * t.element_size()
+                     for w in (mlp.w13, mlp.w2) for t in expert_tensors(w))
+    assert mlp.w13.weight.dtype == torch.int8
     for rank in (0, 1):
         assert res[rank][1] > 0 and res[rank][1] % per_expert == 0, (res[rank][1], per_expert)
 
