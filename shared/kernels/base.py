@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdmesh.shared.kernels.quant import DYNAMIC, QuantExperts, QuantLinear
+from pdmesh.shared.kernels.quant import DYNAMIC, FP8_BLOCK, QuantExperts, QuantLinear
 
 
 @dataclass
@@ -338,6 +338,8 @@ class KernelBackend(ABC):
         return out if bias is None else out + bias
 
     def quant_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+        if w.scheme == FP8_BLOCK:  # dequantized, unless the backend has an FP8 GEMM
+            return torch.mm(x, w.weight) if w.packed is None else self.fp8_block_linear(x, w)
         if w.scheme in DYNAMIC:
             if w.offset is None:
                 return self.int8_linear(x, w.weight, w.scale)
@@ -346,6 +348,11 @@ class KernelBackend(ABC):
             acc -= q.sum(dim=-1, keepdim=True, dtype=torch.int32).float() * w.offset
             return (acc * scale[:, None] * w.scale).to(x.dtype)
         return self.static_int8_linear(x, w)
+
+    def fp8_block_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+        """x @ an FP8 weight the backend prepared (``prepare``); only backends that
+        prepare one have it."""
+        raise NotImplementedError(f"{self.name} backend: no FP8 GEMM")
 
     def int_mm(self, q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
         """int8 [T, K] x int8 [K, N] -> int32 [T, N]."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
-from pdmesh.shared.kernels.quant import QuantExperts, QuantLinear
+from pdmesh.shared.kernels.quant import FP8_BLOCK, QuantExperts, QuantLinear
 
 log = logging.getLogger(__name__)
 CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
@@ -67,7 +67,7 @@ class CPUBackend(KernelBackend):
         to INT8_TILE_ROWS rows (decode) reads instead: int8 tiles (W8A8_DYNAMIC, static
         W8A8 of one input scale) or int4, two to a byte (W4A8_DYNAMIC). The int8 weight
         stays for larger steps: the weights take 2 (W4A8: 1.5) bytes a parameter."""
-        if not self._int8 or w.weight.device.type != "cpu" or (
+        if not self._int8 or w.weight.device.type != "cpu" or w.scheme == FP8_BLOCK or (
                 w.scheme == "w8a8" and (isinstance(w, QuantExperts) or len(w.bounds) != 2)):
             return w
         if isinstance(w, QuantExperts):
@@ -76,9 +76,9 @@ class CPUBackend(KernelBackend):
                 return w
             return dataclasses.replace(
                 w, packed=torch.stack([t for t, _ in tiles]),
-                colsum=None if tiles[0][1] is None else torch.stack([c for _, c in tiles]))
+                packed_aux=None if tiles[0][1] is None else torch.stack([c for _, c in tiles]))
         packed, colsum = self._pack(w.weight, w.scheme)
-        return dataclasses.replace(w, packed=packed, colsum=colsum)
+        return dataclasses.replace(w, packed=packed, packed_aux=colsum)
 
     def _pack(self, qweight: torch.Tensor, scheme: str
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,11 +103,11 @@ class CPUBackend(KernelBackend):
         y = torch.empty((m, n), dtype=torch.float32)
         ops = self._ops
         if w.scheme == "w8a8":
-            assert w.colsum is not None and w.deq_scale is not None \
+            assert w.packed_aux is not None and w.deq_scale is not None \
                 and w.quant_bias is not None
             work = torch.empty(m * -(-k // 4) * 4, dtype=torch.uint8)
             ops.pdmesh_int8_static_linear(
-                xf.data_ptr(), m, k, n, w.packed.data_ptr(), w.colsum.data_ptr(),
+                xf.data_ptr(), m, k, n, w.packed.data_ptr(), w.packed_aux.data_ptr(),
                 # (1 / scale as torch rounds it: in float32, from the double)
                 ctypes.c_float(1.0 / w.input_scale[0]), ctypes.c_float(w.input_offset[0]),
                 w.quant_bias.data_ptr(), w.deq_scale.data_ptr(), y.data_ptr(),
@@ -122,10 +122,10 @@ class CPUBackend(KernelBackend):
                                    w.scale.data_ptr(), offset, y.data_ptr(), work.data_ptr(),
                                    scales.data_ptr(), qsum.data_ptr())
         else:
-            assert w.colsum is not None
+            assert w.packed_aux is not None
             work = torch.empty(m * -(-k // 4) * 4, dtype=torch.uint8)
             ops.pdmesh_int8_linear(xf.data_ptr(), m, k, n, w.packed.data_ptr(),
-                                   w.colsum.data_ptr(), w.scale.data_ptr(), offset,
+                                   w.packed_aux.data_ptr(), w.scale.data_ptr(), offset,
                                    y.data_ptr(), work.data_ptr(), scales.data_ptr(),
                                    qsum.data_ptr())
         return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -15,6 +15,7 @@ per-sequence path, which pads nothing either.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -22,6 +23,13 @@ import torch.nn.functional as F
 
 from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.cpu import CPUBackend
+from pdmesh.shared.kernels.quant import (
+    FP8_BLOCK,
+    FP8_MAX,
+    QuantExperts,
+    QuantLinear,
+    quantize_fp8_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,38 @@ class CUDABackend(CPUBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self._flash = _flash_varlen(device)
+        # DeepSeek's block FP8 GEMM: cuBLAS takes its 128 x 128 recipe on SM90 only
+        self._fp8_gemm = (hasattr(F, "scaled_mm")
+                          and torch.cuda.get_device_capability(device) == (9, 0))
+
+    # -- FP8 block GEMM (SM90): F.scaled_mm with DeepSeek's block recipes ----------------
+    def prepare(self, w: QuantLinear | QuantExperts) -> QuantLinear | QuantExperts:
+        """FP8-block projections on SM90 get their weight as FP8 128 x 128 blocks again
+        (re-blocked on the fused matrix: exact where the checkpoint's blocks align) for
+        ``F.scaled_mm``; elsewhere, and for experts, they stay dequantized."""
+        if (w.scheme != FP8_BLOCK or isinstance(w, QuantExperts) or not self._fp8_gemm
+                or w.shape[0] % 128 or w.shape[1] % 128):
+            return super().prepare(w)
+        fp8, scale = quantize_fp8_blocks(w.weight.t())  # [N, K], [N / 128, K / 128]
+        kb = scale.shape[1]
+        return dataclasses.replace(w, packed=fp8, packed_aux=F.pad(scale, (0, -kb % 4)))
+
+    def fp8_block_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+        """Activations quantized to FP8 per row and 128 columns (scales column-major,
+        rows padded to a multiple of 4), the weight's 128 x 128 block scales (their K
+        blocks padded to a multiple of 4), as cuBLAS's block-scaled GEMM takes them
+        (written from torch's F.scaled_mm recipes; unverified: no SM90 device here)."""
+        m, k = x.shape
+        mp = -(-m // 4) * 4
+        xp = F.pad(x, (0, 0, 0, mp - m)) if mp != m else x
+        groups = xp.float().view(mp, k // 128, 128)
+        a_scale = groups.abs().amax(-1).clamp_min(1e-12) / FP8_MAX  # [Mp, K / 128]
+        a = (groups / a_scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(mp, k)
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        y = F.scaled_mm(a, w.packed.t(), a_scale.t().contiguous().t(),
+                        F.ScalingType.BlockWise1x128, w.packed_aux.t(),
+                        F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+        return y[:m].to(x.dtype)
 
     def int_mm(self, q: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
         """``torch._int_mm`` on CUDA takes more than 16 rows and K, N multiples of 8: fewer

@@ -15,6 +15,10 @@ the type. The schemes are vLLM-Ascend's (modelslim's), computed the same way:
                    bias=quant_bias)`` takes them
     w4a8_dynamic   as w8a8_dynamic with int4 weights in [-8, 7], held unpacked as int8
                    (the integer matmul is the int8 one)
+    fp8_block      DeepSeek's block FP8, held dequantized (``weight`` in the serving
+                   dtype, ``scale`` ones): y = x @ weight, or, where the backend has an
+                   FP8 GEMM (cuda on SM90), FP8 128 x 128 weight blocks times activations
+                   quantized per 128 columns (``prepare``)
 
 A static projection fused from shards calibrated apart (q | k | v with three input
 scales) keeps one input scale per run of columns: x is quantized once per run.
@@ -27,6 +31,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 DYNAMIC = ("w8a8_dynamic", "w4a8_dynamic")
+FP8_BLOCK = "fp8_block"
+FP8_MAX = 448.0  # float8_e4m3fn
 
 
 @dataclass
@@ -43,9 +49,10 @@ class QuantLinear:
     bounds: tuple[int, ...] = ()  # the runs' column bounds: 0, ..., N
     names: tuple[str, ...] = ()  # the checkpoint weights fused into it
     # the weight again in a backend's own layout, with what it needs beside it (the cpu
-    # backend's VNNI tiles and their column sums), set by ``KernelBackend.prepare``
+    # backend's VNNI tiles and their column sums; cuda's FP8 blocks and their scales),
+    # set by ``KernelBackend.prepare``
     packed: torch.Tensor | None = None
-    colsum: torch.Tensor | None = None
+    packed_aux: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +78,7 @@ class QuantExperts:
     scale: torch.Tensor  # float32 [E, N]
     offset: torch.Tensor | None = None  # float32 [E, N]
     packed: torch.Tensor | None = None  # [E, ...]: as QuantLinear.packed, per expert
-    colsum: torch.Tensor | None = None
+    packed_aux: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -85,7 +92,7 @@ class QuantExperts:
         return QuantLinear(self.scheme, self.weight[e], self.scale[e],
                            None if self.offset is None else self.offset[e],
                            packed=None if self.packed is None else self.packed[e],
-                           colsum=None if self.colsum is None else self.colsum[e])
+                           packed_aux=None if self.packed_aux is None else self.packed_aux[e])
 
 
 def _tensors(w: QuantLinear | QuantExperts) -> list[torch.Tensor]:
@@ -143,6 +150,22 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     out = torch.stack((lo, hi), dim=-2)  # [..., M, 2, K]
     return out.reshape(*packed.shape[:-2], 2 * packed.shape[-2], packed.shape[-1]).to(
         torch.int8)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] -> (float8_e4m3fn [N, K], float32 scale [ceil(N / bn),
+    ceil(K / bk)]), one scale per block (max |w| / 448, edge blocks partial), DeepSeek's
+    ``weight_scale_inv``: weight ~ fp8 * scale of its block."""
+    bn, bk = block
+    n, k = w.shape
+    wf = w.float()
+    pad = wf.new_zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+    pad[:n, :k] = wf
+    blocks = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (wf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def quantize_weight(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:

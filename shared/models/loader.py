@@ -96,7 +96,7 @@ class CheckpointReader:
         return t.to(device=device, dtype=dtype)
 
     def _fp8(self, name: str, w: torch.Tensor, dtype: torch.dtype, device: torch.device
-             ) -> torch.Tensor:
+             ) -> torch.Tensor | quantization.QTensor:
         if self.quant is None or self.quant.kind != "fp8":
             raise ValueError(f"model: {name} is stored as {w.dtype} but the checkpoint has "
                              f"no fp8 quantization_config")
@@ -107,8 +107,9 @@ class CheckpointReader:
         if scale is None:
             raise ValueError(f"model: {name} is FP8 without {base}weight_scale_inv "
                              f"(or {base}scale)")
-        return quantization.dequantize_fp8(w.to(device), scale.to(device), self.quant.block,
-                                           dtype, name)
+        dense = quantization.dequantize_fp8(w.to(device), scale.to(device), self.quant.block,
+                                            dtype, name)
+        return dense if self.dequantize else quantization.fp8_block(name, dense)
 
     def dense(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A weight as floats, dequantized if it is quantized (what no int8 kernel

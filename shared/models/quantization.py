@@ -27,7 +27,8 @@ What loads (``plan``):
                    ``quant_bias``, ``deq_scale``)
     fp8            DeepSeek's block FP8 (``quant_method: fp8``, ``weight_block_size``):
                    F8_E4M3 weights with ``weight_scale_inv`` (V3) or ``scale`` (V4) per
-                   block, dequantized per block at load; auto-detected, as vLLM does
+                   block, dequantized per block at load (and blocked again for a
+                   backend's FP8 GEMM); auto-detected, as vLLM does
 
 A projection weight of a quantized scheme is a ``QTensor`` in checkpoint layout (out x
 in) until the loader has fused and transposed it (``rows``, ``cat``, ``stack``,
@@ -45,6 +46,7 @@ import torch
 
 from pdmesh.shared.kernels.quant import (
     DYNAMIC,
+    FP8_BLOCK,
     QuantExperts,
     QuantLinear,
     unpack_int4,
@@ -232,7 +234,7 @@ class QTensor:
 
     scheme: str
     names: tuple[str, ...]  # the checkpoint weights it came from
-    q: torch.Tensor  # int8 [..., N, K] (int4 values unpacked)
+    q: torch.Tensor  # int8 [..., N, K] (int4 values unpacked; fp8_block: dequantized)
     scale: torch.Tensor  # float32 [..., N]: weight_scale
     offset: torch.Tensor | None  # float32 [..., N]: weight_offset (None: all zero)
     deq_scale: torch.Tensor | None = None  # w8a8: float32 [N]
@@ -253,6 +255,8 @@ class QTensor:
                                 if isinstance(v, torch.Tensor)})
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.scheme == FP8_BLOCK:  # held dequantized already
+            return self.q.to(dtype)
         w = self.q.float()
         if self.offset is not None:
             w = w - self.offset.unsqueeze(-1)
@@ -301,7 +305,7 @@ def stack(experts: list[torch.Tensor | QTensor], dtype: torch.dtype
     if not any(quantized):
         return torch.stack(experts)  # type: ignore[arg-type]
     schemes = {e.scheme for e in experts if isinstance(e, QTensor)}
-    if all(quantized) and len(schemes) == 1 and next(iter(schemes)) in DYNAMIC:
+    if all(quantized) and len(schemes) == 1 and next(iter(schemes)) in (*DYNAMIC, FP8_BLOCK):
         first: QTensor = experts[0]  # type: ignore[assignment]
         offsets = [e.offset for e in experts]  # type: ignore[union-attr]
         offset = None if all(o is None for o in offsets) else torch.stack(
@@ -328,7 +332,7 @@ def kernel(w: torch.Tensor | QTensor) -> torch.Tensor | QuantLinear | QuantExper
     if w.q.dim() == 3:
         return QuantExperts(w.scheme, w.q.transpose(1, 2).contiguous(), w.scale.contiguous(),
                             None if w.offset is None else w.offset.contiguous())
-    if w.scheme in DYNAMIC:
+    if w.scheme in (*DYNAMIC, FP8_BLOCK):
         return QuantLinear(w.scheme, w.q.t().contiguous(), w.scale.contiguous(),
                            None if w.offset is None else w.offset.contiguous(), names=w.names)
     assert w.input_scale is not None and w.input_offset is not None
@@ -393,6 +397,13 @@ def read_quantized(name: str, scheme: str, get, device: torch.device) -> QTensor
         raise ValueError(f"model: {base}quant_bias must be int32, got {quant_bias.dtype}")
     return QTensor(scheme, (name,), q, scale, offset, deq.float().reshape(-1), quant_bias,
                    input_scale.expand(rows).clone(), input_offset.expand(rows).clone())
+
+
+def fp8_block(name: str, dense: torch.Tensor) -> QTensor:
+    """A dequantized FP8 weight [N, K], marked as such: a backend with an FP8 GEMM
+    computes it as FP8 blocks again (``KernelBackend.prepare``); others as floats."""
+    return QTensor(FP8_BLOCK, (name,), dense,
+                   torch.ones(dense.shape[0], dtype=torch.float32, device=dense.device), None)
 
 
 def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pdmesh.shared.kernels.quant import pack_int4, quantize_weight
+from pdmesh.shared.kernels.quant import pack_int4, quantize_fp8_blocks, quantize_weight
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.corpus import corpus_files
 from pdmesh.shared.models.loader import open_checkpoint
@@ -48,7 +48,6 @@ KEEP_FLOAT = (r"embed_tokens\.", r"(^|\.)embed\.weight$", r"emb\.tok_emb\.", r"l
               r"(^|\.)head\.weight$", r"shared_head\.head\.", r"mlp\.gate\.weight$",
               r"ffn\.gate\.weight$", r"kv_b_proj\.", r"attn\.wo_a\.")
 EXPERT = re.compile(r"\.experts\.\d+\.")
-FP8_MAX = 448.0  # float8_e4m3fn
 FP8_BLOCK = (128, 128)
 CALIBRATION_PROMPTS = 16
 CALIBRATION_TOKENS = 256
@@ -231,20 +230,12 @@ def _write_fp8(tensors: dict[str, torch.Tensor], kinds: dict[str, str], src: Pat
                out: Path) -> None:
     config = json.loads((src / "config.json").read_text())
     v4 = "DeepseekV4" in " ".join(config.get("architectures", []))
-    bn, bk = FP8_BLOCK
     written = {}
     for name, t in tensors.items():
         if name not in kinds:
             written[name] = t
             continue
-        n, k = t.shape
-        w = t.float()
-        pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
-        pad[:n, :k] = w
-        blocks = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX  # [N/bn, K/bk]
-        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        written[name] = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        written[name], scale = quantize_fp8_blocks(t, FP8_BLOCK)
         written[name.removesuffix("weight") + ("scale" if v4 else "weight_scale_inv")] = scale
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK)}

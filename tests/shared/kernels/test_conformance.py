@@ -505,3 +505,30 @@ def test_grouped_matmul_takes_quantized_experts(backend):
     for weight in (on, backend.prepare(on)):
         out = backend.grouped_matmul(x.to(backend.device), weight, sizes)
         close(out, expected, torch.bfloat16 if backend.name == "npu" else torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_fp8_block_linear(backend, rows):
+    """DeepSeek's block FP8: held dequantized, x @ weight exactly; where the backend has
+    an FP8 GEMM (cuda on SM90), FP8 blocks and per-128-column FP8 activations, within
+    FP8's rounding of the float product (cosine >= 0.995)."""
+    from pdmesh.shared.kernels.quant import QuantLinear, quantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(14)
+    fp8, scale = quantize_fp8_blocks(0.05 * torch.randn(384, 256, generator=g))  # [N, K]
+    dense = (fp8.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+             ).to(torch.bfloat16)
+    w = QuantLinear("fp8_block", dense.t().contiguous().to(backend.device),
+                    torch.ones(384, device=backend.device))
+    prepared = backend.prepare(w)
+    x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+    got = backend.linear(x.to(backend.device), prepared).cpu()
+    exact = x.double() @ dense.double().t()
+    assert got.shape == (rows, 384) and got.dtype == torch.bfloat16
+    if prepared.packed is None:
+        close(got, x.float() @ dense.float().t(), torch.bfloat16)
+    else:
+        assert prepared.packed.dtype == torch.float8_e4m3fn
+        cos = torch.nn.functional.cosine_similarity(got.double().flatten(), exact.flatten(),
+                                                    dim=0)
+        assert cos >= 0.995, float(cos)
