@@ -173,7 +173,8 @@ def resolve(config: ServeConfig) -> ServeConfig:
         return config
     if f.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size: {f.tensor_parallel_size} is not supported "
-                         "yet; pdmesh runs one model replica per instance (use 1)")
+                         "by the services yet; an instance runs one process per model "
+                         "replica (use 1; the offline engine takes tensor_parallel_size)")
     from pdmesh.shared.config.engine_config import serving_engine_config
 
     return dataclasses.replace(config, engine=serving_engine_config(config))

@@ -59,6 +59,9 @@ class EngineConfig:
     # ranks, which then step in lockstep (``data_parallel_address``: rank 0's host:port
     # for the process group).
     data_parallel_size: int = 1
+    # Tensor parallelism: this engine is rank 0 of N processes sharing every layer; it
+    # starts the other N - 1 (pdmesh.shared.parallel.tensor_parallel)
+    tensor_parallel_size: int = 1
     data_parallel_rank: int = 0
     data_parallel_address: str | None = None
     enable_expert_parallel: bool = False
@@ -122,6 +125,14 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (
+                self.data_parallel_size > 1 or self.enable_expert_parallel
+                or self.speculative_config is not None):
+            raise ValueError("tensor_parallel_size: not yet with data or expert parallelism "
+                             "or speculative decoding beside it")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size: must be >= 1, got {self.data_parallel_size}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:

@@ -86,8 +86,11 @@ class EngineCore:
         model_cfg = ModelConfig.from_folder(config.model)
         self.dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         t0 = time.perf_counter()
+        self.tp_ranks = shard = None
+        if config.tensor_parallel_size > 1:
+            shard = self._start_tensor_parallel()
         self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
-                                                   model_cfg, config.quantization)
+                                                   model_cfg, config.quantization, shard=shard)
         self.ep = self._setup_expert_parallel()
         if config.expert_load_window and self.model.moe_layers:
             from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
@@ -103,12 +106,15 @@ class EngineCore:
         # takes there, and so in the pool (MLA: the latent; V4: its compressed entries)
         self.speculative = self._speculative_config()
         mtp = self.speculative is not None and self.speculative.is_mtp
-        self.cache_spec = cache_spec(self.model_config, config.block_size,
+        # (the model's own config: a tensor-parallel rank's heads)
+        self.cache_spec = cache_spec(self.model.config, config.block_size,
                                      mtp_layers=1 if mtp else 0,
                                      int8=config.kv_cache_dtype == "int8")
         self.kv_bytes_per_token = round(self.cache_spec.bytes_per_token(self.dtype))
         groups = self._resolve_num_blocks()
         num_blocks = groups[0].num_blocks
+        if self.tp_ranks is not None:  # the other ranks' caches: as many blocks
+            self.tp_ranks.broadcast([g.num_blocks for g in groups])
         self.kv_fingerprint = self.fingerprint()  # reads the checkpoint: computed once
         self.kv = KVCacheManager(groups, config.block_size, config.enable_prefix_caching,
                                  fingerprint=self.kv_fingerprint)
@@ -117,6 +123,7 @@ class EngineCore:
         num_layers = self.model_config.num_layers
         per_layer = layer_caches(self.cache_spec, caches, num_layers + (1 if mtp else 0))
         self.runner = ModelRunner(self.model, self.backend, self.kv, per_layer[:num_layers])
+        self.runner.tp_ranks = self.tp_ranks
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
         self.proposer: Proposer | None = None
         self.verify_budget: VerifyBudget | None = None
@@ -173,7 +180,29 @@ class EngineCore:
                  + ", ".join(f"{g.name}: {g.num_blocks} blocks" for g in groups) + ")"
                  if window else "")
 
+    def close(self) -> None:
+        """Stop what this engine started beside itself (tensor-parallel ranks)."""
+        if self.tp_ranks is not None:
+            self.tp_ranks.close()
+
     # -- configuration ----------------------------------------------------------------
+    def _start_tensor_parallel(self):
+        """Start the other tensor-parallel ranks and join their group; this engine's
+        shard. On CPU each rank takes an equal share of the cores."""
+        import os
+        import weakref
+
+        from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallelRanks
+
+        size = self.config.tensor_parallel_size
+        if self.device == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        self.tp_ranks = TensorParallelRanks(self.config, size, tensor_parallel_worker)
+        weakref.finalize(self, self.tp_ranks.close)
+        log.info("engine: tensor-parallel rank 0 of %d (group %s)", size,
+                 self.tp_ranks.address)
+        return Shard(0, size)
+
     def _setup_expert_parallel(self):
         """With ``enable_expert_parallel`` on a MoE model over several DP ranks: join the
         ranks' process group and keep only this rank's experts."""
@@ -541,3 +570,49 @@ class EngineCore:
             out.append(StepOutput(req, [], True))
         self.scheduler.handed_back.clear()
         return out
+
+
+class TensorParallelWorker:
+    """A tensor-parallel rank > 0: its shard of the model and of the paged cache (as many
+    blocks as rank 0's), running the steps rank 0 hands it."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int, address: str):
+        from pdmesh.shared.parallel.expert_parallel import dist_backend
+        from pdmesh.shared.parallel.tensor_parallel import Shard, init, receive
+
+        device = resolve_device(config.device)
+        backend = get_backend(device)
+        init(rank, size, address, dist_backend(device))
+        torch.manual_seed(config.seed)
+        model_cfg = ModelConfig.from_folder(config.model)
+        dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
+        _, model = load_model(config.model, backend, dtype, model_cfg, config.quantization,
+                              shard=Shard(rank, size))
+        spec = cache_spec(model.config, config.block_size,
+                          int8=config.kv_cache_dtype == "int8")
+        num_blocks = receive()
+        caches = allocate_caches(spec, num_blocks, dtype, backend.device)
+        per_layer = layer_caches(spec, caches, model.config.num_layers)
+        self.runner = ModelRunner(model, backend, None, per_layer, block_size=config.block_size)
+
+    def run_step(self, arrays: tuple) -> None:
+        self.runner.forward_arrays(*arrays)
+
+
+def tensor_parallel_worker(config: EngineConfig, rank: int, size: int, address: str,
+                           errors) -> None:
+    """A tensor-parallel worker process: an equal share of the cores, its shard, its
+    steps."""
+    import os
+
+    from pdmesh.shared.parallel.tensor_parallel import serve_steps
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    try:
+        worker = TensorParallelWorker(config, rank, size, address)
+    except Exception as e:
+        import traceback
+
+        errors.put((rank, f"{e!r}\n{traceback.format_exc()}"))
+        raise
+    serve_steps(worker, errors, rank)

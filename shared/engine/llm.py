@@ -63,6 +63,11 @@ class LLM:
         ))
         self.tokenizer = Tokenizer(tokenizer or model)
 
+    def close(self) -> None:
+        """Stop the processes the engine started beside this one (tensor-parallel ranks);
+        nothing to do otherwise."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

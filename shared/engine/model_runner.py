@@ -63,13 +63,17 @@ def attention_metadata(device: torch.device, block_table: np.ndarray, starts: li
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, backend: KernelBackend, kv: KVCacheManager,
-                 kv_caches: list[KVCache]):
+    def __init__(self, model: CausalLM, backend: KernelBackend, kv: KVCacheManager | None,
+                 kv_caches: list[KVCache], block_size: int | None = None):
+        """``kv`` None: a tensor-parallel worker's runner, which only runs the steps rank
+        0 hands it (``forward_arrays``)."""
         self.model = model
         self.backend = backend
         self.kv = kv
         self.kv_caches = kv_caches
-        self.block_size = kv.block_size
+        self.block_size = kv.block_size if kv is not None else block_size
+        # tensor parallelism: rank 0 hands each step's arrays to the other ranks
+        self.tp_ranks = None
         self.device = backend.device
         self.last_rows: StepRows | None = None
 
@@ -127,23 +131,36 @@ class ModelRunner:
         else:
             logits_rows = qsl[1:][sample_idx] - 1
 
-        meta = attention_metadata(self.device, block_table, starts, counts, seq_lens, positions,
-                                  slots, qsl, bs, group_tables)
-        self.backend.prepare_attention(meta)
-        dev = self.device
+        arrays = (input_ids, positions, block_table, starts, list(counts), seq_lens, slots,
+                  qsl, group_tables, logits_rows.astype(np.int64))
+        if self.tp_ranks is not None:  # every tensor-parallel rank runs the same step
+            self.tp_ranks.broadcast(arrays)
         hidden_out: list[torch.Tensor] | None = [] if hidden else None
-        logits = self.model.forward(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_caches,
-            meta,
-            torch.from_numpy(logits_rows.astype(np.int64)).to(dev),
-            *(() if hidden_out is None else (hidden_out,)),
-        )
+        logits = self.forward_arrays(*arrays, hidden_out=hidden_out)
         if hidden_out is not None:
             self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,
                                       group_tables, hidden_out[0])
         return logits, sample_idx
+
+    def forward_arrays(self, input_ids: np.ndarray, positions: np.ndarray,
+                       block_table: np.ndarray, starts: list[int], counts: list[int],
+                       seq_lens: list[int], slots: np.ndarray, qsl: np.ndarray,
+                       group_tables: list[np.ndarray], logits_rows: np.ndarray,
+                       hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The model on one step given as its host arrays (what ``execute`` builds and a
+        tensor-parallel worker receives)."""
+        meta = attention_metadata(self.device, block_table, starts, counts, seq_lens, positions,
+                                  slots, qsl, self.block_size, group_tables)
+        self.backend.prepare_attention(meta)
+        dev = self.device
+        return self.model.forward(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_caches,
+            meta,
+            torch.from_numpy(logits_rows).to(dev),
+            *(() if hidden_out is None else (hidden_out,)),
+        )
 
 
 def block_table_of(tables: list[list[int]]) -> np.ndarray:

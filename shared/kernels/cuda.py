@@ -44,7 +44,8 @@ class CUDABackend(CPUBackend):
         super().__init__(device)
         self._flash = _flash_varlen(device)
         # DeepSeek's block FP8 GEMM: cuBLAS takes its 128 x 128 recipe on SM90 only
-        self._fp8_gemm = (hasattr(F, "scaled_mm")
+        self._fp8_gemm = (hasattr(F, "scaled_mm") and device.type == "cuda"
+                          and torch.cuda.is_available()
                           and torch.cuda.get_device_capability(device) == (9, 0))
 
     # -- FP8 block GEMM (SM90): F.scaled_mm with DeepSeek's block recipes ----------------

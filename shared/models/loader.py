@@ -42,6 +42,7 @@ from pdmesh.shared.models.transformer import (
     MoEWeights,
     MtpWeights,
 )
+from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallel, local_config
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,19 @@ log = logging.getLogger(__name__)
 class CheckpointReader:
     """Tensor name -> tensor across every safetensors file of a folder, read lazily.
 
-    With a quantization plan (``quant``), ``get`` of a quantized weight returns it as
-    ``quantization.QTensor`` (modelslim) or dequantized per block (FP8); an integer or
-    FP8 tensor asked for as a float that the plan does not cover is an error, never a
-    cast."""
+    With a quantization plan (``quant``), ``get`` of a quantized weight returns it as a
+    ``quantization.QTensor`` (modelslim; FP8: dequantized per block, marked fp8_block);
+    an integer or FP8 tensor asked for as a float that the plan does not cover is an
+    error, never a cast."""
 
     def __init__(self, folder: Path, handles: dict[str, object]):
         self.folder = folder
         self._where = handles  # tensor name -> safe_open handle
         self.quant: quantization.QuantPlan | None = None
         self.dequantize = False  # quantized weights read as floats (a float reference)
+        self.shard: Shard | None = None  # tensor parallelism: this rank's slices only
+        self.q_heads = self.kv_heads = slice(None)  # (set with the shard)
+        self.vocab = slice(None)
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -111,6 +115,25 @@ class CheckpointReader:
                                             dtype, name)
         return dense if self.dequantize else quantization.fp8_block(name, dense)
 
+    def part(self, name: str, dtype: torch.dtype, device: torch.device, dim: int,
+             rows: slice) -> torch.Tensor:
+        """Only ``rows`` along ``dim`` of a float tensor, read from the file as such (a
+        tensor-parallel rank's slice)."""
+        if self.shard is None or rows == slice(None):
+            return self.get(name, dtype, device)  # type: ignore[return-value]
+        if name not in self._where:
+            raise ValueError(
+                f"model: tensor {name!r} missing from the safetensors in {self.folder}")
+        view = self._where[name].get_slice(name)  # type: ignore[attr-defined]
+        t = view[(slice(None),) * dim + (rows,)]
+        return t.to(device=device, dtype=dtype)
+
+    def shape(self, name: str) -> list[int]:
+        if name not in self._where:
+            raise ValueError(
+                f"model: tensor {name!r} missing from the safetensors in {self.folder}")
+        return self._where[name].get_slice(name).get_shape()  # type: ignore[attr-defined]
+
     def dense(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A weight as floats, dequantized if it is quantized (what no int8 kernel
         computes)."""
@@ -160,12 +183,13 @@ def model_fingerprint(folder: str | Path) -> str:
 def load_model(
     folder: str | Path, backend: KernelBackend, dtype: torch.dtype,
     config: ModelConfig | None = None, quantization_flag: str | None = None,
-    dequantize: bool = False,
+    dequantize: bool = False, shard: Shard | None = None,
 ) -> tuple[ModelConfig, CausalLM | DeepseekV4]:
     """Read config (unless given) and weights; weights land on the backend's device in
     ``dtype``. ``quantization_flag``: --quantization; ``dequantize``: quantized weights
     read as the floats they stand for (the reference the quantized model is measured
-    against)."""
+    against); ``shard``: one tensor-parallel rank's slices (the model's own ``config``
+    is then that rank's, the one returned the whole model's)."""
     config = config or ModelConfig.from_folder(folder)
     dev = backend.device
     with open_checkpoint(folder) as ckpt:
@@ -175,10 +199,25 @@ def load_model(
             log.info("model: %s: %s%s", folder, ckpt.quant.describe(),
                      " (read as floats)" if dequantize else "")
         if config.v4 is not None:
+            if shard is not None:
+                local_config(config, shard)  # (refuses DeepSeek-V4, naming it)
             v4 = _prepared(_read_v4(config, ckpt, dtype, dev), backend)
             return config, DeepseekV4(config, v4, backend)
-        weights = _prepared(_read_weights(config, ckpt, dtype, dev), backend)
-    return config, CausalLM(config, weights, backend)
+        if shard is None:
+            weights = _prepared(_read_weights(config, ckpt, dtype, dev), backend)
+            return config, CausalLM(config, weights, backend)
+        if ckpt.quant is not None:
+            raise ValueError("tensor_parallel_size: quantized checkpoints do not run "
+                             "tensor-parallel yet")
+        local = local_config(config, shard)
+        ckpt.shard = shard
+        ckpt.q_heads = shard.part(config.num_heads, "num_attention_heads")
+        ckpt.kv_heads = shard.kv_heads(config.num_kv_heads)
+        start, rows = shard.vocab(config.vocab_size)
+        ckpt.vocab = slice(start, start + rows)
+        model = CausalLM(local, _read_weights(local, ckpt, dtype, dev), backend)
+    model.tp = TensorParallel(shard, config.vocab_size)
+    return config, model
 
 
 def _prepared(obj, backend: KernelBackend):
@@ -204,15 +243,20 @@ def _read_weights(
     def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(name, dtype, dev)
 
-    embed = ckpt.dense("model.embed_tokens.weight", dtype, dev)
+    # (a tensor-parallel rank: its vocabulary rows of both)
+    embed = (ckpt.dense("model.embed_tokens.weight", dtype, dev) if ckpt.shard is None
+             else ckpt.part("model.embed_tokens.weight", dtype, dev, 0, ckpt.vocab))
     if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings:
-        lm_head = _input_major(get("lm_head.weight"))
+        lm_head = _input_major(get("lm_head.weight") if ckpt.shard is None
+                               else ckpt.part("lm_head.weight", dtype, dev, 0, ckpt.vocab))
     else:
         lm_head = embed.t()
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
+    # (MTP layers run as a proposer, which tensor-parallel ranks do not have yet)
     mtp = [_read_mtp_layer(cfg, ckpt, cfg.num_layers + i, embed, lm_head, dtype, dev)
            for i in range(cfg.num_nextn_predict_layers)
-           if ckpt.has(f"model.layers.{cfg.num_layers + i}.eh_proj.weight")]
+           if ckpt.has(f"model.layers.{cfg.num_layers + i}.eh_proj.weight")
+           and ckpt.shard is None]
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
                         lm_head=lm_head, mtp=mtp)
 
@@ -269,6 +313,12 @@ def _read_layer(
 
 def _read_dense(ckpt: CheckpointReader, p: str, dtype: torch.dtype,
                 dev: torch.device) -> DenseMLPWeights:
+    if ckpt.shard is not None:  # gate | up by rows of the intermediate size, down by columns
+        inner = ckpt.shard.part(ckpt.shape(p + "gate_proj.weight")[0], p + "intermediate size")
+        return DenseMLPWeights(
+            gate_up=_input_major(torch.cat([ckpt.part(p + f"{n}_proj.weight", dtype, dev, 0,
+                                                      inner) for n in ("gate", "up")])),
+            down=_input_major(ckpt.part(p + "down_proj.weight", dtype, dev, 1, inner)))
     gate_up = quantization.cat([ckpt.get(p + "gate_proj.weight", dtype, dev),
                                 ckpt.get(p + "up_proj.weight", dtype, dev)], dtype)
     return DenseMLPWeights(gate_up=_input_major(gate_up),
@@ -301,14 +351,25 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
     def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(p + "self_attn." + name, dtype, dev)
 
-    q_rows, kv_rows = mla_rows(cfg)
+    def heads(name: str, per_head: int, dim: int) -> torch.Tensor:
+        """A tensor-parallel rank's query heads of a weight (all heads otherwise)."""
+        hs = ckpt.q_heads
+        if ckpt.shard is None:
+            return get(name)  # type: ignore[return-value]
+        return ckpt.part(p + "self_attn." + name, dtype, dev, dim,
+                         slice(hs.start * per_head, hs.stop * per_head))
+
+    qk = nope + m.qk_rope_head_dim
+    q_rows, kv_rows = mla_rows(cfg)  # (cfg: this rank's heads)
     if m.q_lora_rank is None:
-        q, q_a, q_a_norm, q_b = _input_major(get("q_proj.weight")[q_rows]), None, None, None
+        q, q_a, q_a_norm, q_b = _input_major(heads("q_proj.weight", qk, 0)[q_rows]), None, \
+            None, None
     else:
         q, q_a = None, _input_major(get("q_a_proj.weight"))
         q_a_norm = ckpt.dense(p + "self_attn.q_a_layernorm.weight", dtype, dev)
-        q_b = _input_major(get("q_b_proj.weight")[q_rows])
-    kv_b = ckpt.dense(p + "self_attn.kv_b_proj.weight", dtype, dev)  # absorbed: floats
+        q_b = _input_major(heads("q_b_proj.weight", qk, 0)[q_rows])
+    kv_b = (ckpt.dense(p + "self_attn.kv_b_proj.weight", dtype, dev) if ckpt.shard is None
+            else heads("kv_b_proj.weight", nope + m.v_head_dim, 0))  # absorbed: floats
     expected = (h * (nope + m.v_head_dim), lat)
     if tuple(kv_b.shape) != expected:
         raise ValueError(f"model: {p}self_attn.kv_b_proj has shape {tuple(kv_b.shape)}, "
@@ -320,19 +381,27 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
         kv_a_norm=ckpt.dense(p + "self_attn.kv_a_layernorm.weight", dtype, dev),
         w_uk=kv_b[:, :nope].contiguous(),  # [H, nope, L]
         w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),  # [H, L, v]
-        o=_input_major(get("o_proj.weight")))
+        o=_input_major(heads("o_proj.weight", m.v_head_dim, 1)))
 
 
 def _read_attention(cfg: ModelConfig, ckpt: CheckpointReader, p: str, i: int,
                     dtype: torch.dtype, dev: torch.device) -> AttentionWeights:
-    def get(name: str) -> torch.Tensor | QTensor:
-        return ckpt.get(p + name, dtype, dev)
+    d = cfg.head_dim
+    # a tensor-parallel rank's rows: its query heads of q (and o's columns), its K / V
+    # heads of k and v
+    rows = {n: slice(hs.start * d, hs.stop * d) if hs != slice(None) else hs
+            for n, hs in (("q", ckpt.q_heads), ("k", ckpt.kv_heads), ("v", ckpt.kv_heads))}
 
-    def maybe(name: str) -> torch.Tensor | None:
-        return ckpt.maybe(p + name, dtype, dev)
+    def get(name: str, dim: int = 0, part: slice = slice(None)) -> torch.Tensor | QTensor:
+        return ckpt.part(p + name, dtype, dev, dim, part) if ckpt.shard is not None else \
+            ckpt.get(p + name, dtype, dev)
 
-    qkv = quantization.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"], dtype)
-    biases = [maybe(f"self_attn.{n}_proj.bias") for n in "qkv"]
+    def maybe(name: str, part: slice) -> torch.Tensor | None:
+        return get(name, 0, part) if ckpt.has(p + name) else None  # type: ignore[return-value]
+
+    qkv = quantization.cat([get(f"self_attn.{n}_proj.weight", 0, rows[n]) for n in "qkv"],
+                           dtype)
+    biases = [maybe(f"self_attn.{n}_proj.bias", rows[n]) for n in "qkv"]
     if cfg.qkv_bias and any(b is None for b in biases):
         raise ValueError(f"model: layer {i} lacks q/k/v biases that {cfg.architecture} needs")
     qkv_bias = torch.cat(biases, dim=0) if all(b is not None for b in biases) else None  # type: ignore[arg-type]
@@ -344,7 +413,8 @@ def _read_attention(cfg: ModelConfig, ckpt: CheckpointReader, p: str, i: int,
             cfg.num_heads, -1), ckpt.dense(p + "self_attn.k_norm.weight", dtype, dev).expand(
             cfg.num_kv_heads, -1)])
     return AttentionWeights(qkv=_input_major(qkv), qkv_bias=qkv_bias,
-                            o=_input_major(get("self_attn.o_proj.weight")), qk_norm=qk_norm)
+                            o=_input_major(get("self_attn.o_proj.weight", 1, rows["q"])),
+                            qk_norm=qk_norm)
 
 
 def _read_experts(
@@ -352,18 +422,32 @@ def _read_experts(
 ) -> MoEWeights:
     assert cfg.moe is not None
     router = ckpt.dense(p + "mlp.gate.weight", dtype, dev)
-    if ckpt.has(p + "mlp.experts.gate_up_proj"):
+    inner = slice(None)  # a tensor-parallel rank: every expert's share of its width
+    if ckpt.shard is not None:
+        inner = ckpt.shard.part(cfg.moe.intermediate_size * ckpt.shard.size,
+                                "moe_intermediate_size")
+    if ckpt.has(p + "mlp.experts.gate_up_proj") and ckpt.shard is not None:
+        full = cfg.moe.intermediate_size * ckpt.shard.size
+        stacked = p + "mlp.experts.gate_up_proj"
+        w13 = torch.cat([ckpt.part(stacked, dtype, dev, 1, inner), ckpt.part(
+            stacked, dtype, dev, 1, slice(full + inner.start, full + inner.stop))], dim=1)
+        w2 = ckpt.part(p + "mlp.experts.down_proj", dtype, dev, 2, inner)
+    elif ckpt.has(p + "mlp.experts.gate_up_proj"):
         w13 = ckpt.dense(p + "mlp.experts.gate_up_proj", dtype, dev)
         w2 = ckpt.dense(p + "mlp.experts.down_proj", dtype, dev)
     else:
         e = p + "mlp.experts.{}.{}_proj.weight"
+
+        def expert(j: int, n: str, dim: int) -> torch.Tensor | QTensor:
+            return ckpt.part(e.format(j, n), dtype, dev, dim, inner) if ckpt.shard else \
+                ckpt.get(e.format(j, n), dtype, dev)
+
         w13 = quantization.stack([
-            quantization.cat([ckpt.get(e.format(j, "gate"), dtype, dev),
-                              ckpt.get(e.format(j, "up"), dtype, dev)], dtype)
+            quantization.cat([expert(j, "gate", 0), expert(j, "up", 0)], dtype)
             for j in range(cfg.moe.num_experts)
         ], dtype)
-        w2 = quantization.stack([ckpt.get(e.format(j, "down"), dtype, dev)
-                                 for j in range(cfg.moe.num_experts)], dtype)
+        w2 = quantization.stack([expert(j, "down", 1) for j in range(cfg.moe.num_experts)],
+                                dtype)
     expected = (cfg.moe.num_experts, 2 * cfg.moe.intermediate_size, cfg.hidden_size)
     if tuple(w13.shape) != expected:
         raise ValueError(f"model: {p}mlp.experts gate/up has shape {tuple(w13.shape)}, "

@@ -142,7 +142,7 @@ class QuantPlan:
 
     def describe(self) -> str:
         if self.kind == "fp8":
-            return f"DeepSeek FP8, {self.block[0]}x{self.block[1]} blocks (dequantized)"
+            return f"DeepSeek FP8, {self.block[0]}x{self.block[1]} blocks"
         counts: dict[str, int] = {}
         for scheme in self.types.values():
             counts[scheme] = counts.get(scheme, 0) + 1
@@ -261,10 +261,6 @@ class QTensor:
         if self.offset is not None:
             w = w - self.offset.unsqueeze(-1)
         return (w * self.scale.unsqueeze(-1)).to(dtype)
-
-
-def is_quantized(w: object) -> bool:
-    return isinstance(w, QTensor)
 
 
 def cat(parts: list[torch.Tensor | QTensor], dtype: torch.dtype) -> torch.Tensor | QTensor:

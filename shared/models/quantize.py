@@ -72,6 +72,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, scheme: str,
         raise ValueError("expert_scheme: static W8A8 experts are not a modelslim scheme "
                          "(use w8a8_dynamic)")
     src, out = Path(src), Path(out)
+    if out.exists() and any(out.glob("*.safetensors")):
+        raise ValueError(f"out: {out} holds safetensors already; write to an empty folder "
+                         f"(the engine would read both)")
     patterns = [re.compile(p) for p in (*KEEP_FLOAT, *keep_float)]
     with open_checkpoint(src) as ckpt:
         if detect(src, ckpt.dtypes()) is not None:

@@ -127,6 +127,8 @@ class CausalLM:
         self._moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
         self.ep = None
         self.load_recorder = None
+        # tensor parallelism: this rank's collectives (None: the whole model here)
+        self.tp = None
         cos, sin = rotary_tables(config.rotary_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         # [max_pos, D] float32, in the form the backend's rotary kernel takes
@@ -152,7 +154,9 @@ class CausalLM:
         eps = self.config.rms_norm_eps
         cos = self.cos.index_select(0, positions)  # [T, D]
         sin = self.sin.index_select(0, positions)
-        h = self.w.embed.index_select(0, input_ids)  # [T, hidden]
+        tp = self.tp
+        h = (self.w.embed.index_select(0, input_ids) if tp is None
+             else tp.embed(self.w.embed, input_ids))  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, (layer, kv) in enumerate(zip(self.w.layers, kv_caches, strict=True)):
             if residual is None:
@@ -161,16 +165,23 @@ class CausalLM:
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, eps)
             h = self._attention(layer.attn, x, cos, sin, kv, meta)
+            if tp is not None:  # the heads' partial outputs summed
+                tp.all_reduce(h)
             x, residual = be.add_rms_norm(h, residual, layer.post_attn_norm, eps)
             h = self._mlp(layer.mlp, x, i)
+            if tp is not None:
+                tp.all_reduce(h)
         assert residual is not None
         if hidden_out is not None:
             every = be.rms_norm(h + residual, self.w.final_norm, eps)
             hidden_out.append(every)
-            return be.linear(every.index_select(0, logits_rows), self.w.lm_head).float()
+            return self._logits(every.index_select(0, logits_rows))
         last = (h + residual).index_select(0, logits_rows)  # [B, hidden]
-        last = be.rms_norm(last, self.w.final_norm, eps)
-        return be.linear(last, self.w.lm_head).float()
+        return self._logits(be.rms_norm(last, self.w.final_norm, eps))
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        logits = self.backend.linear(last, self.w.lm_head).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     @torch.inference_mode()
     def mtp_forward(

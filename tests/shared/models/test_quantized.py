@@ -353,6 +353,8 @@ def test_cli_writes_a_checkpoint_and_names_bad_schemes(tiny_models, tmp_path):
                         str(tmp_path / "again"), "--scheme", "w8a8"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "is quantized already" in r.stderr
+    with pytest.raises(ValueError, match=r"out: .* holds safetensors already"):
+        quantize_checkpoint(tiny_models["qwen3"], out, "w8a8_dynamic")
     with pytest.raises(ValueError, match=r"expert_scheme: static W8A8 experts"):
         quantize_checkpoint(tiny_models["qwen3_moe"], tmp_path / "x", "w8a8",
                             expert_scheme="w8a8")
