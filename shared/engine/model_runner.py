@@ -7,6 +7,8 @@ once, and the attention metadata is prepared once per step for all layers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +143,24 @@ class ModelRunner:
             self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,
                                       group_tables, hidden_out[0])
         return logits, sample_idx
+
+    @contextmanager
+    def logits_kept(self) -> Iterator[list[torch.Tensor]]:
+        """Every step's logits (a copy), in order, while inside: what benchmarks and
+        tests compare between two engines."""
+        kept: list[torch.Tensor] = []
+        execute = self.execute
+
+        def keep(*args, **kwargs):
+            logits, idx = execute(*args, **kwargs)
+            kept.append(logits.clone())
+            return logits, idx
+
+        self.execute = keep  # type: ignore[method-assign]
+        try:
+            yield kept
+        finally:
+            del self.execute  # (the class's own again)
 
     def forward_arrays(self, input_ids: np.ndarray, positions: np.ndarray,
                        block_table: np.ndarray, starts: list[int], counts: list[int],

@@ -83,10 +83,11 @@ void pdmesh_int8_pack(const int8_t *w, int64_t k, int64_t n, int8_t *packed,
                 }
 }
 
-/* Per row of x [m, k] float32: u [m, k_pad] (q + 128, zero-padded as 128), scale [m],
- * qsum [m] (sum of q). */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, uint8_t *u,
-                          float *scale, int32_t *qsum) {
+/* Per row of x [m, k] float32: scale [m] = max|x| / 127, q = round(x / scale) (as
+ * npu_dynamic_quant), qsum [m] = sum of q; out [m, k_pad] holds q ^ flip, zero-padded:
+ * flip 0 keeps q signed, 0x80 stores the unsigned q + 128 (padding then reads 128). */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, uint8_t *out,
+                          float *scale, int32_t *qsum, uint8_t flip) {
     for (int64_t r = 0; r < m; r++) {
         const float *row = x + r * k;
         float amax = 0.0f;
@@ -103,10 +104,10 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, uint
             float q = __builtin_nearbyintf(row[i] / s);
             q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
             sum += (int32_t)q;
-            u[r * kp + i] = (uint8_t)((int32_t)q + 128);
+            out[r * kp + i] = (uint8_t)(int8_t)q ^ flip;
         }
         for (int64_t i = k; i < kp; i++)
-            u[r * kp + i] = 128;
+            out[r * kp + i] = flip;
         qsum[r] = sum;
     }
 }
@@ -137,6 +138,38 @@ static void gemm_tile(const uint8_t *u, int64_t rows, int64_t kp, const int8_t *
     }
 }
 
+/* One tile's rows r0 .. r0 + rows - 1 of y from their int32 sums: what the unsigned
+ * operand added comes off (int8: 128 * colsum, the activations were q + 128; int4, colsum
+ * NULL: 8 * qsum, the weights were w + 8), then the zero points and both scales. */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void dynamic_epilogue(__m512i acc[4][4], int64_t rows, int64_t r0, int64_t t,
+                             int64_t n, const int32_t *colsum, const int32_t *qsum,
+                             const float *x_scale, const float *w_scale,
+                             const float *offset, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 sx = _mm512_set1_ps(x_scale[r0 + r]);
+        const __m512 qs = _mm512_set1_ps((float)qsum[r0 + r]);
+        const __m512i shift = _mm512_set1_epi32(8 * qsum[r0 + r]);
+        for (int64_t j = 0; j < 4; j++) {
+            const int64_t n0 = t * TILE + 16 * j;
+            if (n0 >= n)
+                break;
+            const __mmask16 keep = n - n0 >= 16 ? (__mmask16)0xFFFF
+                                                : (__mmask16)((1u << (n - n0)) - 1);
+            const __m512i added = colsum ? _mm512_slli_epi32(
+                _mm512_loadu_si512((const void *)(colsum + n0)), 7) : shift;
+            __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], added));
+            if (offset) {
+                const __m512 off = _mm512_maskz_loadu_ps(keep, offset + n0);
+                v = _mm512_fnmadd_ps(off, qs, v);
+            }
+            const __m512 ws = _mm512_maskz_loadu_ps(keep, w_scale + n0);
+            v = _mm512_mul_ps(_mm512_mul_ps(v, sx), ws);
+            _mm512_mask_storeu_ps(y + (r0 + r) * n + n0, keep, v);
+        }
+    }
+}
+
 /* y [m, n] float32 = the W8A8_DYNAMIC product of x [m, k] float32 and the packed weight
  * (per-channel scale w_scale [n], zero points offset [n] or NULL). work: m * k_pad bytes.
  * The output tiles are shared out over OpenMP's threads (torch's own runtime: the
@@ -147,35 +180,14 @@ void pdmesh_int8_linear(const float *x, int64_t m, int64_t k, int64_t n,
                         const float *offset, float *y, uint8_t *work, float *x_scale,
                         int32_t *qsum) {
     const int64_t kp = (k + 3) / 4 * 4, tiles = (n + TILE - 1) / TILE;
-    quantize_rows(x, m, k, kp, work, x_scale, qsum);
+    quantize_rows(x, m, k, kp, work, x_scale, qsum, 0x80);
 #pragma omp parallel for schedule(static) if (tiles >= 8)
     for (int64_t t = 0; t < tiles; t++) {
         __m512i acc[4][4];
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
             const int64_t rows = m - r0 < 4 ? m - r0 : 4;
             gemm_tile(work + r0 * kp, rows, kp, packed + t * (kp / 4) * TILE * 4, acc);
-            for (int64_t r = 0; r < rows; r++) {
-                const __m512 sx = _mm512_set1_ps(x_scale[r0 + r]);
-                const __m512 qs = _mm512_set1_ps((float)qsum[r0 + r]);
-                for (int64_t j = 0; j < 4; j++) {
-                    const int64_t n0 = t * TILE + 16 * j;
-                    if (n0 >= n)
-                        break;
-                    const __mmask16 keep = n - n0 >= 16 ? (__mmask16)0xFFFF
-                                                        : (__mmask16)((1u << (n - n0)) - 1);
-                    const __m512i cs = _mm512_loadu_si512((const void *)(colsum + n0));
-                    const __m512i exact = _mm512_sub_epi32(acc[r][j],
-                                                           _mm512_slli_epi32(cs, 7));
-                    __m512 v = _mm512_cvtepi32_ps(exact);
-                    if (offset) {
-                        const __m512 off = _mm512_maskz_loadu_ps(keep, offset + n0);
-                        v = _mm512_fnmadd_ps(off, qs, v);
-                    }
-                    const __m512 ws = _mm512_maskz_loadu_ps(keep, w_scale + n0);
-                    v = _mm512_mul_ps(_mm512_mul_ps(v, sx), ws);
-                    _mm512_mask_storeu_ps(y + (r0 + r) * n + n0, keep, v);
-                }
-            }
+            dynamic_epilogue(acc, rows, r0, t, n, colsum, qsum, x_scale, w_scale, offset, y);
         }
     }
 }
@@ -202,33 +214,6 @@ void pdmesh_int4_pack(const int8_t *w, int64_t k, int64_t n, uint8_t *packed) {
                     packed[((t * (kp / 8) + h) * TILE + lane) * 4 + b] =
                         (uint8_t)((lo & 0x0F) | ((hi & 0x0F) << 4));
                 }
-}
-
-/* q [m, k_pad8] signed int8 (zero padded), scale [m], qsum [m]. */
-static void quantize_rows_signed(const float *x, int64_t m, int64_t k, int64_t kp,
-                                 int8_t *q, float *scale, int32_t *qsum) {
-    for (int64_t r = 0; r < m; r++) {
-        const float *row = x + r * k;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            const float a = row[i] < 0 ? -row[i] : row[i];
-            amax = a > amax ? a : amax;
-        }
-        float s = amax / 127.0f;
-        if (s < 1e-12f / 127.0f)
-            s = 1e-12f / 127.0f;
-        scale[r] = s;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < k; i++) {
-            float v = __builtin_nearbyintf(row[i] / s);
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            sum += (int32_t)v;
-            q[r * kp + i] = (int8_t)v;
-        }
-        for (int64_t i = k; i < kp; i++)
-            q[r * kp + i] = 0;
-        qsum[r] = sum;
-    }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -266,33 +251,14 @@ void pdmesh_int4_linear(const float *x, int64_t m, int64_t k, int64_t n,
                         const uint8_t *packed, const float *w_scale, const float *offset,
                         float *y, int8_t *work, float *x_scale, int32_t *qsum) {
     const int64_t kp = (k + 7) / 8 * 8, tiles = (n + TILE - 1) / TILE;
-    quantize_rows_signed(x, m, k, kp, work, x_scale, qsum);
+    quantize_rows(x, m, k, kp, (uint8_t *)work, x_scale, qsum, 0);
 #pragma omp parallel for schedule(static) if (tiles >= 8)
     for (int64_t t = 0; t < tiles; t++) {
         __m512i acc[4][4];
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
             const int64_t rows = m - r0 < 4 ? m - r0 : 4;
             gemm_tile_int4(work + r0 * kp, rows, kp, packed + t * (kp / 8) * TILE * 4, acc);
-            for (int64_t r = 0; r < rows; r++) {
-                const __m512 sx = _mm512_set1_ps(x_scale[r0 + r]);
-                const __m512 qs = _mm512_set1_ps((float)qsum[r0 + r]);
-                const __m512i shift = _mm512_set1_epi32(8 * qsum[r0 + r]);
-                for (int64_t j = 0; j < 4; j++) {
-                    const int64_t n0 = t * TILE + 16 * j;
-                    if (n0 >= n)
-                        break;
-                    const __mmask16 keep = n - n0 >= 16 ? (__mmask16)0xFFFF
-                                                        : (__mmask16)((1u << (n - n0)) - 1);
-                    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], shift));
-                    if (offset) {
-                        const __m512 off = _mm512_maskz_loadu_ps(keep, offset + n0);
-                        v = _mm512_fnmadd_ps(off, qs, v);
-                    }
-                    const __m512 ws = _mm512_maskz_loadu_ps(keep, w_scale + n0);
-                    v = _mm512_mul_ps(_mm512_mul_ps(v, sx), ws);
-                    _mm512_mask_storeu_ps(y + (r0 + r) * n + n0, keep, v);
-                }
-            }
+            dynamic_epilogue(acc, rows, r0, t, n, NULL, qsum, x_scale, w_scale, offset, y);
         }
     }
 }

@@ -124,20 +124,9 @@ def run(a: argparse.Namespace) -> int:
 def _first_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     from pdmesh.shared.engine import SamplingParams
 
-    got = []
-    execute = llm.engine.runner.execute
-
-    def keep(*args, **kw):
-        logits, idx = execute(*args, **kw)
-        got.append(logits.clone())
-        return logits, idx
-
-    llm.engine.runner.execute = keep
-    try:
+    with llm.engine.runner.logits_kept() as kept:
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
-    finally:
-        llm.engine.runner.execute = execute
-    return got[0]
+    return kept[0]
 
 
 def _weight_bytes(model) -> int:

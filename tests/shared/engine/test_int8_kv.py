@@ -17,18 +17,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
 def step_logits(llm: LLM, prompts, params) -> list[torch.Tensor]:
-    got = []
-    run = llm.engine.runner.execute
-
-    def keep(*a, **k):
-        logits, idx = run(*a, **k)
-        got.append(logits.clone())
-        return logits, idx
-
-    llm.engine.runner.execute = keep
-    outs = llm.generate(prompts, params)
-    llm.engine.runner.execute = run
-    return got, [o.outputs[0].token_ids for o in outs]
+    with llm.engine.runner.logits_kept() as kept:
+        outs = llm.generate(prompts, params)
+    return kept, [o.outputs[0].token_ids for o in outs]
 
 
 # least first-token cosine with the float cache's logits. The tiny random DeepSeek-V4

@@ -54,18 +54,9 @@ def quantized(tiny_models, tmp_path_factory):
 
 def first_logits(llm: LLM) -> torch.Tensor:
     """The logits the engine samples the prompts' first tokens from, [len(PROMPTS), V]."""
-    got = []
-    run = llm.engine.runner.execute
-
-    def keep(*a, **k):
-        logits, idx = run(*a, **k)
-        got.append(logits.clone())
-        return logits, idx
-
-    llm.engine.runner.execute = keep
-    llm.generate(PROMPTS, FIRST)
-    llm.engine.runner.execute = run
-    (logits,) = got
+    with llm.engine.runner.logits_kept() as kept:
+        llm.generate(PROMPTS, FIRST)
+    (logits,) = kept
     return logits
 
 

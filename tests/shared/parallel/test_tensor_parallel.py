@@ -18,17 +18,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def run(llm: LLM) -> tuple[list[torch.Tensor], list[list[int]]]:
     """The logits the engine sampled from at every step, and the outputs."""
-    got = []
-    execute = llm.engine.runner.execute
-
-    def keep(*a, **k):
-        logits, idx = execute(*a, **k)
-        got.append(logits.clone())
-        return logits, idx
-
-    llm.engine.runner.execute = keep
-    outs = llm.generate(PROMPTS, GREEDY)
-    return got, [o.outputs[0].token_ids for o in outs]
+    with llm.engine.runner.logits_kept() as kept:
+        outs = llm.generate(PROMPTS, GREEDY)
+    return kept, [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])
