@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import save_file
 
 from pdmesh.shared.kernels.quant import pack_int4, quantize_fp8_blocks, quantize_weight
+from pdmesh.shared.models.checkpoint import open_checkpoint
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.corpus import corpus_files
-from pdmesh.shared.models.loader import open_checkpoint
 from pdmesh.shared.models.quantization import DESCRIPTION, detect
 
 SCHEMES = ("w8a8_dynamic", "w8a8", "w4a8_dynamic", "fp8_block")

@@ -103,7 +103,7 @@ def test_cli_make_tiny_model_and_generate(tmp_path):
 
 
 def test_fingerprint_follows_content_not_path(tmp_path, qwen3_path, bpe_tokenizer):
-    from pdmesh.shared.models.loader import model_fingerprint
+    from pdmesh.shared.models.checkpoint import model_fingerprint
 
     copy = tmp_path / "elsewhere"
     shutil.copytree(qwen3_path, copy)
