@@ -19,7 +19,7 @@ def engine_config(f: Any) -> EngineConfig:
     """The engine flags as they are (the offline tools' engine)."""
     return EngineConfig(
         model=f.model, device=f.device, dtype=f.dtype, quantization=f.quantization,
-        kv_cache_dtype=f.kv_cache_dtype,
+        kv_cache_dtype=f.kv_cache_dtype, tensor_parallel_size=getattr(f, "tensor_parallel_size", 1),
         seed=f.seed, block_size=f.block_size,
         max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,
         max_num_batched_tokens=step_tokens(f),

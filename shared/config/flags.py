@@ -173,7 +173,8 @@ FLAGS: list[Flag] = [
              "computed here (0: no limit)", POOLED),
             ("--shutdown-timeout", "float", 30.0, "on SIGTERM, seconds requests in flight "
              "get to finish"),
-            ("--tensor-parallel-size", "int", 1, "tensor parallel ranks (1 only, for now)",
+            ("--tensor-parallel-size", "int", 1, "tensor parallel ranks of each DP rank (their "
+             "processes on its node, rank r on its device r)",
              {"aliases": ("-tp", "--tp-size")}),
             ("--data-parallel-size", "int", 1, "data parallel ranks of this instance",
              {"aliases": ("-dp", "--dp-size")}),

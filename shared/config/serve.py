@@ -3,7 +3,7 @@
     words ──parse_command_line──▶ Flags ──read_config──▶ ServeConfig (flags checked
     together: --kv-transfer-config, priority scheduling, --additional-config and its
     cross-key rules) ──resolve──▶ ServeConfig (+ what runs: the device, the EngineConfig;
-    what pdmesh cannot run yet refused, e.g. tensor parallelism)
+    what pdmesh cannot run yet refused, e.g. tensor parallelism beside DP)
 
 Every service, `pdmesh up` (for the flags it hands to its engines), `pdmesh serve` and
 `pdmesh config check` go through ``serve_config``, so `config check` accepts exactly the
@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from pdmesh.shared.config.command_line import Flags, parse_command_line
@@ -171,13 +172,37 @@ def resolve(config: ServeConfig) -> ServeConfig:
         EvictionPolicy(f.kv_lease_ttl_ms, f.eviction_high_watermark_ratio, f.eviction_ratio)
     if config.role is None:
         return config
-    if f.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size: {f.tensor_parallel_size} is not supported "
-                         "by the services yet; an instance runs one process per model "
-                         "replica (use 1; the offline engine takes tensor_parallel_size)")
+    _tensor_parallel(f)
     from pdmesh.shared.config.engine_config import serving_engine_config
 
     return dataclasses.replace(config, engine=serving_engine_config(config))
+
+
+def _tensor_parallel(f: Flags) -> None:
+    """--tensor-parallel-size N: N ranks per engine; refused beside what does not run
+    with it yet, and for a model it does not divide (read from the model's headers when
+    the folder is here)."""
+    tp = f.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size: must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    beside = [name for name, on in (
+        ("--data-parallel-size > 1", f.data_parallel_size > 1),
+        ("--enable-expert-parallel", f.enable_expert_parallel),
+        ("--speculative-config", f.speculative_config is not None)) if on]
+    if beside:
+        raise ValueError(f"--tensor-parallel-size: {tp} is not supported beside "
+                         f"{', '.join(beside)} yet (tensor parallelism runs alone for now)")
+    model = getattr(f, "model", None)
+    if model and (Path(model) / "config.json").is_file():
+        from pdmesh.shared.models.loader import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(model, tp, f.quantization)
+        except ValueError as e:
+            raise ValueError("--tensor-parallel-size: "
+                             + str(e).removeprefix("tensor_parallel_size: ")) from None
 
 
 def engine_role(flags: Flags) -> str | None:

@@ -44,12 +44,14 @@ from pdmesh.shared.engine.spec_decode import (
     make_ngram_proposer,
 )
 from pdmesh.shared.engine.step_costs import StepCosts
+from pdmesh.shared.infra.launcher import ready_timeout_s
 from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.kernels.quant import select_experts
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 from pdmesh.shared.models.checkpoint import model_fingerprint
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model
+from pdmesh.shared.models.transformer import weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,17 @@ class EngineCore:
         self.tp_ranks = shard = None
         if config.tensor_parallel_size > 1:
             shard = self._start_tensor_parallel()
-        self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
-                                                   model_cfg, config.quantization, shard=shard)
+        try:
+            self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
+                                                       model_cfg, config.quantization,
+                                                       shard=shard)
+            if self.tp_ranks is not None:  # every rank has its shard: join their group
+                self.tp_weight_bytes = [weight_bytes(self.model.w), *(
+                    r["weight_bytes"] for r in self.tp_ranks.join(ready_timeout_s()))]
+        except BaseException:
+            if self.tp_ranks is not None:
+                self.tp_ranks.kill()
+            raise
         self.ep = self._setup_expert_parallel()
         if config.expert_load_window and self.model.moe_layers:
             from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
@@ -111,7 +122,11 @@ class EngineCore:
         self.cache_spec = cache_spec(self.model.config, config.block_size,
                                      mtp_layers=1 if mtp else 0,
                                      int8=config.kv_cache_dtype == "int8")
-        self.kv_bytes_per_token = round(self.cache_spec.bytes_per_token(self.dtype))
+        # the layout the pool holds: the whole model's, whatever this engine's TP size
+        self.pool_spec = self.cache_spec if self.tp_ranks is None else cache_spec(
+            model_cfg, config.block_size, mtp_layers=1 if mtp else 0,
+            int8=config.kv_cache_dtype == "int8")
+        self.kv_bytes_per_token = round(self.pool_spec.bytes_per_token(self.dtype))
         groups = self._resolve_num_blocks()
         num_blocks = groups[0].num_blocks
         if self.tp_ranks is not None:  # the other ranks' caches: as many blocks
@@ -123,6 +138,11 @@ class EngineCore:
                                  self.backend.device)
         num_layers = self.model_config.num_layers
         per_layer = layer_caches(self.cache_spec, caches, num_layers + (1 if mtp else 0))
+        if self.tp_ranks is not None:
+            kv_bytes = sum(x.numel() * x.element_size() for group in caches for x in group)
+            log.info("engine: tensor-parallel memory per rank: weights %s MB, KV cache "
+                     "%.2f MB each", " / ".join(f"{b / 1e6:.2f}" for b in self.tp_weight_bytes),
+                     kv_bytes / 1e6)
         self.runner = ModelRunner(self.model, self.backend, self.kv, per_layer[:num_layers])
         self.runner.tp_ranks = self.tp_ranks
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
@@ -143,17 +163,24 @@ class EngineCore:
             self.draft_length = DraftLength(self.speculative.num_speculative_tokens)
         self.spec_stats = SpecStats()
         self.connector = None
-        if kv_pool is not None:
+        windows, names = [g.window for g in groups], [g.name for g in groups]
+        if kv_pool is not None and self.tp_ranks is not None:
+            from pdmesh.shared.parallel.tp_kv import ShardedPoolConnector
+
+            self.connector = ShardedPoolConnector(
+                kv_pool, caches, self.pool_spec, self.dtype, self.tp_ranks, self.kv.hasher,
+                self.kv_fingerprint, save_prompts, windows=windows, names=names)
+        elif kv_pool is not None:
             self.connector = PoolConnector(
                 kv_pool, [CacheRegions(t) for t in caches], self.kv.hasher,
-                self.kv_fingerprint, save_prompts,
-                windows=[g.window for g in groups], names=[g.name for g in groups])
+                self.kv_fingerprint, save_prompts, windows=windows, names=names)
         self.step_costs = StepCosts()
         # pool reads run beside the steps, never inside one
         self.scheduler = Scheduler(self.kv, policy_from_config(config),
                                    config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, self.connector,
-                                   async_kv_load=kv_pool is not None,
+                                   # (TP: transfers are collectives, in step order)
+                                   async_kv_load=kv_pool is not None and self.tp_ranks is None,
                                    kv_load_timeout_s=config.kv_load_timeout_s)
         self.scheduler.recompute_elsewhere = config.recompute_scheduler
         self.dyntralb = None
@@ -188,21 +215,24 @@ class EngineCore:
 
     # -- configuration ----------------------------------------------------------------
     def _start_tensor_parallel(self):
-        """Start the other tensor-parallel ranks and join their group; this engine's
-        shard. On CPU each rank takes an equal share of the cores."""
+        """Start the other tensor-parallel ranks (they join the group once every rank has
+        loaded its shard); this engine's shard. On CPU each rank takes an equal share of
+        the cores."""
         import os
         import weakref
 
         from pdmesh.shared.engine.tp_worker import tensor_parallel_worker
+        from pdmesh.shared.models.loader import check_tensor_parallel
         from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallelRanks
 
         size = self.config.tensor_parallel_size
+        check_tensor_parallel(self.config.model, size, self.config.quantization)
         if self.device == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.tp_ranks = TensorParallelRanks(self.config, size, tensor_parallel_worker)
         weakref.finalize(self, self.tp_ranks.close)
-        log.info("engine: tensor-parallel rank 0 of %d (group %s)", size,
-                 self.tp_ranks.address)
+        log.info("engine: tensor-parallel rank 0 of %d (group %s); ranks 1..%d load their "
+                 "shards beside it", size, self.tp_ranks.address, size - 1)
         return Shard(0, size)
 
     def _setup_expert_parallel(self):
@@ -251,7 +281,7 @@ class EngineCore:
         block hash, and the prefix of every pool key."""
         import hashlib
 
-        layout = hashlib.blake2b(self.cache_spec.layout().encode(), digest_size=8).hexdigest()
+        layout = hashlib.blake2b(self.pool_spec.layout().encode(), digest_size=8).hexdigest()
         return (f"{model_fingerprint(self.config.model)}:{layout}:"
                 f"{str(self.dtype).removeprefix('torch.')}:{self.config.block_size}")
 

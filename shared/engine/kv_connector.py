@@ -59,9 +59,11 @@ class PoolConnector:
         taken, self.transfer_seconds[direction] = self.transfer_seconds[direction], []
         return taken
 
-    def _account(self, direction: str, regions: list, ok: list[bool], seconds: float) -> int:
+    def _account(self, direction: str, blocks: list[tuple[int, int]], ok: list[bool],
+                 seconds: float) -> int:
         """Record a transfer; returns its bytes."""
-        moved = sum(n for regs, done in zip(regions, ok, strict=True) if done for _, n in regs)
+        moved = sum(self.groups[g].value_bytes
+                    for (g, _), done in zip(blocks, ok, strict=True) if done)
         self.transfer_bytes[direction] += moved
         times = self.transfer_seconds[direction]
         times.append(seconds)
@@ -91,11 +93,11 @@ class PoolConnector:
         return keys if group == 0 else [f"{k}/{self.names[group]}" for k in keys]
 
     def _plan(self, keys: list[str], tables: list[list[int]], first: int, end: int
-              ) -> tuple[list[str], list[list]]:
-        """Every group's keys and regions for blocks ``first ..`` of a request that
-        continues at token ``end``."""
+              ) -> tuple[list[str], list[tuple[int, int]]]:
+        """Every group's keys and (group, block id) for blocks ``first ..`` of a request
+        that continues at token ``end``."""
         all_keys: list[str] = []
-        regions: list[list] = []
+        blocks: list[tuple[int, int]] = []
         for g, group in enumerate(self.groups):
             if not group.tensors:
                 continue
@@ -103,8 +105,16 @@ class PoolConnector:
             gkeys = self._group_keys(g, keys)
             for b in range(lo, len(keys)):
                 all_keys.append(gkeys[b])
-                regions.append(group.regions(tables[g][b]))
-        return all_keys, regions
+                blocks.append((g, tables[g][b]))
+        return all_keys, blocks
+
+    def _transfer(self, direction: str, keys: list[str], blocks: list[tuple[int, int]]
+                  ) -> list[bool]:
+        """Put the blocks under their keys, or get the keys into them: per key, whether
+        it is in the pool now / was found. (A tensor-parallel engine stages them:
+        ``ShardedPoolConnector``.)"""
+        regions = [self.groups[g].regions(b) for g, b in blocks]
+        return (self.pool.put if direction == "put" else self.pool.get)(keys, regions)
 
     def loadable_tokens(self, request: Request, local_tokens: int) -> int:
         """Tokens past ``local_tokens`` (block aligned) that the pool can supply, leaving
@@ -134,14 +144,14 @@ class PoolConnector:
         bs = self.block_size
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         first, end = start_token // bs, start_token + num_tokens
-        keys, regions = self._plan(self.prompt_keys(request, end), tables, first, end)  # type: ignore[arg-type]
+        keys, blocks = self._plan(self.prompt_keys(request, end), tables, first, end)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
-            ok = self.pool.get(keys, regions)
+            ok = self._transfer("get", keys, blocks)
         except ConnectionError as e:
             log.warning("request %s: pool load failed (%s); recomputing", request.request_id, e)
             return False
-        request.kv_get_bytes = self._account("get", regions, ok, time.perf_counter() - t0)
+        request.kv_get_bytes = self._account("get", blocks, ok, time.perf_counter() - t0)
         if not all(ok):
             log.warning("request %s: %d of %d blocks vanished from the pool; recomputing",
                         request.request_id, len(ok) - sum(ok), len(ok))
@@ -157,14 +167,14 @@ class PoolConnector:
         and any output tokens it came with, a re-prefill)."""
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         end = request.num_tokens if num_tokens is None else num_tokens
-        keys, regions = self._plan(self.prompt_keys(request, end), tables, 0, end)  # type: ignore[arg-type]
+        keys, blocks = self._plan(self.prompt_keys(request, end), tables, 0, end)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
-            stored = self.pool.put(keys, regions)
+            stored = self._transfer("put", keys, blocks)
         except ConnectionError as e:  # decode will find nothing and compute the prompt
             log.warning("request %s: pool save failed (%s)", request.request_id, e)
             return keys
-        request.kv_put_bytes = self._account("put", regions, stored,
+        request.kv_put_bytes = self._account("put", blocks, stored,
                                              time.perf_counter() - t0)
         if not all(stored):
             log.warning("request %s: pool refused %d of %d blocks", request.request_id,

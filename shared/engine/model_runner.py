@@ -136,7 +136,7 @@ class ModelRunner:
         arrays = (input_ids, positions, block_table, starts, list(counts), seq_lens, slots,
                   qsl, group_tables, logits_rows.astype(np.int64))
         if self.tp_ranks is not None:  # every tensor-parallel rank runs the same step
-            self.tp_ranks.broadcast(arrays)
+            self.tp_ranks.broadcast(("step", arrays))
         hidden_out: list[torch.Tensor] | None = [] if hidden else None
         logits = self.forward_arrays(*arrays, hidden_out=hidden_out)
         if hidden_out is not None:

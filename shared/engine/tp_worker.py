@@ -1,6 +1,6 @@
 """A tensor-parallel worker rank (> 0): the process rank 0's engine starts beside itself,
-holding its shard of the model and of the paged cache and running the steps rank 0 hands
-it (pdmesh.shared.parallel.tensor_parallel)."""
+holding its shard of the model and of the paged cache and running what rank 0 hands it
+(pdmesh.shared.parallel.tensor_parallel): the steps, and the KV its pool transfers move."""
 
 from __future__ import annotations
 
@@ -12,49 +12,78 @@ from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model
+from pdmesh.shared.models.transformer import weight_bytes
+
+
+def set_rank_device(device: str, rank: int) -> None:
+    """Rank r computes on device r of the node (the devices its DP rank was given)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    elif device == "npu":
+        torch.npu.set_device(rank)  # type: ignore[attr-defined]
 
 
 class TensorParallelWorker:
     """A tensor-parallel rank > 0: its shard of the model and of the paged cache (as many
-    blocks as rank 0's), running the steps rank 0 hands it."""
+    blocks as rank 0's), running what rank 0 hands it."""
 
-    def __init__(self, config: EngineConfig, rank: int, size: int, address: str):
-        from pdmesh.shared.parallel.expert_parallel import dist_backend
-        from pdmesh.shared.parallel.tensor_parallel import Shard, init, receive
+    def __init__(self, config: EngineConfig, rank: int, size: int, address: str, messages):
+        from pdmesh.shared.parallel.tensor_parallel import READY, Shard, init, receive
 
         device = resolve_device(config.device)
+        set_rank_device(device, rank)
         backend = get_backend(device)
-        init(rank, size, address, dist_backend(device))
         torch.manual_seed(config.seed)
         model_cfg = ModelConfig.from_folder(config.model)
         dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         _, model = load_model(config.model, backend, dtype, model_cfg, config.quantization,
                               shard=Shard(rank, size))
+        # loaded: rank 0 joins the group once every rank is here
+        messages.put((READY, rank, {"weight_bytes": weight_bytes(model.w)}))
+        from pdmesh.shared.parallel.expert_parallel import dist_backend
+
+        init(rank, size, address, dist_backend(device))
         spec = cache_spec(model.config, config.block_size,
                           int8=config.kv_cache_dtype == "int8")
         num_blocks = receive()
-        caches = allocate_caches(spec, num_blocks, dtype, backend.device)
-        per_layer = layer_caches(spec, caches, model.config.num_layers)
+        self.caches = allocate_caches(spec, num_blocks, dtype, backend.device)
+        per_layer = layer_caches(spec, self.caches, model.config.num_layers)
         self.runner = ModelRunner(model, backend, None, per_layer, block_size=config.block_size)
+        self.shard = Shard(rank, size)
 
-    def run_step(self, arrays: tuple) -> None:
-        self.runner.forward_arrays(*arrays)
+    def run(self, message: tuple) -> None:
+        kind, body = message
+        if kind == "step":
+            self.runner.forward_arrays(*body)
+        elif kind == "kv":
+            from pdmesh.shared.parallel.tp_kv import worker_transfer
+
+            worker_transfer(body, self.caches, self.shard)
+        else:
+            raise ValueError(f"tensor-parallel worker: unknown message {kind!r}")
 
 
 def tensor_parallel_worker(config: EngineConfig, rank: int, size: int, address: str,
-                           errors) -> None:
-    """A tensor-parallel worker process: an equal share of the cores, its shard, its
-    steps."""
+                           messages) -> None:
+    """A tensor-parallel worker process: an equal share of the cores, its shard, what
+    rank 0 hands it. Its lifetime is rank 0's: a process group of its own (a signal to
+    the service's group is rank 0's to handle: it drains, then stops the workers), and
+    the kernel kills it when rank 0 dies."""
+    import multiprocessing as mp
     import os
 
-    from pdmesh.shared.parallel.tensor_parallel import serve_steps
+    from pdmesh.shared.infra.launcher import die_with_parent
+    from pdmesh.shared.parallel.tensor_parallel import report_failure, serve_steps
 
+    os.setpgid(0, 0)
+    die_with_parent()
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # rank 0 is gone already
+        os._exit(1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     try:
-        worker = TensorParallelWorker(config, rank, size, address)
+        worker = TensorParallelWorker(config, rank, size, address, messages)
     except Exception as e:
-        import traceback
-
-        errors.put((rank, f"{e!r}\n{traceback.format_exc()}"))
+        report_failure(messages, rank, e)
         raise
-    serve_steps(worker, errors, rank)
+    serve_steps(worker, messages, rank)

@@ -94,8 +94,9 @@ class CheckpointReader:
             raise ValueError(
                 f"model: tensor {name!r} missing from the safetensors in {self.folder}")
         view = self._where[name].get_slice(name)  # type: ignore[attr-defined]
-        t = view[(slice(None),) * dim + (rows,)]
-        return t.to(device=device, dtype=dtype)
+        t = view[(slice(None),) * dim + (rows,)].to(device=device, dtype=dtype)
+        # (a slice can come back as a view of more than itself: keep only its rows)
+        return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
     def shape(self, name: str) -> list[int]:
         if name not in self._where:

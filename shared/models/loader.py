@@ -44,6 +44,22 @@ from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallel, local_
 log = logging.getLogger(__name__)
 
 
+def check_tensor_parallel(folder: str | Path, size: int,
+                          quantization_flag: str | None = None) -> None:
+    """ValueError (naming tensor_parallel_size) for a model that cannot run on ``size``
+    ranks: heads or widths it does not divide, DeepSeek-V4, quantized weights; checked
+    before any rank starts (config and headers only, no weight read)."""
+    config = ModelConfig.from_folder(folder)
+    for rank in (0, size - 1):
+        local_config(config, Shard(rank, size))
+    if config.v4 is None:
+        with open_checkpoint(folder) as ckpt:
+            quantized = quantization.plan(folder, ckpt.dtypes(), quantization_flag)
+        if quantized is not None:
+            raise ValueError("tensor_parallel_size: quantized checkpoints do not run "
+                             "tensor-parallel yet")
+
+
 def load_model(
     folder: str | Path, backend: KernelBackend, dtype: torch.dtype,
     config: ModelConfig | None = None, quantization_flag: str | None = None,
@@ -70,7 +86,7 @@ def load_model(
         if shard is None:
             weights = _prepared(_read_weights(config, ckpt, dtype, dev), backend)
             return config, CausalLM(config, weights, backend)
-        if ckpt.quant is not None:
+        if ckpt.quant is not None:  # (check_tensor_parallel says so before ranks start)
             raise ValueError("tensor_parallel_size: quantized checkpoints do not run "
                              "tensor-parallel yet")
         local = local_config(config, shard)

@@ -26,6 +26,7 @@ Its MoE layers (DeepSeekMoE) route with sigmoid scores and grouped top-k
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -108,6 +109,39 @@ class ModelWeights:
     # multi-token-prediction layers (DeepSeek's num_nextn_predict_layers): run only by
     # the MTP proposer (``CausalLM.mtp_forward``), never as decoder layers
     mtp: list[MtpWeights] = field(default_factory=list)
+
+
+def weight_tensors(obj: Any, skip: frozenset[str] = frozenset()) -> list[torch.Tensor]:
+    """Every tensor a model's weights hold, once each (walked through their dataclasses,
+    lists and dicts; fields named in ``skip`` left out)."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            seen.setdefault(id(o), o)
+        elif isinstance(o, (list, tuple)):
+            for item in o:
+                walk(item)
+        elif isinstance(o, dict):
+            for item in o.values():
+                walk(item)
+        elif hasattr(o, "__dataclass_fields__"):
+            for name in o.__dataclass_fields__:
+                if name not in skip:
+                    walk(getattr(o, name))
+
+    walk(obj)
+    return list(seen.values())
+
+
+def weight_bytes(obj: Any) -> int:
+    """What the weights take in memory: each storage once (a tied LM head, a view of the
+    embedding, adds nothing)."""
+    storages: dict[int, int] = {}
+    for t in weight_tensors(obj):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 class CausalLM:

@@ -27,11 +27,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from pdmesh.shared.models.config import ModelConfig
+if TYPE_CHECKING:  # (the models import Shard from here)
+    from pdmesh.shared.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,53 +124,142 @@ class TensorParallel:
 
 # -- the ranks ------------------------------------------------------------------------------
 STOP = "stop"
+READY, FAILED = "ready", "failed"
 
 
 class TensorParallelRanks:
-    """Rank 0's side: starts the workers, joins the group, hands each step's inputs on,
-    stops them."""
+    """Rank 0's side: starts the workers, waits until each has loaded its shard, joins
+    their group, hands each step's inputs on, stops them. A worker that fails, at start-up
+    or later, ends what rank 0 is doing with that worker's own error."""
 
     def __init__(self, config, size: int, target):
-        """``target(config, rank, size, address, errors)``: a worker process's main."""
+        """``target(config, rank, size, address, messages)``: a worker process's main; it
+        puts (READY, rank, what it holds) once its shard is loaded, (FAILED, rank,
+        error) when it fails."""
         import multiprocessing as mp
         import socket
-
-        from pdmesh.shared.parallel.expert_parallel import dist_backend
 
         with socket.socket() as s:  # the group's store, on loopback
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.address = f"127.0.0.1:{port}"
         self.size = size
+        self.backend = _backend(config.device)
         ctx = mp.get_context("spawn")
-        self.errors = ctx.Queue()
+        self.messages = ctx.Queue()
         self.workers = [ctx.Process(target=target, args=(config, r, size, self.address,
-                                                          self.errors),
+                                                          self.messages),
                                     daemon=True, name=f"pdmesh-tp{r}")
                         for r in range(1, size)]
         for w in self.workers:
             w.start()
-        init(0, size, self.address, dist_backend(config.device if config.device != "auto"
-                                                 else "cpu"))
+        self.joined = False
         self.closed = False
 
+    def join(self, timeout_s: float) -> list[dict]:
+        """Wait for every worker's shard (they load while rank 0 loads its own), then
+        join the group. Returns what each worker reported (rank 1 first). RuntimeError
+        with a worker's error as soon as one fails or exits; TimeoutError past
+        ``timeout_s``. The workers are stopped either way on failure."""
+        import queue
+        import time
+
+        ready: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(ready) < self.size - 1:
+                try:
+                    kind, rank, info = self.messages.get(timeout=0.1)
+                except queue.Empty:
+                    self._exited()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"tensor-parallel ranks {sorted(set(range(1, self.size)) - set(ready))}"
+                            f" not ready after {timeout_s:.0f} s (PDMESH_READY_TIMEOUT_S)"
+                        ) from None
+                    continue
+                if kind == FAILED:
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {info}")
+                ready[rank] = info
+            init(0, self.size, self.address, self.backend)
+        except BaseException:
+            self.kill()
+            raise
+        self.joined = True
+        return [ready[r] for r in sorted(ready)]
+
+    def check(self) -> None:
+        """RuntimeError naming a worker that has failed (its error when it sent one) or
+        exited; nothing while all of them run."""
+        import queue
+
+        try:
+            kind, rank, info = self.messages.get_nowait()
+        except queue.Empty:
+            pass
+        else:
+            if kind == FAILED:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed: {info}")
+        self._exited()
+
+    def _exited(self) -> None:
+        for r, w in enumerate(self.workers, start=1):
+            if w.exitcode is not None:
+                why = self._failure(r)
+                raise RuntimeError(f"tensor-parallel rank {r} exited (code {w.exitcode})"
+                                   + (f": {why}" if why else ""))
+
+    def _failure(self, rank: int) -> str | None:
+        """The error a worker that exited sent, if it sent one (it may still be in the
+        queue's pipe)."""
+        import queue
+
+        while True:
+            try:
+                kind, r, info = self.messages.get(timeout=1.0)
+            except queue.Empty:
+                return None
+            if kind == FAILED and r == rank:
+                return info
+
     def broadcast(self, payload) -> None:
-        """Rank 0: what every rank needs to run the step (or STOP)."""
+        """Rank 0: what every rank needs to run the step (or STOP); a worker that has
+        failed since the last step is reported here rather than as a collective's
+        timeout."""
+        if payload != STOP:
+            self.check()
         box = [payload]
         dist.broadcast_object_list(box, src=0)
+
+    def kill(self) -> None:
+        self.closed = True
+        for w in self.workers:
+            if w.is_alive():
+                w.kill()
+            w.join(timeout=5)
 
     def close(self) -> None:
         if self.closed:
             return
+        if not self.joined:
+            self.kill()
+            return
         self.closed = True
         try:
-            self.broadcast(STOP)
+            if all(w.is_alive() for w in self.workers):
+                self.broadcast(STOP)
         finally:
             for w in self.workers:
                 w.join(timeout=30)
                 if w.is_alive():
                     w.kill()
             dist.destroy_process_group()
+
+
+def _backend(device: str) -> str:
+    from pdmesh.shared.parallel.expert_parallel import dist_backend
+
+    return dist_backend(device if device != "auto" else "cpu")
 
 
 def init(rank: int, size: int, address: str, backend: str) -> None:
@@ -187,18 +278,22 @@ def receive():
     return box[0]
 
 
-def serve_steps(worker, errors, rank: int) -> None:
-    """A worker rank's loop: the steps rank 0 sends (``worker.run_step``) until STOP;
-    an error goes to rank 0's queue before it ends the process."""
+def serve_steps(worker, messages, rank: int) -> None:
+    """A worker rank's loop: what rank 0 sends (``worker.run``) until STOP; an error goes
+    to rank 0's queue before it ends the process."""
     try:
         while True:
             step = receive()
             if step == STOP:
                 break
-            worker.run_step(step)
+            worker.run(step)
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 (rank 0 reports it)
-        import traceback
-
-        errors.put((rank, f"{e!r}\n{traceback.format_exc()}"))
+        report_failure(messages, rank, e)
         raise
+
+
+def report_failure(messages, rank: int, e: BaseException) -> None:
+    import traceback
+
+    messages.put((FAILED, rank, f"{e!r}\n{traceback.format_exc()}"))

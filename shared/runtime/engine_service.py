@@ -91,6 +91,7 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
             return 0  # stopped before a kvstore came
         host.at_close(pool.close)
     engine = EngineCore(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
+    host.at_close(engine.close)  # (its tensor-parallel ranks, once drained)
     eplb = _rank_eplb(cfg, role.name, engine)
     if edge is not None:
         loop = EngineLoop(engine, edge[1], eplb)

@@ -94,25 +94,10 @@ def _weight_bytes(model: Any) -> int:
     """Bytes a decode step reads: every weight the forward uses (walked through the
     weights' dataclasses; MTP layers are not the forward's), less the embedding table
     (one row of it)."""
+    from pdmesh.shared.models.transformer import weight_tensors
+
     w = model.w
-    seen: dict[int, torch.Tensor] = {}
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            seen.setdefault(id(obj), obj)
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                walk(item)
-        elif hasattr(obj, "__dataclass_fields__"):
-            for name in obj.__dataclass_fields__:
-                if name != "mtp":
-                    walk(getattr(obj, name))
-
-    walk(w)
-    return sum(t.numel() * t.element_size() for t in seen.values()
+    return sum(t.numel() * t.element_size() for t in weight_tensors(w, frozenset({"mtp"}))
                if t is not w.embed or w.lm_head is w.embed)
 
 

@@ -44,7 +44,8 @@ def test_every_seed_line_is_read_by_the_service_parser_as_it_is(case):
 
 def test_a_seed_line_starts_a_service_exactly_as_config_check_says():
     """The DeepSeek-V4 PD decode line: the parser takes every flag, both refuse what
-    pdmesh cannot run yet (tensor parallelism 16) with the same message."""
+    pdmesh cannot run yet (tensor parallelism 16 beside DP and MTP) with the same
+    message."""
     case = next(c for c in SEED_COMMANDS if c.name == "dsv4_pd_decode")
     words = seed_words(case)
     with pytest.raises(ValueError) as by_check:
@@ -95,7 +96,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 BAD = [
     ["--max_model_len", "abc"],
     ["--additional-config", '{"scheduler_config": {"dyntra_lb_config": {"enabled": true}}}'],
-    ["--tensor-parallel-size", "4"],
+    ["--tensor-parallel-size", "2", "--data-parallel-size", "2"],
     ["--enable-priority-scheduling", "--scheduling-policy", "priority"],
     ["--max-num-seq", "8"],
 ]

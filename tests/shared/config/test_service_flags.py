@@ -19,7 +19,10 @@ def start(*args: str) -> subprocess.CompletedProcess[str]:
       '{"scheduler_config": {"dyntra_lb_config": {"enabled": true}}}'], "data_parallel_size"),
     (["decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}'], "kv_role"),
     (["prefill", "--kv-transfer-config", "{not json"], "--kv-transfer-config"),
-    (["prefill", "--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["prefill", "--tensor-parallel-size", "2", "--enable-expert-parallel"],
+     "--tensor-parallel-size"),
+    (["prefill", "--tensor-parallel-size", "3"],
+     "--tensor-parallel-size: 3 does not divide num_attention_heads"),
     (["decode", "--data-parallel-size", "0"], "--data-parallel-size"),
     # two ranks start; the first to fail (no kvstore there) ends start-up with its error
     (["decode", "--data-parallel-size", "2"], "rank"),
