@@ -35,6 +35,12 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     config = dataclasses.replace(engine_config(cfg.flags), **parallel_settings(cfg),
                                  **scheduling_settings(cfg),
                                  **serving_defaults(cfg.flags, cfg.device))
+    extra = cfg.additional_config
+    fine = {k: v for k, v in dataclasses.asdict(extra.finegrained_tp_config).items() if v > 1}
+    if fine:  # (the rules checked them against the DP and TP sizes)
+        config = dataclasses.replace(config, finegrained_tp_config=fine)
+    if extra.enable_shared_expert_dp:  # (switched off by the rules unless EP and TP > 1)
+        config = dataclasses.replace(config, enable_shared_expert_dp=True)
     sched = cfg.additional_config.scheduler_config
     if sched.dyntra_lb_config.enabled:
         config = dataclasses.replace(config, dyntra_lb=sched.dyntra_lb_config)

@@ -90,11 +90,10 @@ def parse_additional_config(
 
 # vLLM-Ascend keys for any device that pdmesh validates but does not act on (yet): the
 # speculative-decoding sections act once drafts run (rejection_sampler_config with any
-# method, dynamic_spec_config with MTP drafts), fine-grained TP for tensor parallelism; the rest
-# have no counterpart in pdmesh's scheduler or EPLB controller (`pdmesh eplb
-# --interval-s` sets the controller's interval)
-UNIMPLEMENTED = ("rejection_sampler_config", "dynamic_spec_config", "finegrained_tp_config",
-                 "enable_shared_expert_dp", "enable_force_eplb", "mix_placement",
+# method, dynamic_spec_config with MTP drafts); the rest have no counterpart in pdmesh's
+# scheduler or EPLB controller (`pdmesh eplb --interval-s` sets the controller's interval)
+UNIMPLEMENTED = ("rejection_sampler_config", "dynamic_spec_config",
+                 "enable_force_eplb", "mix_placement",
                  "enable_context_parallel", "enable_reduce_sample", "draft_window_size",
                  "SLO_limits_for_dynamic_batch", "scheduler_config.enable_balance_scheduling",
                  "scheduler_config.profiling_chunk_config",

@@ -179,27 +179,25 @@ def resolve(config: ServeConfig) -> ServeConfig:
 
 
 def _tensor_parallel(f: Flags) -> None:
-    """--tensor-parallel-size N: N ranks per engine; refused beside what does not run
-    with it yet, and for a model it does not divide (read from the model's headers when
-    the folder is here)."""
+    """--tensor-parallel-size N: N ranks per DP rank; refused beside speculation (not
+    run with it yet) and for a model it does not divide (read from the model's headers
+    when the folder is here)."""
     tp = f.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size: must be >= 1, got {tp}")
     if tp == 1:
         return
-    beside = [name for name, on in (
-        ("--data-parallel-size > 1", f.data_parallel_size > 1),
-        ("--enable-expert-parallel", f.enable_expert_parallel),
-        ("--speculative-config", f.speculative_config is not None)) if on]
-    if beside:
+    spec = getattr(f, "speculative_config", None)
+    if isinstance(spec, dict) and spec.get("method") in RUN_METHODS:
         raise ValueError(f"--tensor-parallel-size: {tp} is not supported beside "
-                         f"{', '.join(beside)} yet (tensor parallelism runs alone for now)")
+                         "--speculative-config yet (the drafts do not run tensor-parallel)")
     model = getattr(f, "model", None)
     if model and (Path(model) / "config.json").is_file():
         from pdmesh.shared.models.loader import check_tensor_parallel
 
         try:
-            check_tensor_parallel(model, tp, f.quantization)
+            check_tensor_parallel(model, tp, f.quantization,
+                                  experts=not f.enable_expert_parallel)
         except ValueError as e:
             raise ValueError("--tensor-parallel-size: "
                              + str(e).removeprefix("tensor_parallel_size: ")) from None

@@ -65,6 +65,13 @@ class EngineConfig:
     data_parallel_rank: int = 0
     data_parallel_address: str | None = None
     enable_expert_parallel: bool = False
+    # vLLM-Ascend's finegrained_tp_config (``*_tensor_parallel_size`` keys): embedding,
+    # lm_head, o_proj and dense MLPs split over groups of DP ranks, which then step in
+    # lockstep (pdmesh.shared.parallel.finegrained_tp)
+    finegrained_tp_config: dict[str, int] | None = None
+    # with TP and EP: the shared experts whole on every TP rank, each running them on its
+    # share of the tokens (vLLM-Ascend's enable_shared_expert_dp)
+    enable_shared_expert_dp: bool = False
     num_redundant_experts: int = 0
     expert_map_path: str | None = None
     expert_map_record_path: str | None = None  # rank 0 writes each applied placement here
@@ -128,11 +135,19 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and (
-                self.data_parallel_size > 1 or self.enable_expert_parallel
-                or self.speculative_config is not None):
-            raise ValueError("tensor_parallel_size: not yet with data or expert parallelism "
-                             "or speculative decoding beside it")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("tensor_parallel_size: not yet with speculative decoding "
+                             "beside it")
+        from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
+
+        fine = FineGrainedLayout.from_config(self.finegrained_tp_config,
+                                             self.data_parallel_rank, self.data_parallel_size)
+        if fine is not None and self.tensor_parallel_size > 1:
+            raise ValueError("finegrained_tp_config: splits modules over DP ranks, so it needs "
+                             f"tensor_parallel_size 1, got {self.tensor_parallel_size}")
+        if fine is not None and self.speculative_config is not None:
+            raise ValueError("finegrained_tp_config: not yet with speculative decoding (the "
+                             "drafts' forwards would break the ranks' lockstep)")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size: must be >= 1, got {self.data_parallel_size}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:

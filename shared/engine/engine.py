@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,11 @@ from pdmesh.shared.engine.kv_cache_spec import (
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.engine.mtp import MtpProposer
+from pdmesh.shared.engine.parallel_setup import (
+    setup_expert_parallel,
+    setup_finegrained,
+    start_tensor_parallel,
+)
 from pdmesh.shared.engine.policy import policy_from_config
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler
@@ -46,12 +52,12 @@ from pdmesh.shared.engine.spec_decode import (
 from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.infra.launcher import ready_timeout_s
 from pdmesh.shared.kernels import get_backend, resolve_device
-from pdmesh.shared.kernels.quant import select_experts
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 from pdmesh.shared.models.checkpoint import model_fingerprint
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model
 from pdmesh.shared.models.transformer import weight_bytes
+from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +96,36 @@ class EngineCore:
         self.dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         t0 = time.perf_counter()
         self.tp_ranks = shard = None
+        # the engines' own group (lockstep, DyntraLB): None, the default one, unless
+        # tensor-parallel workers share the world with them
+        self.dp_group = None
         if config.tensor_parallel_size > 1:
-            shard = self._start_tensor_parallel()
+            self.tp_ranks, shard = start_tensor_parallel(config, self.device)
+            weakref.finalize(self, self.tp_ranks.close)
+        fine = FineGrainedLayout.from_config(config.finegrained_tp_config,
+                                             config.data_parallel_rank,
+                                             config.data_parallel_size)
         try:
             self.model_config, self.model = load_model(config.model, self.backend, self.dtype,
                                                        model_cfg, config.quantization,
-                                                       shard=shard)
-            if self.tp_ranks is not None:  # every rank has its shard: join their group
+                                                       shard=shard, fine=fine)
+            if self.tp_ranks is not None:  # every rank has its shard: join their groups
                 self.tp_weight_bytes = [weight_bytes(self.model.w), *(
                     r["weight_bytes"] for r in self.tp_ranks.join(ready_timeout_s()))]
+                self.model.tp.group = self.tp_ranks.groups.tp
+                self.dp_group = self.tp_ranks.groups.dp
         except BaseException:
             if self.tp_ranks is not None:
                 self.tp_ranks.kill()
             raise
-        self.ep = self._setup_expert_parallel()
+        self.ep = setup_expert_parallel(config, self.model, self.model_config, self.device,
+                                        self.tp_ranks)
+        self.model.shared_expert_dp = config.enable_shared_expert_dp
+        if fine is not None:
+            setup_finegrained(config, self.model, fine, joined=self.ep is not None,
+                              device=self.device)
+        # ranks that step together, an idle one too (expert parallelism, fine-grained TP)
+        self.lockstep = self.ep is not None or fine is not None
         if config.expert_load_window and self.model.moe_layers:
             from pdmesh.shared.parallel.expert_load import ExpertLoadRecorder
 
@@ -214,64 +236,14 @@ class EngineCore:
             self.tp_ranks.close()
 
     # -- configuration ----------------------------------------------------------------
-    def _start_tensor_parallel(self):
-        """Start the other tensor-parallel ranks (they join the group once every rank has
-        loaded its shard); this engine's shard. On CPU each rank takes an equal share of
-        the cores."""
-        import os
-        import weakref
-
-        from pdmesh.shared.engine.tp_worker import tensor_parallel_worker
-        from pdmesh.shared.models.loader import check_tensor_parallel
-        from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallelRanks
-
-        size = self.config.tensor_parallel_size
-        check_tensor_parallel(self.config.model, size, self.config.quantization)
-        if self.device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        self.tp_ranks = TensorParallelRanks(self.config, size, tensor_parallel_worker)
-        weakref.finalize(self, self.tp_ranks.close)
-        log.info("engine: tensor-parallel rank 0 of %d (group %s); ranks 1..%d load their "
-                 "shards beside it", size, self.tp_ranks.address, size - 1)
-        return Shard(0, size)
-
-    def _setup_expert_parallel(self):
-        """With ``enable_expert_parallel`` on a MoE model over several DP ranks: join the
-        ranks' process group and keep only this rank's experts."""
-        cfg = self.config
-        moe_layers = self.model.moe_layers
-        if not (cfg.enable_expert_parallel and cfg.data_parallel_size > 1 and moe_layers):
-            if cfg.num_redundant_experts or cfg.expert_map_path:
-                raise ValueError("num_redundant_experts / expert_map_path: only with expert "
-                                 "parallelism over data-parallel ranks on a MoE model")
-            return None
-        from pdmesh.shared.parallel.expert_parallel import (
-            ExpertParallel,
-            init_group,
-            load_expert_map,
-        )
-
-        moe = self.model_config.moe
-        num_slots = moe.num_experts + cfg.num_redundant_experts
-        start = (load_expert_map(cfg.expert_map_path, len(moe_layers), moe.num_experts,
-                                 num_slots) if cfg.expert_map_path else None)
-        init_group(cfg.data_parallel_rank, cfg.data_parallel_size, cfg.data_parallel_address,
-                   self.device)
-        weights = [self.model.w.layers[i].mlp for i in moe_layers]
-        ep = ExpertParallel(cfg.data_parallel_rank, cfg.data_parallel_size, moe_layers,
-                            weights, moe.num_experts, cfg.num_redundant_experts, start)
-        if self.model_config.v4 is not None:
-            ep.swiglu_limit = self.model_config.v4.swiglu_limit or None
-        for w in weights:  # the full expert stacks are not needed any more
-            w.w13 = select_experts(w.w13, torch.empty(0, dtype=torch.int64))
-            w.w2 = select_experts(w.w2, torch.empty(0, dtype=torch.int64))
-        self.model.ep = ep
-        return ep
-
     def idle_step(self) -> None:
         """A step with nothing of this rank's to compute: the other ranks' tokens still
-        pass through this rank's experts (only with expert parallelism)."""
-        if self.ep is not None:
+        pass through this rank's experts (expert parallelism) and its slices of the
+        modules fine-grained TP splits (a forward of no tokens: every collective, in
+        the forward's order)."""
+        if self.model.fg is not None:
+            self.runner.forward_nothing()
+        elif self.ep is not None:
             self.ep.idle_step(self.model_config.hidden_size, self.dtype, self.backend.device,
                               self.backend)
 

@@ -55,8 +55,8 @@ def attention_metadata(device: torch.device, block_table: np.ndarray, starts: li
         query_lens_host=list(counts),
         seq_lens_host=list(seq_lens),
         context_lens_host=list(starts),
-        max_query_len=max(counts),
-        max_seq_len=max(seq_lens),
+        max_query_len=max(counts, default=0),
+        max_seq_len=max(seq_lens, default=0),
         block_size=block_size,
         block_tables_host=block_table,
         group_tables_host=group_tables or [],
@@ -162,6 +162,11 @@ class ModelRunner:
         finally:
             del self.execute  # (the class's own again)
 
+    def forward_nothing(self) -> None:
+        """A forward of no tokens: a lockstep rank's idle step, which still makes every
+        collective the forward makes (fine-grained TP's, expert parallelism's)."""
+        self.forward_arrays(*_nothing())
+
     def forward_arrays(self, input_ids: np.ndarray, positions: np.ndarray,
                        block_table: np.ndarray, starts: list[int], counts: list[int],
                        seq_lens: list[int], slots: np.ndarray, qsl: np.ndarray,
@@ -181,6 +186,13 @@ class ModelRunner:
             torch.from_numpy(logits_rows).to(dev),
             *(() if hidden_out is None else (hidden_out,)),
         )
+
+
+def _nothing() -> tuple:
+    """The host arrays of a step of no tokens."""
+    none = np.zeros(0, dtype=np.int64)
+    return (none, none, np.zeros((0, 1), dtype=np.int32), [], [], [], none,
+            np.zeros(1, dtype=np.int32), [], none)
 
 
 def block_table_of(tables: list[list[int]]) -> np.ndarray:

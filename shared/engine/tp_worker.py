@@ -1,6 +1,7 @@
 """A tensor-parallel worker rank (> 0): the process rank 0's engine starts beside itself,
 holding its shard of the model and of the paged cache and running what rank 0 hands it
-(pdmesh.shared.parallel.tensor_parallel): the steps, and the KV its pool transfers move."""
+(pdmesh.shared.parallel.tp_ranks): the steps, the KV its pool transfers move, and with
+expert parallelism its idle steps and EPLB's expert moves."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model
 from pdmesh.shared.models.transformer import weight_bytes
+from pdmesh.shared.parallel.tp_ranks import READY, Topology, join, receive
 
 
 def set_rank_device(device: str, rank: int) -> None:
@@ -23,33 +25,53 @@ def set_rank_device(device: str, rank: int) -> None:
         torch.npu.set_device(rank)  # type: ignore[attr-defined]
 
 
+def tensor_shard(config: EngineConfig, rank: int):
+    """Tensor-parallel rank ``rank``'s shard: the routed experts whole under expert
+    parallelism, the shared ones whole under enable_shared_expert_dp (with EP)."""
+    from pdmesh.shared.parallel.tensor_parallel import Shard
+
+    ep = config.enable_expert_parallel
+    return Shard(rank, config.tensor_parallel_size, experts=not ep,
+                 shared=not (ep and config.enable_shared_expert_dp))
+
+
+def expert_parallel(config: EngineConfig, model) -> bool:
+    """Whether this engine places its experts over its ranks (EP on a MoE model)."""
+    return bool(config.enable_expert_parallel and model.moe_layers)
+
+
 class TensorParallelWorker:
     """A tensor-parallel rank > 0: its shard of the model and of the paged cache (as many
     blocks as rank 0's), running what rank 0 hands it."""
 
-    def __init__(self, config: EngineConfig, rank: int, size: int, address: str, messages):
-        from pdmesh.shared.parallel.tensor_parallel import READY, Shard, init, receive
-
+    def __init__(self, config: EngineConfig, rank: int, top: Topology, messages):
         device = resolve_device(config.device)
         set_rank_device(device, rank)
-        backend = get_backend(device)
+        self.backend = backend = get_backend(device)
         torch.manual_seed(config.seed)
         model_cfg = ModelConfig.from_folder(config.model)
-        dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
+        self.dtype = dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         _, model = load_model(config.model, backend, dtype, model_cfg, config.quantization,
-                              shard=Shard(rank, size))
-        # loaded: rank 0 joins the group once every rank is here
+                              shard=tensor_shard(config, rank))
+        model.shared_expert_dp = config.enable_shared_expert_dp
+        # loaded: rank 0 joins the groups once every rank is here
         messages.put((READY, rank, {"weight_bytes": weight_bytes(model.w)}))
-        from pdmesh.shared.parallel.expert_parallel import dist_backend
+        self.groups = join(top, rank)
+        model.tp.group = self.groups.tp
+        self.ep = None
+        if expert_parallel(config, model):
+            from pdmesh.shared.parallel.expert_parallel import attach_expert_parallel
 
-        init(rank, size, address, dist_backend(device))
+            self.ep = attach_expert_parallel(model, model_cfg, top.global_rank(rank),
+                                             top.world, config.num_redundant_experts,
+                                             config.expert_map_path)
+        self.hidden_size = model_cfg.hidden_size
         spec = cache_spec(model.config, config.block_size,
                           int8=config.kv_cache_dtype == "int8")
-        num_blocks = receive()
+        num_blocks = receive(self.groups)
         self.caches = allocate_caches(spec, num_blocks, dtype, backend.device)
         per_layer = layer_caches(spec, self.caches, model.config.num_layers)
         self.runner = ModelRunner(model, backend, None, per_layer, block_size=config.block_size)
-        self.shard = Shard(rank, size)
 
     def run(self, message: tuple) -> None:
         kind, body = message
@@ -58,13 +80,16 @@ class TensorParallelWorker:
         elif kind == "kv":
             from pdmesh.shared.parallel.tp_kv import worker_transfer
 
-            worker_transfer(body, self.caches, self.shard)
+            worker_transfer(body, self.caches, self.groups)
+        elif kind == "idle" and self.ep is not None:
+            self.ep.idle_step(self.hidden_size, self.dtype, self.backend.device, self.backend)
+        elif kind == "ep_move" and self.ep is not None:
+            self.ep.move_experts(*body)
         else:
             raise ValueError(f"tensor-parallel worker: unknown message {kind!r}")
 
 
-def tensor_parallel_worker(config: EngineConfig, rank: int, size: int, address: str,
-                           messages) -> None:
+def tensor_parallel_worker(config: EngineConfig, rank: int, top: Topology, messages) -> None:
     """A tensor-parallel worker process: an equal share of the cores, its shard, what
     rank 0 hands it. Its lifetime is rank 0's: a process group of its own (a signal to
     the service's group is rank 0's to handle: it drains, then stops the workers), and
@@ -73,17 +98,17 @@ def tensor_parallel_worker(config: EngineConfig, rank: int, size: int, address: 
     import os
 
     from pdmesh.shared.infra.launcher import die_with_parent
-    from pdmesh.shared.parallel.tensor_parallel import report_failure, serve_steps
+    from pdmesh.shared.parallel.tp_ranks import report_failure, serve_steps
 
     os.setpgid(0, 0)
     die_with_parent()
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # rank 0 is gone already
         os._exit(1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // top.tp_size))
     try:
-        worker = TensorParallelWorker(config, rank, size, address, messages)
+        worker = TensorParallelWorker(config, rank, top, messages)
     except Exception as e:
         report_failure(messages, rank, e)
         raise
-    serve_steps(worker, messages, rank)
+    serve_steps(worker, messages, rank, worker.groups)

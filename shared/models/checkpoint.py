@@ -32,6 +32,8 @@ class CheckpointReader:
         self.shard: Shard | None = None  # tensor parallelism: this rank's slices only
         self.q_heads = self.kv_heads = slice(None)  # (set with the shard)
         self.vocab = slice(None)
+        # fine-grained TP (a FineGrainedLayout): the modules split over DP ranks
+        self.fine = None
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -88,7 +90,7 @@ class CheckpointReader:
              rows: slice) -> torch.Tensor:
         """Only ``rows`` along ``dim`` of a float tensor, read from the file as such (a
         tensor-parallel rank's slice)."""
-        if self.shard is None or rows == slice(None):
+        if rows == slice(None):
             return self.get(name, dtype, device)  # type: ignore[return-value]
         if name not in self._where:
             raise ValueError(

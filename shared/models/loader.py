@@ -39,19 +39,21 @@ from pdmesh.shared.models.transformer import (
     MoEWeights,
     MtpWeights,
 )
+from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
 from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallel, local_config
 
 log = logging.getLogger(__name__)
 
 
 def check_tensor_parallel(folder: str | Path, size: int,
-                          quantization_flag: str | None = None) -> None:
+                          quantization_flag: str | None = None, experts: bool = True) -> None:
     """ValueError (naming tensor_parallel_size) for a model that cannot run on ``size``
-    ranks: heads or widths it does not divide, DeepSeek-V4, quantized weights; checked
-    before any rank starts (config and headers only, no weight read)."""
+    ranks: heads or widths it does not divide (``experts``: the routed experts' too),
+    DeepSeek-V4, quantized weights; checked before any rank starts (config and headers
+    only, no weight read)."""
     config = ModelConfig.from_folder(folder)
     for rank in (0, size - 1):
-        local_config(config, Shard(rank, size))
+        local_config(config, Shard(rank, size, experts))
     if config.v4 is None:
         with open_checkpoint(folder) as ckpt:
             quantized = quantization.plan(folder, ckpt.dtypes(), quantization_flag)
@@ -64,12 +66,14 @@ def load_model(
     folder: str | Path, backend: KernelBackend, dtype: torch.dtype,
     config: ModelConfig | None = None, quantization_flag: str | None = None,
     dequantize: bool = False, shard: Shard | None = None,
+    fine: FineGrainedLayout | None = None,
 ) -> tuple[ModelConfig, CausalLM | DeepseekV4]:
     """Read config (unless given) and weights; weights land on the backend's device in
     ``dtype``. ``quantization_flag``: --quantization; ``dequantize``: quantized weights
     read as the floats they stand for (the reference the quantized model is measured
     against); ``shard``: one tensor-parallel rank's slices (the model's own ``config``
-    is then that rank's, the one returned the whole model's)."""
+    is then that rank's, the one returned the whole model's); ``fine``: the modules
+    fine-grained TP splits over DP ranks (this rank reads its slices of them)."""
     config = config or ModelConfig.from_folder(folder)
     dev = backend.device
     with open_checkpoint(folder) as ckpt:
@@ -78,6 +82,10 @@ def load_model(
         if ckpt.quant is not None:
             log.info("model: %s: %s%s", folder, ckpt.quant.describe(),
                      " (read as floats)" if dequantize else "")
+        if fine is not None and (config.v4 is not None or ckpt.quant is not None):
+            raise ValueError("finegrained_tp_config: not yet for DeepSeek-V4 or quantized "
+                             "checkpoints")
+        ckpt.fine = fine
         if config.v4 is not None:
             if shard is not None:
                 local_config(config, shard)  # (refuses DeepSeek-V4, naming it)
@@ -98,6 +106,15 @@ def load_model(
         model = CausalLM(local, _read_weights(local, ckpt, dtype, dev), backend)
     model.tp = TensorParallel(shard, config.vocab_size)
     return config, model
+
+
+def _rows(fine: FineGrainedLayout, module: str, n: int) -> slice:
+    """This rank's vocabulary rows of a module fine-grained TP splits (all otherwise)."""
+    shard = fine.shard(module)
+    if shard is None:
+        return slice(None)
+    start, rows = shard.vocab(n)
+    return slice(start, start + rows)
 
 
 def _prepared(obj, backend: KernelBackend):
@@ -123,14 +140,23 @@ def _read_weights(
     def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(name, dtype, dev)
 
-    # (a tensor-parallel rank: its vocabulary rows of both)
-    embed = (ckpt.dense("model.embed_tokens.weight", dtype, dev) if ckpt.shard is None
-             else ckpt.part("model.embed_tokens.weight", dtype, dev, 0, ckpt.vocab))
-    if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings:
-        lm_head = _input_major(get("lm_head.weight") if ckpt.shard is None
-                               else ckpt.part("lm_head.weight", dtype, dev, 0, ckpt.vocab))
-    else:
+    # (a tensor-parallel rank: its vocabulary rows of both; fine-grained TP: its rows of
+    # the one it splits)
+    fine = ckpt.fine
+    embed_rows = lm_rows = ckpt.vocab
+    if fine is not None:
+        embed_rows = _rows(fine, "embedding", cfg.vocab_size)
+        lm_rows = _rows(fine, "lmhead", cfg.vocab_size)
+    embed = (ckpt.dense("model.embed_tokens.weight", dtype, dev) if embed_rows == slice(None)
+             else ckpt.part("model.embed_tokens.weight", dtype, dev, 0, embed_rows))
+    head = ("lm_head.weight" if ckpt.has("lm_head.weight") and not cfg.tie_word_embeddings
+            else "model.embed_tokens.weight")
+    if head == "model.embed_tokens.weight" and lm_rows == embed_rows:
         lm_head = embed.t()
+    elif lm_rows == slice(None):
+        lm_head = _input_major(get(head))
+    else:
+        lm_head = _input_major(ckpt.part(head, dtype, dev, 0, lm_rows))
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
     # (MTP layers run as a proposer, which tensor-parallel ranks do not have yet)
     mtp = [_read_mtp_layer(cfg, ckpt, cfg.num_layers + i, embed, lm_head, dtype, dev)
@@ -182,7 +208,13 @@ def _read_layer(
     if cfg.moe is not None and cfg.moe.is_moe_layer(i):
         mlp = _read_experts(cfg, ckpt, p, dtype, dev)
     else:
-        mlp = _read_dense(ckpt, p + "mlp.", dtype, dev)
+        fine = ckpt.fine.shard("mlp") if ckpt.fine is not None else None
+        mlp = _read_dense(ckpt, p + "mlp.", dtype, dev, fine or ckpt.shard)
+    oproj = ckpt.fine.shard("oproj") if ckpt.fine is not None else None
+    if oproj is not None:  # fine-grained o_proj: this rank's input columns (head slices)
+        name = p + "self_attn.o_proj.weight"
+        attn.o = _input_major(ckpt.part(name, dtype, dev, 1,
+                                        oproj.part(ckpt.shape(name)[1], name + " columns")))
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
         post_attn_norm=get("post_attention_layernorm.weight"),
@@ -192,9 +224,10 @@ def _read_layer(
 
 
 def _read_dense(ckpt: CheckpointReader, p: str, dtype: torch.dtype,
-                dev: torch.device) -> DenseMLPWeights:
-    if ckpt.shard is not None:  # gate | up by rows of the intermediate size, down by columns
-        inner = ckpt.shard.part(ckpt.shape(p + "gate_proj.weight")[0], p + "intermediate size")
+                dev: torch.device, shard: Shard | None = None) -> DenseMLPWeights:
+    """``shard``: the slice this rank holds (tensor-parallel, or fine-grained TP's)."""
+    if shard is not None:  # gate | up by rows of the intermediate size, down by columns
+        inner = shard.part(ckpt.shape(p + "gate_proj.weight")[0], p + "intermediate size")
         return DenseMLPWeights(
             gate_up=_input_major(torch.cat([ckpt.part(p + f"{n}_proj.weight", dtype, dev, 0,
                                                       inner) for n in ("gate", "up")])),
@@ -303,10 +336,11 @@ def _read_experts(
     assert cfg.moe is not None
     router = ckpt.dense(p + "mlp.gate.weight", dtype, dev)
     inner = slice(None)  # a tensor-parallel rank: every expert's share of its width
-    if ckpt.shard is not None:
+    split = ckpt.shard is not None and ckpt.shard.experts  # (EP: experts whole)
+    if split:
         inner = ckpt.shard.part(cfg.moe.intermediate_size * ckpt.shard.size,
                                 "moe_intermediate_size")
-    if ckpt.has(p + "mlp.experts.gate_up_proj") and ckpt.shard is not None:
+    if ckpt.has(p + "mlp.experts.gate_up_proj") and split:
         full = cfg.moe.intermediate_size * ckpt.shard.size
         stacked = p + "mlp.experts.gate_up_proj"
         w13 = torch.cat([ckpt.part(stacked, dtype, dev, 1, inner), ckpt.part(
@@ -319,7 +353,7 @@ def _read_experts(
         e = p + "mlp.experts.{}.{}_proj.weight"
 
         def expert(j: int, n: str, dim: int) -> torch.Tensor | QTensor:
-            return ckpt.part(e.format(j, n), dtype, dev, dim, inner) if ckpt.shard else \
+            return ckpt.part(e.format(j, n), dtype, dev, dim, inner) if split else \
                 ckpt.get(e.format(j, n), dtype, dev)
 
         w13 = quantization.stack([
@@ -333,8 +367,10 @@ def _read_experts(
         raise ValueError(f"model: {p}mlp.experts gate/up has shape {tuple(w13.shape)}, "
                          f"expected {expected}")
     shared = None
-    if cfg.moe.num_shared_experts:
-        shared = _read_dense(ckpt, p + "mlp.shared_experts.", dtype, dev)
+    if cfg.moe.num_shared_experts:  # (tensor-parallel unless enable_shared_expert_dp)
+        shared = _read_dense(ckpt, p + "mlp.shared_experts.", dtype, dev,
+                             ckpt.shard if ckpt.shard is not None and ckpt.shard.shared
+                             else None)
     bias = ckpt.maybe(p + "mlp.gate.e_score_correction_bias", torch.float32, dev)
     if cfg.moe.scoring == "sigmoid" and bias is None:
         raise ValueError(f"model: {p}mlp.gate.e_score_correction_bias is missing "

@@ -153,6 +153,10 @@ class CausalLM:
         self.backend = backend
         self.scale = config.mla.softmax_scale if config.mla else config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
+        # what the attention hands its output projection, per token (every head of this
+        # rank; a fine-grained o_proj holds a slice of its rows)
+        self._o_width = (config.num_heads * config.mla.v_head_dim if config.mla
+                         else self.q_size)
         self.kv_size = config.num_kv_heads * config.head_dim
         # MoE layers, in order; set by the engine: expert parallelism across DP ranks and
         # the expert-load recorder (None: single process, nothing recorded)
@@ -161,8 +165,11 @@ class CausalLM:
         self._moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
         self.ep = None
         self.load_recorder = None
-        # tensor parallelism: this rank's collectives (None: the whole model here)
+        # tensor parallelism: this rank's collectives (None: the whole model here);
+        # fine-grained TP: the modules split over DP ranks (None: none is)
         self.tp = None
+        self.fg = None
+        self.shared_expert_dp = False  # TP + EP: shared experts whole, on a token share
         cos, sin = rotary_tables(config.rotary_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         # [max_pos, D] float32, in the form the backend's rotary kernel takes
@@ -188,9 +195,15 @@ class CausalLM:
         eps = self.config.rms_norm_eps
         cos = self.cos.index_select(0, positions)  # [T, D]
         sin = self.sin.index_select(0, positions)
-        tp = self.tp
-        h = (self.w.embed.index_select(0, input_ids) if tp is None
-             else tp.embed(self.w.embed, input_ids))  # [T, hidden]
+        tp, fg = self.tp, self.fg
+        if fg is not None:  # the group's row counts, for the split modules' padding
+            fg.begin(input_ids.shape[0], logits_rows.shape[0])
+        if fg is not None and fg.layout.shard("embedding") is not None:
+            h = fg.embed(self.w.embed, input_ids)
+        elif tp is not None:
+            h = tp.embed(self.w.embed, input_ids)
+        else:
+            h = self.w.embed.index_select(0, input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, (layer, kv) in enumerate(zip(self.w.layers, kv_caches, strict=True)):
             if residual is None:
@@ -198,7 +211,10 @@ class CausalLM:
                 x = be.rms_norm(h, layer.input_norm, eps)
             else:
                 x, residual = be.add_rms_norm(h, residual, layer.input_norm, eps)
-            h = self._attention(layer.attn, x, cos, sin, kv, meta)
+            if x.shape[0]:
+                h = self._attention(layer.attn, x, cos, sin, kv, meta)
+            else:  # a lockstep rank's idle forward: its collectives, nothing to attend
+                h = self._o_proj(layer.attn, x.new_zeros((0, self._o_width)))
             if tp is not None:  # the heads' partial outputs summed
                 tp.all_reduce(h)
             x, residual = be.add_rms_norm(h, residual, layer.post_attn_norm, eps)
@@ -214,8 +230,16 @@ class CausalLM:
         return self._logits(be.rms_norm(last, self.w.final_norm, eps))
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        if self.fg is not None and self.fg.layout.shard("lmhead") is not None:
+            return self.fg.lm_head(last, self.w.lm_head, self.backend)
         logits = self.backend.linear(last, self.w.lm_head).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
+
+    def _o_proj(self, w: AttentionWeights | MLAWeights, o: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection, o [T, heads x head dim] -> [T, hidden]."""
+        if self.fg is not None and self.fg.layout.shard("oproj") is not None:
+            return self.fg.o_proj(o, w.o, self.backend)
+        return self.backend.linear(o, w.o)
 
     @torch.inference_mode()
     def mtp_forward(
@@ -296,7 +320,7 @@ class CausalLM:
             o = be.paged_attention_decode(q, k_cache, v_cache, meta, self.scale)
         else:
             o = be.paged_attention_prefill(q, k, v, k_cache, v_cache, meta, self.scale)
-        return be.linear(o.reshape(t, self.q_size), w.o)  # [T, hidden]
+        return self._o_proj(w, o.reshape(t, self.q_size))  # [T, hidden]
 
     def _latent_attention(
         self,
@@ -337,18 +361,31 @@ class CausalLM:
         else:
             o = be.latent_attention_prefill(query, entry, cache, meta, self.scale, lat)
         v = torch.bmm(o.transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]
-        return be.linear(v.reshape(t, h * m.v_head_dim), w.o)  # [T, hidden]
+        return self._o_proj(w, v.reshape(t, h * m.v_head_dim))  # [T, hidden]
 
     def _mlp(self, w: DenseMLPWeights | MoEWeights, x: torch.Tensor, layer: int | None
              ) -> torch.Tensor:
         """``layer`` None: an MTP layer's, whose experts every rank holds whole."""
         be = self.backend
         if isinstance(w, DenseMLPWeights):
+            fg = self.fg
+            if (fg is not None and layer is not None and fg.layout.shard("mlp") is not None
+                    and w is self.w.layers[layer].mlp):  # (a dense layer's, not shared experts)
+                return fg.mlp(x, w.gate_up, w.down, be)
             return be.linear(be.silu_and_mul(be.linear(x, w.gate_up)), w.down)
         weights, ids = self._route(w, x)
         if self.load_recorder is not None and layer is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
-        if self.ep is not None and layer is not None:
+        if self.ep is not None and layer is not None and self.tp is not None:
+            # every TP rank holds the step's tokens: each sends its share through the
+            # experts, and the all-reduce after the MLP joins the shares
+            rows = self.tp.token_share(x.shape[0])
+            out = torch.zeros_like(x)
+            out[rows] = self.ep.moe(layer, x[rows], weights[rows], ids[rows], be)
+            if w.shared is not None and self.shared_expert_dp:  # whole, on the share too
+                out[rows] += self._mlp(w.shared, x[rows], layer)
+                return out
+        elif self.ep is not None and layer is not None:
             out = self.ep.moe(layer, x, weights, ids, be)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)

@@ -56,6 +56,28 @@ def init_group(rank: int, world: int, master: str, device: str) -> None:
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
+def attach_expert_parallel(model, cfg, rank: int, world: int, num_redundant: int = 0,
+                           expert_map_path: str | None = None) -> ExpertParallel:
+    """Expert parallelism for a loaded model (``cfg``: the whole model's config): this
+    rank (of ``world``, the group already joined) keeps only its slots; the full expert
+    stacks go."""
+    moe = cfg.moe
+    moe_layers = model.moe_layers
+    num_slots = moe.num_experts + num_redundant
+    start = (load_expert_map(expert_map_path, len(moe_layers), moe.num_experts, num_slots)
+             if expert_map_path else None)
+    weights = [model.w.layers[i].mlp for i in moe_layers]
+    ep = ExpertParallel(rank, world, moe_layers, weights, moe.num_experts, num_redundant,
+                        start)
+    if cfg.v4 is not None:
+        ep.swiglu_limit = cfg.v4.swiglu_limit or None
+    for w in weights:  # the full expert stacks are not needed any more
+        w.w13 = select_experts(w.w13, torch.empty(0, dtype=torch.int64))
+        w.w2 = select_experts(w.w2, torch.empty(0, dtype=torch.int64))
+    model.ep = ep
+    return ep
+
+
 def identity_placement(num_layers: int, num_experts: int, num_slots: int) -> torch.Tensor:
     """phy2log [L, S] that a fresh instance starts from: slot s holds expert s % E, so the
     redundant slots repeat the first experts."""
@@ -123,7 +145,8 @@ class ExpertParallel:
         self.num_slots = num_experts + num_redundant
         if self.num_slots % world:
             raise ValueError(f"num_redundant_experts: experts + redundant ({self.num_slots}) "
-                             f"must divide by data_parallel_size ({world})")
+                             f"must divide by the expert-parallel ranks ({world}: "
+                             "data_parallel_size x tensor_parallel_size)")
         self.slots_per_rank = self.num_slots // world
         self.layer_index = {layer: i for i, layer in enumerate(moe_layers)}
         if phy2log is None:
@@ -145,6 +168,9 @@ class ExpertParallel:
             self.w13.append(select_experts(w.w13, local))
             self.w2.append(select_experts(w.w2, local))
         self.bytes_moved = 0
+        # a tensor-parallel engine's rank 0: tells its workers to run the same collective
+        # (they hold slots of their own); None elsewhere
+        self.announce = None
 
     def _on_device(self, p: LayerPlacement) -> tuple[torch.Tensor, torch.Tensor]:
         return p.log2phy.to(self._device), p.logcnt.to(self._device)
@@ -194,6 +220,8 @@ class ExpertParallel:
 
     def idle_step(self, hidden_size: int, dtype: torch.dtype, device, backend) -> None:
         """Every MoE layer with no tokens of its own: serves the other ranks' tokens."""
+        if self.announce is not None:
+            self.announce(("idle", None))
         x = torch.empty((0, hidden_size), dtype=dtype, device=device)
         ids = torch.empty((0, 1), dtype=torch.int64, device=device)
         w = torch.empty((0, 1), dtype=torch.float32, device=device)
@@ -205,6 +233,8 @@ class ExpertParallel:
         """Fetch the weights of the slots this rank holds under ``new_phy2log`` (MoE layer
         index ``i``) from the ranks holding those experts now. Every rank calls this for
         the same layer and placement. Returns the bytes this rank received."""
+        if self.announce is not None:
+            self.announce(("ep_move", (i, new_phy2log)))
         old = self.placements[i].phy2log
         spr = self.slots_per_rank
         # for each new slot, where its expert comes from: a slot of the same rank that

@@ -1,6 +1,5 @@
-"""Tensor parallelism inside one engine: N rank processes share every layer (issue 19,
-first part: Llama / Qwen / Qwen-MoE / DeepSeek-V3, one engine, no DP / EP / speculation
-beside it yet).
+"""Tensor parallelism inside one engine: N rank processes share every layer (Llama /
+Qwen / Qwen-MoE / DeepSeek-V3; the processes and their groups: ``tp_ranks``).
 
 Rank 0 is the engine (scheduler, KV manager, sampler, the service); ranks 1..N-1 are
 workers it starts, each with its shard of the weights and of the paged cache, stepping
@@ -15,6 +14,10 @@ positions, block tables, slots). Every rank runs the same forward on its shard:
                     its cache replicated, o row-parallel: all-reduce
     MLP / experts   gate | up column-parallel, down row-parallel (every expert split
                     along its intermediate size, shared experts too): all-reduce
+                    with expert parallelism the routed experts stay whole, placed over
+                    every rank of every DP rank: each TP rank sends its share of the
+                    step's tokens through them (``token_share``); the MLP's all-reduce
+                    joins the shares and the shared experts' partial sums
     LM head         vocabulary-parallel: the logits all-gathered once, for sampling
 
 so a layer costs two all-reduces (gloo on CPU, nccl / hccl on GPU / NPU). Each rank
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,10 +44,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Shard:
-    """Rank ``rank`` of ``size`` tensor-parallel ranks."""
+    """Rank ``rank`` of ``size`` tensor-parallel ranks. ``experts``: the routed experts
+    split along their width too (False: expert parallelism places them whole);
+    ``shared``: the shared experts split too (False: enable_shared_expert_dp, each rank
+    runs them whole on its share of the tokens)."""
 
     rank: int
     size: int
+    experts: bool = True
+    shared: bool = True
 
     def part(self, n: int, what: str) -> slice:
         """Rows [r n/N, (r+1) n/N) of ``n`` split evenly (ValueError naming ``what``)."""
@@ -84,7 +93,7 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     if cfg.intermediate_size:
         shard.part(cfg.intermediate_size, "intermediate_size")
         changes["intermediate_size"] = cfg.intermediate_size // shard.size
-    if cfg.moe is not None:
+    if cfg.moe is not None and shard.experts:
         shard.part(cfg.moe.intermediate_size, "moe_intermediate_size")
         changes["moe"] = dataclasses.replace(
             cfg.moe, intermediate_size=cfg.moe.intermediate_size // shard.size)
@@ -92,17 +101,32 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
 
 
 class TensorParallel:
-    """The collectives a rank's forward makes (the default process group: the
-    instance's tensor-parallel ranks)."""
+    """The collectives a rank's forward makes, in its tensor-parallel group (``group``,
+    set once the ranks have joined; None: the default group, the ranks alone)."""
 
     def __init__(self, shard: Shard, vocab_size: int):
         self.shard = shard
         self.vocab_size = vocab_size
         self.vocab_start, self.vocab_rows = shard.vocab(vocab_size)
+        self.group = None
+        # seconds spent in each kind of collective, when a benchmark asks (None: not kept)
+        self.clock: dict[str, float] | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+        if self.clock is None:
+            dist.all_reduce(x, group=self.group)
+            return x
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=self.group)
+        self.clock["all_reduce"] = self.clock.get("all_reduce", 0.0) + time.perf_counter() - t0
         return x
+
+    def token_share(self, n: int) -> slice:
+        """The rows of a step's ``n`` tokens this rank sends through expert parallelism
+        (every rank holds them all; each sends its share, the MLP's all-reduce joins
+        the results)."""
+        per = -(-n // self.shard.size)
+        return slice(min(n, self.shard.rank * per), min(n, (self.shard.rank + 1) * per))
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the vocabulary-parallel embedding: each rank its own, summed."""
@@ -118,182 +142,9 @@ class TensorParallel:
         if local.shape[-1] < per:  # the last shard is short: pad to the common width
             local = torch.nn.functional.pad(local, (0, per - local.shape[-1]))
         parts = [torch.empty_like(local) for _ in range(self.shard.size)]
-        dist.all_gather(parts, local.contiguous())
+        t0 = time.perf_counter()
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        if self.clock is not None:
+            self.clock["gather_logits"] = (self.clock.get("gather_logits", 0.0)
+                                           + time.perf_counter() - t0)
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
-
-
-# -- the ranks ------------------------------------------------------------------------------
-STOP = "stop"
-READY, FAILED = "ready", "failed"
-
-
-class TensorParallelRanks:
-    """Rank 0's side: starts the workers, waits until each has loaded its shard, joins
-    their group, hands each step's inputs on, stops them. A worker that fails, at start-up
-    or later, ends what rank 0 is doing with that worker's own error."""
-
-    def __init__(self, config, size: int, target):
-        """``target(config, rank, size, address, messages)``: a worker process's main; it
-        puts (READY, rank, what it holds) once its shard is loaded, (FAILED, rank,
-        error) when it fails."""
-        import multiprocessing as mp
-        import socket
-
-        with socket.socket() as s:  # the group's store, on loopback
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.address = f"127.0.0.1:{port}"
-        self.size = size
-        self.backend = _backend(config.device)
-        ctx = mp.get_context("spawn")
-        self.messages = ctx.Queue()
-        self.workers = [ctx.Process(target=target, args=(config, r, size, self.address,
-                                                          self.messages),
-                                    daemon=True, name=f"pdmesh-tp{r}")
-                        for r in range(1, size)]
-        for w in self.workers:
-            w.start()
-        self.joined = False
-        self.closed = False
-
-    def join(self, timeout_s: float) -> list[dict]:
-        """Wait for every worker's shard (they load while rank 0 loads its own), then
-        join the group. Returns what each worker reported (rank 1 first). RuntimeError
-        with a worker's error as soon as one fails or exits; TimeoutError past
-        ``timeout_s``. The workers are stopped either way on failure."""
-        import queue
-        import time
-
-        ready: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(ready) < self.size - 1:
-                try:
-                    kind, rank, info = self.messages.get(timeout=0.1)
-                except queue.Empty:
-                    self._exited()
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"tensor-parallel ranks {sorted(set(range(1, self.size)) - set(ready))}"
-                            f" not ready after {timeout_s:.0f} s (PDMESH_READY_TIMEOUT_S)"
-                        ) from None
-                    continue
-                if kind == FAILED:
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {info}")
-                ready[rank] = info
-            init(0, self.size, self.address, self.backend)
-        except BaseException:
-            self.kill()
-            raise
-        self.joined = True
-        return [ready[r] for r in sorted(ready)]
-
-    def check(self) -> None:
-        """RuntimeError naming a worker that has failed (its error when it sent one) or
-        exited; nothing while all of them run."""
-        import queue
-
-        try:
-            kind, rank, info = self.messages.get_nowait()
-        except queue.Empty:
-            pass
-        else:
-            if kind == FAILED:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed: {info}")
-        self._exited()
-
-    def _exited(self) -> None:
-        for r, w in enumerate(self.workers, start=1):
-            if w.exitcode is not None:
-                why = self._failure(r)
-                raise RuntimeError(f"tensor-parallel rank {r} exited (code {w.exitcode})"
-                                   + (f": {why}" if why else ""))
-
-    def _failure(self, rank: int) -> str | None:
-        """The error a worker that exited sent, if it sent one (it may still be in the
-        queue's pipe)."""
-        import queue
-
-        while True:
-            try:
-                kind, r, info = self.messages.get(timeout=1.0)
-            except queue.Empty:
-                return None
-            if kind == FAILED and r == rank:
-                return info
-
-    def broadcast(self, payload) -> None:
-        """Rank 0: what every rank needs to run the step (or STOP); a worker that has
-        failed since the last step is reported here rather than as a collective's
-        timeout."""
-        if payload != STOP:
-            self.check()
-        box = [payload]
-        dist.broadcast_object_list(box, src=0)
-
-    def kill(self) -> None:
-        self.closed = True
-        for w in self.workers:
-            if w.is_alive():
-                w.kill()
-            w.join(timeout=5)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        if not self.joined:
-            self.kill()
-            return
-        self.closed = True
-        try:
-            if all(w.is_alive() for w in self.workers):
-                self.broadcast(STOP)
-        finally:
-            for w in self.workers:
-                w.join(timeout=30)
-                if w.is_alive():
-                    w.kill()
-            dist.destroy_process_group()
-
-
-def _backend(device: str) -> str:
-    from pdmesh.shared.parallel.expert_parallel import dist_backend
-
-    return dist_backend(device if device != "auto" else "cpu")
-
-
-def init(rank: int, size: int, address: str, backend: str) -> None:
-    from datetime import timedelta
-
-    from pdmesh.shared.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S
-
-    host, _, port = address.rpartition(":")
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-
-
-def receive():
-    box = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def serve_steps(worker, messages, rank: int) -> None:
-    """A worker rank's loop: what rank 0 sends (``worker.run``) until STOP; an error goes
-    to rank 0's queue before it ends the process."""
-    try:
-        while True:
-            step = receive()
-            if step == STOP:
-                break
-            worker.run(step)
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 (rank 0 reports it)
-        report_failure(messages, rank, e)
-        raise
-
-
-def report_failure(messages, rank: int, e: BaseException) -> None:
-    import traceback
-
-    messages.put((FAILED, rank, f"{e!r}\n{traceback.format_exc()}"))

@@ -29,6 +29,7 @@ from pdmesh.shared.engine.kv_cache_spec import KVCacheSpec
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 from pdmesh.shared.parallel.tensor_parallel import Shard
+from pdmesh.shared.parallel.tp_ranks import Groups
 
 STAGING_BYTES = 64 << 20  # the staging area: at most this much, at least one block
 
@@ -50,17 +51,17 @@ def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor], n: int) -> list[tor
     return out
 
 
-def worker_transfer(body: tuple, caches: list[list[torch.Tensor]], shard: Shard) -> None:
+def worker_transfer(body: tuple, caches: list[list[torch.Tensor]], groups: Groups) -> None:
     """A worker rank's side of one transfer: ("out", group, ids) sends its heads of those
     blocks to rank 0; ("in", group, ids) receives them and writes them in."""
     direction, group, ids = body
     tensors = caches[group]
     if direction == "out":
-        dist.gather(_pack(tensors, ids), None, dst=0)
+        dist.gather(_pack(tensors, ids), None, dst=groups.src, group=groups.tp)
         return
     flat = torch.empty(len(ids) * sum(t[0].numel() * t.element_size() for t in tensors),
                        dtype=torch.uint8, device=tensors[0].device)
-    dist.scatter(flat, None, src=0)
+    dist.scatter(flat, None, src=groups.src, group=groups.tp)
     index = torch.tensor(ids, dtype=torch.int64, device=tensors[0].device)
     for t, part in zip(tensors, _unpack(flat, tensors, len(ids)), strict=True):
         t.index_copy_(0, index, part)
@@ -127,7 +128,8 @@ class ShardedPoolConnector(PoolConnector):
         self.tp_ranks.broadcast(("kv", ("out", g, ids)))
         flat = _pack(self.caches[g], ids)
         parts = [torch.empty_like(flat) for _ in range(self.size)]
-        dist.gather(flat, parts, dst=0)
+        groups = self.tp_ranks.groups
+        dist.gather(flat, parts, dst=groups.src, group=groups.tp)
         n = len(ids)
         for r, part in enumerate(parts):
             for t, (stage, block) in enumerate(zip(self.staging[g],
@@ -144,7 +146,8 @@ class ShardedPoolConnector(PoolConnector):
                             for t, stage in enumerate(self.staging[g])])
                  for r in range(self.size)]
         mine = torch.empty_like(parts[0])
-        dist.scatter(mine, parts, src=0)
+        groups = self.tp_ranks.groups
+        dist.scatter(mine, parts, src=groups.src, group=groups.tp)
         where = torch.tensor(ids, dtype=torch.int64, device=mine.device)
         for t, part in zip(self.caches[g], _unpack(mine, self.caches[g], len(ids)),
                            strict=True):

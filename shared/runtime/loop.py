@@ -180,7 +180,7 @@ class EngineLoop:
         """Step in the calling thread until stopped. Call it from the main thread: torch's
         OpenMP kernels ran ~3x slower when stepping from a helper thread."""
         self._publish(force=True)
-        if self.engine.ep is not None:
+        if self.engine.lockstep:
             self._run_lockstep()
         else:
             while not self._should_stop():
@@ -206,8 +206,9 @@ class EngineLoop:
         # milliseconds left, then per rank: blocks of a long request DyntraLB has not
         # counted yet] - each rank fills its own slot, so the MAX all-reduce doubles as
         # an all-gather of those
-        world = dist.get_world_size()
-        rank = dist.get_rank()
+        group = self.engine.dp_group  # (the engines: tensor-parallel workers sit apart)
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
         lb = self.engine.dyntralb
         flags = torch.zeros(5 + world, dtype=torch.int64)
         while True:
@@ -221,7 +222,7 @@ class EngineLoop:
                 flags[4] = max(1, int((self._drain_deadline - time.monotonic()) * 1000))
             if lb is not None:
                 flags[5 + rank] = lb.pending_long()
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             if flags[1] < 0:  # ranks stop together, once all are done (or told to)
                 return
             if flags[4] and self._drain_deadline is None:  # another rank drains
@@ -249,7 +250,7 @@ class EngineLoop:
             return
         mine = torch.tensor(lb.snapshot(scheduler), dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine)
+        dist.all_gather(rows, mine, group=self.engine.dp_group)
         lb.plan_step(scheduler, [r.tolist() for r in rows])
 
     def _step(self) -> None:

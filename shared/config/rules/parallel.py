@@ -41,6 +41,11 @@ def finegrained_tp(ctx: RuleContext, out: Findings) -> None:
         if size > 0 and engine.data_parallel_size % size:
             out.error(ctx.name(f"finegrained_tp_config.{name}"),
                       f"must divide data_parallel_size={engine.data_parallel_size}, got {size}")
+        elif size > 1 and engine.tensor_parallel_size > 1 and name != "oproj_tensor_parallel_size":
+            # (pdmesh: the module is split over DP ranks, each holding the model whole)
+            out.error(ctx.name(f"finegrained_tp_config.{name}"),
+                      f"splits over DP ranks: needs tensor_parallel_size 1, got "
+                      f"{engine.tensor_parallel_size}")
     if tp.oproj_tensor_parallel_size > 0:
         key = ctx.name("finegrained_tp_config.oproj_tensor_parallel_size")
         if not engine.is_decode_node:

@@ -55,9 +55,8 @@ def test_keys_pdmesh_does_not_act_on_are_listed_on_every_device():
     from pdmesh.shared.config import parse_additional_config
 
     for device in ("cpu", "npu"):
-        cfg = parse_additional_config({"finegrained_tp_config": {
-            "lmhead_tensor_parallel_size": 1}, "rejection_sampler_config": {
+        cfg = parse_additional_config({"mix_placement": True, "rejection_sampler_config": {
             "enable_block_verify": True}}, device=device)
-        assert cfg.inactive_keys == ("finegrained_tp_config", "rejection_sampler_config")
+        assert cfg.inactive_keys == ("mix_placement", "rejection_sampler_config")
         assert cfg.warnings == ("2 key(s) pdmesh does not implement yet; without effect: "
-                                "finegrained_tp_config, rejection_sampler_config",)
+                                "mix_placement, rejection_sampler_config",)

@@ -96,7 +96,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 BAD = [
     ["--max_model_len", "abc"],
     ["--additional-config", '{"scheduler_config": {"dyntra_lb_config": {"enabled": true}}}'],
-    ["--tensor-parallel-size", "2", "--data-parallel-size", "2"],
+    ["--tensor-parallel-size", "2", "--speculative-config",
+     '{"method": "ngram", "num_speculative_tokens": 2}'],
     ["--enable-priority-scheduling", "--scheduling-policy", "priority"],
     ["--max-num-seq", "8"],
 ]

@@ -17,7 +17,8 @@ import torch
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.transformer import weight_bytes
-from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallelRanks, local_config
+from pdmesh.shared.parallel.tensor_parallel import Shard, local_config
+from pdmesh.shared.parallel.tp_ranks import TensorParallelRanks
 
 PROMPTS = [list(range(40, 75)), [5, 9, 200, 14], list(range(300, 345)), [77] * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -64,8 +65,8 @@ def test_shards_are_named_when_they_do_not_divide(tiny_models):
 
 
 def test_tensor_parallel_beside_what_it_does_not_take_yet_is_refused(tiny_models):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: not yet with data or "
-                                         r"expert parallelism or speculative decoding"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: not yet with speculative "
+                                         r"decoding"):
         LLM(str(tiny_models["qwen3"]), device="cpu", tensor_parallel_size=2,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
@@ -93,9 +94,9 @@ def test_rank_memory_is_reported_at_start_up(tiny_models, caplog):
         tp.close()
 
 
-def failing_worker(config, rank, size, address, messages):
+def failing_worker(config, rank, topology, messages):
     """A worker whose shard cannot load (what a corrupt slice or a missing device does)."""
-    from pdmesh.shared.parallel.tensor_parallel import report_failure
+    from pdmesh.shared.parallel.tp_ranks import report_failure
 
     try:
         raise OSError(f"rank {rank}: cannot read its slice of the checkpoint")
@@ -132,23 +133,26 @@ def test_a_rank_that_dies_ends_the_next_step_with_its_exit(tiny_models):
         tp.close()
 
 
-@pytest.mark.parametrize(("arch", "prefill_tp", "decode_tp"),
-                         [("qwen3", 2, 1), ("qwen3", 1, 2), ("deepseek_v3", 2, 1)])
+@pytest.mark.parametrize(("arch", "prefill_tp", "decode_tp", "kv"),
+                         [("qwen3", 2, 1, "auto"), ("qwen3", 1, 2, "auto"),
+                          ("deepseek_v3", 2, 1, "auto"), ("llama", 1, 2, "int8")])
 def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, arch,
-                                                                   prefill_tp, decode_tp):
+                                                                   prefill_tp, decode_tp, kv):
     """A prefill engine at TP a puts whole blocks; a decode engine at TP b reads the heads
     it holds: decode computes no prompt token and answers as one engine does (MLA: the
-    latent, the same on every rank)."""
+    latent, the same on every rank; int8 KV: each head's scales travel with it)."""
     from pdmesh.shared.engine import EngineConfig, EngineCore
     from pdmesh.shared.kvpool import InProcessPool
 
     path = str(tiny_models[arch])
-    want_logits, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
+    _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16,
+                      kv_cache_dtype=kv))
     pool = InProcessPool()
 
     def engine(tp: int, producer: bool) -> EngineCore:
         return EngineCore(EngineConfig(model=path, device="cpu", dtype="float32",
-                                       block_size=16, tensor_parallel_size=tp),
+                                       block_size=16, tensor_parallel_size=tp,
+                                       kv_cache_dtype=kv),
                           kv_pool=pool, save_prompts=producer)
 
     prefill = engine(prefill_tp, True)
@@ -172,3 +176,187 @@ def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, ar
         assert decode.kv.num_free_blocks == decode.kv.num_blocks
     finally:
         decode.close()
+
+
+def dp_tp_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
+               moves: list, out, shared_dp: bool = False) -> None:
+    """DP rank ``dp_rank`` of 2, at TP 2, experts over all four ranks: its share of the
+    prompts, stepped in lockstep with the other DP rank (over the engines' group); after
+    ``moves[i][0]`` steps every rank moves MoE layer moves[i][1] to moves[i][2]."""
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        from pdmesh.shared.engine.config import EngineConfig
+        from pdmesh.shared.engine.engine import EngineCore
+
+        eng = EngineCore(EngineConfig(
+            model=model, device="cpu", dtype="float32", block_size=16,
+            data_parallel_size=2, data_parallel_rank=dp_rank, data_parallel_address=address,
+            tensor_parallel_size=2, enable_expert_parallel=True,
+            enable_shared_expert_dp=shared_dp))
+        moe = eng.model.w.layers[eng.model.moe_layers[0]].mlp
+        shapes = {"w13": list(eng.ep.w13[0].shape), "shared": None if moe.shared is None
+                  else list(moe.shared.gate_up.shape)}
+        reqs = [eng.add_request(p, GREEDY) for p in prompts]
+        flag = torch.zeros(1, dtype=torch.int64)
+        step = moved = 0
+        while True:
+            flag[0] = int(eng.has_unfinished())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=eng.dp_group)
+            if not flag[0]:
+                break
+            for at, layer, phy2log in moves:
+                if at == step:
+                    moved += eng.ep.move_experts(layer, torch.tensor(phy2log))
+            eng.step()
+            step += 1
+        out.put((dp_rank, [r.output_token_ids for r in reqs], moved, shapes, None))
+        eng.close()
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        import traceback
+
+        out.put((dp_rank, None, 0, None, traceback.format_exc() + repr(e)))
+
+
+@pytest.mark.parametrize(("arch", "shared_dp"), [("qwen3_moe", False), ("deepseek_v3", False),
+                                               ("deepseek_v3", True)])
+def test_dp2_tp2_with_expert_parallelism_equals_one_process(tiny_models, arch, shared_dp):
+    """Two DP ranks of two TP ranks each, the experts placed over all four (two slots
+    each), an expert move half-way: every answer is the single-process engine's. With
+    enable_shared_expert_dp the shared experts are whole on every rank (each runs them
+    on its share of the tokens), split in two without."""
+    import multiprocessing as mp
+
+    path = str(tiny_models[arch])
+    _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
+    moe = ModelConfig.from_folder(path).moe
+    from pdmesh.shared.infra.net import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    shares = [PROMPTS[0::2], PROMPTS[1::2]]
+    swapped = list(range(moe.num_experts))[::-1]  # every expert changes rank
+    moves = [(3, 0, swapped)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=dp_tp_rank, args=(r, address, path, shares[r], moves, out,
+                                                  shared_dp))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, tokens, moved, shapes, err = out.get(timeout=300)
+            assert err is None, err
+            got[rank] = (tokens, moved, shapes)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] == want[0::2] and got[1][0] == want[1::2]
+    assert got[0][1] > 0 and got[1][1] > 0  # the move crossed ranks
+    # four expert-parallel ranks: a quarter of the experts each, at their full width
+    full = moe.intermediate_size
+    assert got[0][2]["w13"][0] == moe.num_experts // 4
+    assert full * 2 in got[0][2]["w13"][1:]
+    if arch == "deepseek_v3":
+        shared_width = moe.intermediate_size * moe.num_shared_experts * 2
+        assert got[0][2]["shared"][1] == (shared_width if shared_dp else shared_width // 2)
+
+
+def fine_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
+              fine: dict, ep: bool, out) -> None:
+    """DP rank ``dp_rank`` of 2 with ``fine`` (finegrained_tp_config), in lockstep: its
+    outputs and the shapes of the weights fine-grained TP splits."""
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        from pdmesh.shared.engine.config import EngineConfig
+        from pdmesh.shared.engine.engine import EngineCore
+
+        eng = EngineCore(EngineConfig(
+            model=model, device="cpu", dtype="float32", block_size=16,
+            data_parallel_size=2, data_parallel_rank=dp_rank, data_parallel_address=address,
+            enable_expert_parallel=ep, finegrained_tp_config=fine))
+        w = eng.model.w
+        dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
+        shapes = {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
+                  "oproj": w.layers[0].attn.o.shape[0],
+                  "mlp": w.layers[dense].mlp.gate_up.shape[1]}
+        reqs = [eng.add_request(p, GREEDY) for p in prompts]
+        flag = torch.zeros(1, dtype=torch.int64)
+        while True:  # the instance's lockstep: an idle rank still steps
+            flag[0] = int(eng.has_unfinished())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag[0]:
+                break
+            eng.step()
+        out.put((dp_rank, [r.output_token_ids for r in reqs], shapes, None))
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        import traceback
+
+        out.put((dp_rank, None, None, traceback.format_exc() + repr(e)))
+
+
+def run_fine(path: str, fine: dict, ep: bool, shares) -> dict:
+    import multiprocessing as mp
+
+    from pdmesh.shared.infra.net import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=fine_rank, args=(r, address, path, shares[r], fine, ep, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, tokens, shapes, err = out.get(timeout=300)
+            assert err is None, err
+            got[rank] = (tokens, shapes)
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+FINE = [("qwen3", {"embedding_tensor_parallel_size": 2}, False),
+        ("qwen3", {"lmhead_tensor_parallel_size": 2}, False),
+        ("qwen3", {"oproj_tensor_parallel_size": 2}, False),
+        ("qwen3", {"mlp_tensor_parallel_size": 2}, False),
+        ("deepseek_v3", {"embedding_tensor_parallel_size": 2, "lmhead_tensor_parallel_size": 2,
+                         "oproj_tensor_parallel_size": 2, "mlp_tensor_parallel_size": 2},
+         True)]
+
+
+@pytest.mark.parametrize(("arch", "fine", "ep"), FINE,
+                         ids=["embedding", "lmhead", "oproj", "mlp", "deepseek-all-with-ep"])
+def test_each_finegrained_tp_key_splits_its_module_and_keeps_the_answers(tiny_models, arch,
+                                                                         fine, ep):
+    """Two DP ranks, one of them given a single short prompt (so it idles while the other
+    works): each key halves its module's weights on both ranks, the answers are the
+    single-process engine's."""
+    path = str(tiny_models[arch])
+    one = LLM(path, device="cpu", dtype="float32", block_size=16)
+    _, want = run(one)
+    w = one.engine.model.w
+    dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
+    whole = {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
+             "oproj": w.layers[0].attn.o.shape[0], "mlp": w.layers[dense].mlp.gate_up.shape[1]}
+    shares = [PROMPTS[:3], PROMPTS[3:]]
+    got = run_fine(path, fine, ep, shares)
+    assert got[0][0] == want[:3] and got[1][0] == want[3:]
+    for module in ("embedding", "lmhead", "oproj", "mlp"):
+        split = f"{module}_tensor_parallel_size" in fine
+        for rank in (0, 1):
+            have = got[rank][1][module]
+            assert have == (-(-whole[module] // 2) if split else whole[module]), (module,
+                                                                                   rank)
