@@ -87,18 +87,30 @@ class CheckpointReader:
         return dense if self.dequantize else quantization.fp8_block(name, dense)
 
     def part(self, name: str, dtype: torch.dtype, device: torch.device, dim: int,
-             rows: slice) -> torch.Tensor:
-        """Only ``rows`` along ``dim`` of a float tensor, read from the file as such (a
-        tensor-parallel rank's slice)."""
+             rows: slice) -> torch.Tensor | quantization.QTensor:
+        """Only ``rows`` along ``dim`` of a weight (a tensor-parallel rank's slice): a
+        float one read from the file as such; a quantized one (modelslim, FP8) read with
+        its scales, one weight at a time, and sliced (its output rows with theirs; its
+        input columns alone, its per-row scales whole)."""
         if rows == slice(None):
             return self.get(name, dtype, device)  # type: ignore[return-value]
         if name not in self._where:
             raise ValueError(
                 f"model: tensor {name!r} missing from the safetensors in {self.folder}")
+        if self.quant is not None and self._quantized(name):
+            return quantization.slice_weight(self.get(name, dtype, device), dim, rows, name)
         view = self._where[name].get_slice(name)  # type: ignore[attr-defined]
         t = view[(slice(None),) * dim + (rows,)].to(device=device, dtype=dtype)
         # (a slice can come back as a view of more than itself: keep only its rows)
         return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+    def _quantized(self, name: str) -> bool:
+        q = self.quant
+        assert q is not None
+        if q.kind == "modelslim":
+            return name in q.types
+        stored = self._where[name].get_slice(name).get_dtype()  # type: ignore[attr-defined]
+        return stored.startswith("F8")
 
     def shape(self, name: str) -> list[int]:
         if name not in self._where:

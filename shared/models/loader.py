@@ -57,9 +57,12 @@ def check_tensor_parallel(folder: str | Path, size: int,
     if config.v4 is None:
         with open_checkpoint(folder) as ckpt:
             quantized = quantization.plan(folder, ckpt.dtypes(), quantization_flag)
-        if quantized is not None:
-            raise ValueError("tensor_parallel_size: quantized checkpoints do not run "
-                             "tensor-parallel yet")
+        static = sorted(n for n, t in (quantized.types.items() if quantized else ())
+                        if t == "w8a8" and n.endswith(("o_proj.weight", "down_proj.weight")))
+        if static:
+            raise ValueError(f"tensor_parallel_size: static W8A8 weights split by their "
+                             f"input ({static[0]}, ...) fold their whole input into "
+                             "quant_bias; use W8A8_DYNAMIC or W4A8_DYNAMIC with TP")
 
 
 def load_model(
@@ -94,16 +97,14 @@ def load_model(
         if shard is None:
             weights = _prepared(_read_weights(config, ckpt, dtype, dev), backend)
             return config, CausalLM(config, weights, backend)
-        if ckpt.quant is not None:  # (check_tensor_parallel says so before ranks start)
-            raise ValueError("tensor_parallel_size: quantized checkpoints do not run "
-                             "tensor-parallel yet")
         local = local_config(config, shard)
         ckpt.shard = shard
         ckpt.q_heads = shard.part(config.num_heads, "num_attention_heads")
         ckpt.kv_heads = shard.kv_heads(config.num_kv_heads)
         start, rows = shard.vocab(config.vocab_size)
         ckpt.vocab = slice(start, start + rows)
-        model = CausalLM(local, _read_weights(local, ckpt, dtype, dev), backend)
+        model = CausalLM(local, _prepared(_read_weights(local, ckpt, dtype, dev), backend),
+                         backend)
     model.tp = TensorParallel(shard, config.vocab_size)
     return config, model
 
@@ -229,8 +230,9 @@ def _read_dense(ckpt: CheckpointReader, p: str, dtype: torch.dtype,
     if shard is not None:  # gate | up by rows of the intermediate size, down by columns
         inner = shard.part(ckpt.shape(p + "gate_proj.weight")[0], p + "intermediate size")
         return DenseMLPWeights(
-            gate_up=_input_major(torch.cat([ckpt.part(p + f"{n}_proj.weight", dtype, dev, 0,
-                                                      inner) for n in ("gate", "up")])),
+            gate_up=_input_major(quantization.cat([ckpt.part(p + f"{n}_proj.weight", dtype,
+                                                             dev, 0, inner)
+                                                   for n in ("gate", "up")], dtype)),
             down=_input_major(ckpt.part(p + "down_proj.weight", dtype, dev, 1, inner)))
     gate_up = quantization.cat([ckpt.get(p + "gate_proj.weight", dtype, dev),
                                 ckpt.get(p + "up_proj.weight", dtype, dev)], dtype)
@@ -282,7 +284,8 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
         q_a_norm = ckpt.dense(p + "self_attn.q_a_layernorm.weight", dtype, dev)
         q_b = _input_major(heads("q_b_proj.weight", qk, 0)[q_rows])
     kv_b = (ckpt.dense(p + "self_attn.kv_b_proj.weight", dtype, dev) if ckpt.shard is None
-            else heads("kv_b_proj.weight", nope + m.v_head_dim, 0))  # absorbed: floats
+            else quantization.dense(heads("kv_b_proj.weight", nope + m.v_head_dim, 0),
+                                    dtype))  # absorbed: floats
     expected = (h * (nope + m.v_head_dim), lat)
     if tuple(kv_b.shape) != expected:
         raise ValueError(f"model: {p}self_attn.kv_b_proj has shape {tuple(kv_b.shape)}, "

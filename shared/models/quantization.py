@@ -263,6 +263,22 @@ class QTensor:
         return (w * self.scale.unsqueeze(-1)).to(dtype)
 
 
+def slice_weight(w: torch.Tensor | QTensor, dim: int, rows: slice, name: str
+                 ) -> torch.Tensor | QTensor:
+    """A tensor-parallel rank's slice of a [out, in] weight: output rows (dim 0) with
+    their per-row scales, or input columns (dim 1), the per-row scales whole. Static
+    W8A8 is not split by its input: its quant_bias folds the whole input's zero point
+    (ValueError naming the weight)."""
+    if isinstance(w, torch.Tensor):
+        return w[rows] if dim == 0 else w[:, rows]
+    if dim == 0:
+        return w._map(lambda t: t[rows].contiguous())
+    if w.scheme == "w8a8":
+        raise ValueError(f"tensor_parallel_size: {name} is static W8A8, whose quant_bias "
+                         "folds its whole input: it cannot be split by columns")
+    return replace(w, q=w.q[:, rows].contiguous())
+
+
 def cat(parts: list[torch.Tensor | QTensor], dtype: torch.dtype) -> torch.Tensor | QTensor:
     """Weights fused along the output dimension (q | k | v, gate | up, ...). Parts of one
     scheme stay quantized; parts of mixed precision are fused as floats (dequantized),

@@ -360,3 +360,46 @@ def test_each_finegrained_tp_key_splits_its_module_and_keeps_the_answers(tiny_mo
             have = got[rank][1][module]
             assert have == (-(-whole[module] // 2) if split else whole[module]), (module,
                                                                                    rank)
+
+
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "w8a8_dynamic"),
+                                              ("qwen3_moe", "w4a8_dynamic"),
+                                              ("deepseek_v3", "fp8_block")])
+def test_quantized_weights_split_with_their_scales(tiny_models, tmp_path, arch, scheme):
+    """Each rank reads its rows (column-parallel: with their scales) or columns
+    (row-parallel: the scales whole) of the quantized weights and computes them with
+    the int8 kernels: the logits agree with TP1's on the same checkpoint up to what
+    quantizing each rank's half of an activation row on its own changes."""
+    from pdmesh.shared.kernels.quant import QuantLinear
+    from pdmesh.shared.models.quantize import quantize_checkpoint
+
+    out = tmp_path / scheme
+    quantize_checkpoint(tiny_models[arch], out, scheme)
+    quant = None if scheme == "fp8_block" else "ascend"
+    one = LLM(str(out), device="cpu", dtype="float32", block_size=16, quantization=quant)
+    want, want_out = run(one)
+    tp = LLM(str(out), device="cpu", dtype="float32", block_size=16, quantization=quant,
+             tensor_parallel_size=2)
+    try:
+        o_one, o_tp = one.engine.model.w.layers[0].attn.o, tp.engine.model.w.layers[0].attn.o
+        if scheme != "fp8_block":  # (FP8 runs dequantized on cpu)
+            assert isinstance(o_tp, QuantLinear) and isinstance(o_one, QuantLinear)
+            assert o_tp.weight.shape[0] * 2 == o_one.weight.shape[0]  # its input rows
+        got, got_out = run(tp)
+    finally:
+        tp.close()
+    cos = torch.nn.functional.cosine_similarity(got[0].double(), want[0].double(), dim=-1)
+    assert float(cos.min()) > 0.999, float(cos.min())
+    agree = sum(a == b for x, y in zip(got_out, want_out, strict=True)
+                for a, b in zip(x, y, strict=True))
+    assert agree >= 0.8 * sum(len(x) for x in want_out)
+
+
+def test_static_w8a8_split_by_its_input_is_refused(tiny_models, tmp_path):
+    from pdmesh.shared.models.quantize import quantize_checkpoint
+
+    out = tmp_path / "w8a8"
+    quantize_checkpoint(tiny_models["qwen3"], out, "w8a8")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: static W8A8 weights split by "
+                                         r"their input \(model\.layers\.\d+\.\S+, \.\.\.\)"):
+        LLM(str(out), device="cpu", quantization="ascend", tensor_parallel_size=2)
