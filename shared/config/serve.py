@@ -173,26 +173,22 @@ def resolve(config: ServeConfig) -> ServeConfig:
     if config.role is None:
         return config
     _tensor_parallel(f)
+    _context_length(f)
     from pdmesh.shared.config.engine_config import serving_engine_config
 
     return dataclasses.replace(config, engine=serving_engine_config(config))
 
 
 def _tensor_parallel(f: Flags) -> None:
-    """--tensor-parallel-size N: N ranks per DP rank; refused beside speculation (not
-    run with it yet) and for a model it does not divide (read from the model's headers
-    when the folder is here)."""
+    """--tensor-parallel-size N: N ranks per DP rank; refused for a model it does not
+    divide (read from the model's headers when the folder is here)."""
     tp = f.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size: must be >= 1, got {tp}")
     if tp == 1:
         return
-    spec = getattr(f, "speculative_config", None)
-    if isinstance(spec, dict) and spec.get("method") in RUN_METHODS:
-        raise ValueError(f"--tensor-parallel-size: {tp} is not supported beside "
-                         "--speculative-config yet (the drafts do not run tensor-parallel)")
     model = getattr(f, "model", None)
-    if model and (Path(model) / "config.json").is_file():
+    if model and (Path(model) / "config.json").is_file():  # (before any rank starts)
         from pdmesh.shared.models.loader import check_tensor_parallel
 
         try:
@@ -201,6 +197,20 @@ def _tensor_parallel(f: Flags) -> None:
         except ValueError as e:
             raise ValueError("--tensor-parallel-size: "
                              + str(e).removeprefix("tensor_parallel_size: ")) from None
+
+
+def _context_length(f: Flags) -> None:
+    """--max-model-len past the model's positions, refused before anything loads (when
+    the model's folder is here)."""
+    model, asked = getattr(f, "model", None), getattr(f, "max_model_len", None)
+    if not (model and asked and (Path(model) / "config.json").is_file()):
+        return
+    from pdmesh.shared.models.config import ModelConfig
+
+    limit = ModelConfig.from_folder(model).max_position_embeddings
+    if asked > limit:
+        raise ValueError(f"--max-model-len: {asked} exceeds the model's "
+                         f"max_position_embeddings ({limit})")
 
 
 def engine_role(flags: Flags) -> str | None:

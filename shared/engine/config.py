@@ -135,9 +135,6 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
-            raise ValueError("tensor_parallel_size: not yet with speculative decoding "
-                             "beside it")
         from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
 
         fine = FineGrainedLayout.from_config(self.finegrained_tp_config,

@@ -95,6 +95,7 @@ class EngineCore:
         model_cfg = ModelConfig.from_folder(config.model)
         self.dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         t0 = time.perf_counter()
+        self.max_model_len = self._resolve_max_model_len(model_cfg)  # (before ranks start)
         self.tp_ranks = shard = None
         # the engines' own group (lockstep, DyntraLB): None, the default one, unless
         # tensor-parallel workers share the world with them
@@ -132,7 +133,6 @@ class EngineCore:
             self.model.load_recorder = ExpertLoadRecorder(
                 len(self.model.moe_layers), self.model_config.moe.num_experts,
                 config.expert_load_window, config.expert_load_phase, self.backend.device)
-        self.max_model_len = self._resolve_max_model_len()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192,
                                                                            config.max_num_seqs)
         # what the paged cache keeps, group by group (one for most models; DeepSeek-V4:
@@ -176,6 +176,7 @@ class EngineCore:
                 self.proposer = MtpProposer(self.model, self.backend, self.kv,
                                             per_layer[num_layers],
                                             confidence=spec.dynamic is not None)
+                self.proposer.tp_ranks = self.tp_ranks
             else:
                 self.proposer = make_ngram_proposer(spec)
             if spec.dynamic is not None:
@@ -282,8 +283,8 @@ class EngineCore:
                              "none (dflash estimates confidence without one)")
         return spec
 
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
+    def _resolve_max_model_len(self, model_cfg: ModelConfig) -> int:
+        limit = model_cfg.max_position_embeddings
         asked = self.config.max_model_len
         if asked is None:
             return limit

@@ -61,6 +61,7 @@ class MtpProposer:
         self.backend = backend
         self.kv = kv
         self.cache = cache
+        self.tp_ranks = None  # a tensor-parallel engine's: its workers run each MTP forward
         self.confidence = confidence
         self.block_size = kv.block_size
         # request -> (draft 1, its confidence, the MTP output hidden at its position)
@@ -157,16 +158,13 @@ class MtpProposer:
              slots: list[np.ndarray], starts: list[int], counts: list[int], table: np.ndarray,
              group_tables: list[np.ndarray], qsl: np.ndarray, logits_rows: np.ndarray
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.backend.device
-        pos = np.concatenate(positions)
-        meta = attention_metadata(dev, table, starts, counts,
-                                  [s + n for s, n in zip(starts, counts, strict=True)], pos,
-                                  np.concatenate(slots), qsl, self.block_size, group_tables)
-        self.backend.prepare_attention(meta)
-        return self.model.mtp_forward(
-            0, torch.from_numpy(np.concatenate(ids)).to(dev), torch.from_numpy(pos).to(dev),
-            hidden, self.cache, meta,
-            torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)).to(dev))
+        arrays = (np.concatenate(ids), np.concatenate(positions), np.concatenate(slots),
+                  list(starts), list(counts), table, list(group_tables), qsl,
+                  np.asarray(logits_rows, dtype=np.int64))
+        if self.tp_ranks is not None:  # every tensor-parallel rank runs the MTP layer
+            self.tp_ranks.broadcast(("mtp", (*arrays, hidden.cpu())))
+        return mtp_forward_arrays(self.model, self.backend, self.cache, self.block_size,
+                                  hidden, *arrays)
 
     def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         tokens = self.backend.greedy(logits).tolist()
@@ -174,3 +172,18 @@ class MtpProposer:
             return tokens, [1.0] * len(tokens)
         return tokens, torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
 
+
+def mtp_forward_arrays(model, backend: KernelBackend, cache: KVCache, block_size: int,
+                       hidden: torch.Tensor, ids: np.ndarray, pos: np.ndarray,
+                       slots: np.ndarray, starts: list[int], counts: list[int],
+                       table: np.ndarray, group_tables: list[np.ndarray], qsl: np.ndarray,
+                       logits_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP layer over one batch given as host arrays (what the proposer builds and a
+    tensor-parallel worker receives)."""
+    dev = backend.device
+    meta = attention_metadata(dev, table, starts, counts,
+                              [s + n for s, n in zip(starts, counts, strict=True)], pos,
+                              slots, qsl, block_size, group_tables)
+    backend.prepare_attention(meta)
+    return model.mtp_forward(0, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
+                             hidden.to(dev), cache, meta, torch.from_numpy(logits_rows).to(dev))

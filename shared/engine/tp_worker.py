@@ -35,6 +35,18 @@ def tensor_shard(config: EngineConfig, rank: int):
                  shared=not (ep and config.enable_shared_expert_dp))
 
 
+def drafts_with_mtp(config: EngineConfig) -> bool:
+    """Whether the engine drafts with the model's MTP layer (its workers then hold their
+    shard of it and of its KV)."""
+    from pdmesh.shared.engine.spec_decode import SpeculativeConfig
+
+    raw = config.speculative_config
+    if raw is None:
+        return False
+    spec = raw if isinstance(raw, SpeculativeConfig) else SpeculativeConfig.from_dict(raw)
+    return spec.is_mtp
+
+
 def expert_parallel(config: EngineConfig, model) -> bool:
     """Whether this engine places its experts over its ranks (EP on a MoE model)."""
     return bool(config.enable_expert_parallel and model.moe_layers)
@@ -66,12 +78,17 @@ class TensorParallelWorker:
                                              top.world, config.num_redundant_experts,
                                              config.expert_map_path)
         self.hidden_size = model_cfg.hidden_size
-        spec = cache_spec(model.config, config.block_size,
+        mtp = drafts_with_mtp(config)
+        spec = cache_spec(model.config, config.block_size, mtp_layers=1 if mtp else 0,
                           int8=config.kv_cache_dtype == "int8")
         num_blocks = receive(self.groups)
         self.caches = allocate_caches(spec, num_blocks, dtype, backend.device)
-        per_layer = layer_caches(spec, self.caches, model.config.num_layers)
-        self.runner = ModelRunner(model, backend, None, per_layer, block_size=config.block_size)
+        layers = model.config.num_layers
+        per_layer = layer_caches(spec, self.caches, layers + (1 if mtp else 0))
+        self.mtp_cache = per_layer[layers] if mtp else None
+        self.block_size = config.block_size
+        self.runner = ModelRunner(model, backend, None, per_layer[:layers],
+                                  block_size=config.block_size)
 
     def run(self, message: tuple) -> None:
         kind, body = message
@@ -81,6 +98,12 @@ class TensorParallelWorker:
             from pdmesh.shared.parallel.tp_kv import worker_transfer
 
             worker_transfer(body, self.caches, self.groups)
+        elif kind == "mtp" and self.mtp_cache is not None:
+            from pdmesh.shared.engine.mtp import mtp_forward_arrays
+
+            *arrays, hidden = body
+            mtp_forward_arrays(self.runner.model, self.backend, self.mtp_cache,
+                               self.block_size, hidden, *arrays)
         elif kind == "idle" and self.ep is not None:
             self.ep.idle_step(self.hidden_size, self.dtype, self.backend.device, self.backend)
         elif kind == "ep_move" and self.ep is not None:

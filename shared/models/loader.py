@@ -159,11 +159,10 @@ def _read_weights(
     else:
         lm_head = _input_major(ckpt.part(head, dtype, dev, 0, lm_rows))
     layers = [_read_layer(cfg, ckpt, i, dtype, dev) for i in range(cfg.num_layers)]
-    # (MTP layers run as a proposer, which tensor-parallel ranks do not have yet)
+    # (MTP layers run as a proposer: a tensor-parallel rank holds its shard of them too)
     mtp = [_read_mtp_layer(cfg, ckpt, cfg.num_layers + i, embed, lm_head, dtype, dev)
            for i in range(cfg.num_nextn_predict_layers)
-           if ckpt.has(f"model.layers.{cfg.num_layers + i}.eh_proj.weight")
-           and ckpt.shard is None]
+           if ckpt.has(f"model.layers.{cfg.num_layers + i}.eh_proj.weight")]
     return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"),
                         lm_head=lm_head, mtp=mtp)
 
@@ -184,8 +183,8 @@ def _read_mtp_layer(cfg: ModelConfig, ckpt: CheckpointReader, i: int, embed: tor
         enorm=get("enorm.weight"), hnorm=get("hnorm.weight"),
         eh_proj=_input_major(get("eh_proj.weight")), layer=_read_layer(cfg, ckpt, i, dtype, dev),
         head_norm=get("shared_head.norm.weight"),
-        head=_input_major(get("shared_head.head.weight")) if ckpt.has(
-            p + "shared_head.head.weight") else lm_head,
+        head=_input_major(ckpt.part(p + "shared_head.head.weight", dtype, dev, 0, ckpt.vocab))
+        if ckpt.has(p + "shared_head.head.weight") else lm_head,  # (TP: its vocabulary rows)
         embed=embed)
 
 

@@ -265,7 +265,9 @@ class CausalLM:
         """eh_proj(cat(enorm(embed(token)), hnorm(hidden))), the embedding zeroed at
         position 0 (differentiable: ``pdmesh make-tiny-model --train-mtp`` trains it)."""
         be, eps = self.backend, self.config.rms_norm_eps
-        e = be.rms_norm(m.embed.index_select(0, input_ids), m.enorm, eps)
+        e = (m.embed.index_select(0, input_ids) if self.tp is None
+             else self.tp.embed(m.embed, input_ids))
+        e = be.rms_norm(e, m.enorm, eps)
         e = e.masked_fill((positions == 0).unsqueeze(-1), 0.0)
         return be.linear(torch.cat((e, be.rms_norm(hidden, m.hnorm, eps)), dim=-1), m.eh_proj)
 
@@ -279,14 +281,20 @@ class CausalLM:
         layer = m.layer
         h = self._attention(layer.attn, be.rms_norm(x, layer.input_norm, eps), cos, sin, kv,
                             meta)
+        if self.tp is not None:
+            self.tp.all_reduce(h)
         y, residual = be.add_rms_norm(h, x, layer.post_attn_norm, eps)
-        return self._mlp(layer.mlp, y, None) + residual
+        out = self._mlp(layer.mlp, y, None)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out + residual
 
     def mtp_logits(self, m: MtpWeights, out: torch.Tensor) -> torch.Tensor:
         """shared_head: head(norm(out)), float32."""
         be = self.backend
-        return be.linear(be.rms_norm(out, m.head_norm, self.config.rms_norm_eps),
-                         m.head).float()
+        logits = be.linear(be.rms_norm(out, m.head_norm, self.config.rms_norm_eps),
+                           m.head).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     def _attention(
         self,
@@ -387,6 +395,15 @@ class CausalLM:
                 return out
         elif self.ep is not None and layer is not None:
             out = self.ep.moe(layer, x, weights, ids, be)
+        elif self.tp is not None and not self.tp.shard.experts:
+            # an MTP layer's experts, whole on every TP rank (under EP): each rank its
+            # token share, as the layers' experts, for the all-reduce after the MLP
+            rows = self.tp.token_share(x.shape[0])
+            out = torch.zeros_like(x)
+            out[rows] = be.fused_moe(x[rows], w.w13, w.w2, weights[rows].to(x.dtype), ids[rows])
+            if w.shared is not None and self.shared_expert_dp:
+                out[rows] += self._mlp(w.shared, x[rows], layer)
+                return out
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)
         if w.shared is not None:

@@ -64,11 +64,28 @@ def test_shards_are_named_when_they_do_not_divide(tiny_models):
         local_config(ModelConfig.from_folder(tiny_models["deepseek_v4"]), Shard(0, 2))
 
 
-def test_tensor_parallel_beside_what_it_does_not_take_yet_is_refused(tiny_models):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: not yet with speculative "
-                                         r"decoding"):
-        LLM(str(tiny_models["qwen3"]), device="cpu", tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.mark.parametrize(("arch", "spec"), [
+    ("qwen3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+    ("deepseek_v3", {"method": "deepseek_mtp", "num_speculative_tokens": 2,
+                     "adaptive_drafts": False})])
+def test_speculative_decoding_under_tensor_parallelism_keeps_the_greedy_answers(
+        tiny_models, arch, spec):
+    """Drafts verified at TP2 (MTP: every rank runs its shard of the MTP layer, rank 0
+    handing each draft step on): the greedy answers are TP1's without drafting."""
+    path = str(tiny_models[arch])
+    _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
+    tp = LLM(path, device="cpu", dtype="float32", block_size=16, tensor_parallel_size=2,
+             speculative_config=spec)
+    try:
+        got = [o.outputs[0].token_ids for o in tp.generate(PROMPTS, GREEDY)]
+        drafts = tp.engine.spec_stats.num_drafts
+        if spec["method"] == "deepseek_mtp":  # rank 0 holds half of the MTP layer's heads
+            mtp = tp.engine.model.w.mtp[0].layer.attn
+            assert mtp.w_uk.shape[0] * 2 == ModelConfig.from_folder(path).num_heads
+    finally:
+        tp.close()
+    assert got == want
+    assert drafts > 0
 
 
 def test_rank_memory_is_reported_at_start_up(tiny_models, caplog):
