@@ -171,6 +171,11 @@ class DeepseekV4:
         self._moe_index = {layer: i for i, layer in enumerate(self.moe_layers)}
         self.ep = None
         self.load_recorder = None
+        # tensor parallelism (its collectives; None: the whole model here); the modules
+        # fine-grained TP splits (none for V4) and TP + EP's shared-expert DP
+        self.tp = None
+        self.fg = None
+        self.shared_expert_dp = False
         dev, v4 = backend.device, self.v4
         # the sliding layers' rope is plain; the compressed layers', their compressors'
         # and indexers' is its own theta, with yarn
@@ -271,7 +276,7 @@ class DeepseekV4:
         [T, hc * hidden], what an MTP block continues from."""
         step = self._step(meta, positions)
         rope = self._rope(positions)
-        x = self.w.embed.index_select(0, input_ids)  # [T, hidden]
+        x = self._embed(self.w.embed, input_ids)  # [T, hidden]
         streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, hc, hidden]
         for i, layer in enumerate(self.w.layers):
             streams = self._layer(i, self.v4.layer_types[i], layer, streams, kv_caches[i],
@@ -299,7 +304,7 @@ class DeepseekV4:
         be, eps = self.backend, self.config.rms_norm_eps
         m = self.w.mtp[index]
         t, n = hidden.shape[0], self.v4.hc_mult
-        e = m.embed.index_select(0, input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        e = self._embed(m.embed, input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
         e = be.linear(be.rms_norm(e, m.enorm, eps), m.e_proj)
         h = be.linear(be.rms_norm(hidden.view(t * n, -1), m.hnorm, eps), m.h_proj).view(t, n, -1)
         streams = self._layer(None, SLIDING, m.layer, h + e.unsqueeze(1), kv,
@@ -320,16 +325,24 @@ class DeepseekV4:
         h, post, comb = self._hc_pre(streams, layer.attn_hc)
         h = self._attention(kind, layer.attn, be.rms_norm(h, layer.attn_norm, eps), cache,
                             step, rope)
+        if self.tp is not None:  # the groups' partial projections summed
+            self.tp.all_reduce(h)
         streams = _hc_post(streams, h, post, comb)
         h, post, comb = self._hc_pre(streams, layer.ffn_hc)
         h = self._moe(i, layer.mlp, be.rms_norm(h, layer.ffn_norm, eps), input_ids)
+        if self.tp is not None:
+            self.tp.all_reduce(h)
         return _hc_post(streams, h, post, comb)
+
+    def _embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return table.index_select(0, ids) if self.tp is None else self.tp.embed(table, ids)
 
     def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor,
                 head: torch.Tensor) -> torch.Tensor:
         last = self._hc_head(streams, hc)
         be = self.backend
-        return be.linear(be.rms_norm(last, norm, self.config.rms_norm_eps), head).float()
+        logits = be.linear(be.rms_norm(last, norm, self.config.rms_norm_eps), head).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     # -- hyper-connections ----------------------------------------------------------------
     def _mixes(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:
@@ -522,14 +535,34 @@ class DeepseekV4:
         weights, ids = self.route(w, x, input_ids)
         if self.load_recorder is not None and layer is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
+        shared = w.shared
+        assert isinstance(shared, DenseMLPWeights)
+
+        def shared_mlp(rows: torch.Tensor) -> torch.Tensor:
+            return be.linear(be.silu_and_mul(be.linear(rows, shared.gate_up), self.limit),
+                             shared.down)
+
+        tp = self.tp
+        if tp is not None and (self.ep is not None and layer is not None
+                               or not tp.shard.experts):
+            # experts whole here (EP's slots, or an MTP block's under EP): each TP rank
+            # its share of the tokens, joined by the all-reduce after the MoE
+            part = tp.token_share(x.shape[0])
+            out = torch.zeros_like(x)
+            mine = x[part]
+            out[part] = (self.ep.moe(layer, mine, weights[part], ids[part], be)
+                         if self.ep is not None and layer is not None
+                         else be.fused_moe(mine, w.w13, w.w2, weights[part].to(x.dtype),
+                                           ids[part], self.limit))
+            if self.shared_expert_dp:  # the shared expert whole, on the share too
+                out[part] += shared_mlp(mine)
+                return out
+            return out + shared_mlp(x)
         if self.ep is not None and layer is not None:
             out = self.ep.moe(layer, x, weights, ids, be)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids, self.limit)
-        shared = w.shared
-        assert isinstance(shared, DenseMLPWeights)
-        return out + be.linear(be.silu_and_mul(be.linear(x, shared.gate_up), self.limit),
-                               shared.down)
+        return out + shared_mlp(x)
 
 
 def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor,

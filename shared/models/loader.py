@@ -89,9 +89,7 @@ def load_model(
             raise ValueError("finegrained_tp_config: not yet for DeepSeek-V4 or quantized "
                              "checkpoints")
         ckpt.fine = fine
-        if config.v4 is not None:
-            if shard is not None:
-                local_config(config, shard)  # (refuses DeepSeek-V4, naming it)
+        if shard is None and config.v4 is not None:
             v4 = _prepared(_read_v4(config, ckpt, dtype, dev), backend)
             return config, DeepseekV4(config, v4, backend)
         if shard is None:
@@ -103,8 +101,13 @@ def load_model(
         ckpt.kv_heads = shard.kv_heads(config.num_kv_heads)
         start, rows = shard.vocab(config.vocab_size)
         ckpt.vocab = slice(start, start + rows)
-        model = CausalLM(local, _prepared(_read_weights(local, ckpt, dtype, dev), backend),
-                         backend)
+        model: CausalLM | DeepseekV4
+        if config.v4 is not None:
+            model = DeepseekV4(local, _prepared(_read_v4(local, ckpt, dtype, dev), backend),
+                               backend)
+        else:
+            model = CausalLM(local, _prepared(_read_weights(local, ckpt, dtype, dev), backend),
+                             backend)
     model.tp = TensorParallel(shard, config.vocab_size)
     return config, model
 
@@ -408,8 +411,9 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
     layers = [_read_v4_layer(cfg, ckpt, f"layers.{i}.", v4.layer_types[i], v4.compress_rates[i],
                              v4.hash_layers[i], dtype, dev, hc)
               for i in range(cfg.num_layers)]
-    embed, lm_head = ckpt.dense("embed.weight", dtype, dev), _input_major(
-        ckpt.get("head.weight", dtype, dev))
+    # (a tensor-parallel rank: its vocabulary rows of both)
+    embed = quantization.dense(ckpt.part("embed.weight", dtype, dev, 0, ckpt.vocab), dtype)
+    lm_head = _input_major(ckpt.part("head.weight", dtype, dev, 0, ckpt.vocab))
     mtp, not_run = [], None
     for i in range(cfg.num_nextn_predict_layers):
         p = f"mtp.{i}."
@@ -425,9 +429,10 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
             hnorm=ckpt.get(p + "hnorm.weight", dtype, dev),
             norm=ckpt.get(p + "norm.weight", dtype, dev), hc_head=hc(p + "hc_head"),
             layer=_read_v4_layer(cfg, ckpt, p, SLIDING, 0, False, dtype, dev, hc),
-            embed=ckpt.dense(p + "emb.tok_emb.weight", dtype, dev)
+            embed=quantization.dense(ckpt.part(p + "emb.tok_emb.weight", dtype, dev, 0,
+                                               ckpt.vocab), dtype)
             if ckpt.has(p + "emb.tok_emb.weight") else embed,
-            head=_input_major(ckpt.get(p + "head.weight", dtype, dev))
+            head=_input_major(ckpt.part(p + "head.weight", dtype, dev, 0, ckpt.vocab))
             if ckpt.has(p + "head.weight") else lm_head))
     return V4Weights(embed=embed, layers=layers, final_norm=ckpt.get("norm.weight", dtype, dev),
                      lm_head=lm_head, hc_head=hc("hc_head"), mtp=mtp, mtp_not_run=not_run)
@@ -446,7 +451,11 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         return ckpt.get(name, dtype, dev)
 
     head_order = _rope_order(d, r)
-    q_rows = torch.cat([head_order + j * d for j in range(h)])
+    # a tensor-parallel rank: its query heads (``cfg`` is its own: h of them), its groups
+    # of the grouped output projection, its share of each expert's width
+    h0 = ckpt.q_heads.start or 0
+    q_rows = torch.cat([head_order + j * d for j in range(h0, h0 + h)])
+    shard = ckpt.shard
 
     def compressor(c: str, dim: int, rate: int, overlap: bool
                    ) -> tuple[CompressorWeights, torch.Tensor]:
@@ -476,6 +485,9 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         index_q = _input_major(get(a + "indexer.wq_b.weight")[rows])
     o_a = ckpt.dense(a + "wo_a.weight", dtype, dev)  # [groups * o_lora, H * D / groups]
     g = v4.o_groups
+    groups = slice(shard.rank * g * v4.o_lora_rank, (shard.rank + 1) * g * v4.o_lora_rank) \
+        if shard is not None else slice(None)
+    o_a = o_a[groups]
     expected = (g * v4.o_lora_rank, h * d // g)
     if tuple(o_a.shape) != expected:
         raise ValueError(f"model: {a}wo_a has shape {tuple(o_a.shape)}, expected {expected}")
@@ -486,22 +498,36 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         splits=tuple(t.shape[0] for t in parts), q_a_norm=get(a + "q_norm.weight"),
         q_b=_input_major(get(a + "wq_b.weight")[q_rows]),
         kv_norm=ckpt.dense(a + "kv_norm.weight", dtype, dev)[head_order], o_a=o_a,
-        o_b=_input_major(get(a + "wo_b.weight")),
-        sinks=ckpt.get(a + "attn_sink", torch.float32, dev), compressor=comp, index_q=index_q,
-        index_compressor=index_comp)
+        o_b=_input_major(ckpt.part(a + "wo_b.weight", dtype, dev, 1, groups)),
+        sinks=ckpt.get(a + "attn_sink", torch.float32, dev)[h0:h0 + h], compressor=comp,
+        index_q=index_q, index_compressor=index_comp)
     f = p + "ffn."
     e = f + "experts.{}.{}.weight"
-    w13 = quantization.stack([quantization.cat([get(e.format(j, "w1")), get(e.format(j, "w3"))],
-                                               dtype) for j in range(moe.num_experts)], dtype)
-    w2 = quantization.stack([get(e.format(j, "w2")) for j in range(moe.num_experts)], dtype)
+
+    def width(name: str, along: int, split: bool) -> torch.Tensor | QTensor:
+        """An expert weight, or this rank's share of its intermediate width (``along``:
+        the weight's dimension that is: 0 for w1 / w3, 1 for w2)."""
+        if not split:
+            return get(name)
+        inner = shard.part(ckpt.shape(name)[along], name + " width")
+        return ckpt.part(name, dtype, dev, along, inner)
+
+    split = shard is not None and shard.experts
+    w13 = quantization.stack([quantization.cat([width(e.format(j, "w1"), 0, split),
+                                                width(e.format(j, "w3"), 0, split)], dtype)
+                              for j in range(moe.num_experts)], dtype)
+    w2 = quantization.stack([width(e.format(j, "w2"), 1, split)
+                             for j in range(moe.num_experts)], dtype)
     expected = (moe.num_experts, 2 * moe.intermediate_size, cfg.hidden_size)
     if tuple(w13.shape) != expected:
         raise ValueError(f"model: {f}experts w1/w3 have shape {tuple(w13.shape)}, "
                          f"expected {expected}")
+    split = shard is not None and shard.shared
     shared = DenseMLPWeights(
-        gate_up=_input_major(quantization.cat([get(f + "shared_experts.w1.weight"),
-                                               get(f + "shared_experts.w3.weight")], dtype)),
-        down=_input_major(get(f + "shared_experts.w2.weight")))
+        gate_up=_input_major(quantization.cat([width(f + "shared_experts.w1.weight", 0, split),
+                                               width(f + "shared_experts.w3.weight", 0, split)],
+                                              dtype)),
+        down=_input_major(width(f + "shared_experts.w2.weight", 1, split)))
     tid2eid = bias = None
     if hashed:
         tid2eid = ckpt.get(f + "gate.tid2eid", torch.int64, dev)

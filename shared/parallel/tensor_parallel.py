@@ -82,10 +82,8 @@ class Shard:
 
 def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The model as one rank computes it: its query heads, K / V heads and MLP and
-    expert widths (everything else, the vocabulary included, as it is)."""
-    if cfg.v4 is not None:
-        raise ValueError("tensor_parallel_size: DeepSeek-V4 does not run tensor-parallel "
-                         "yet (its grouped output projection and hyper-connections)")
+    expert widths, DeepSeek-V4's output groups (everything else, the vocabulary
+    included, as it is)."""
     heads = cfg.num_heads // shard.size
     shard.part(cfg.num_heads, "num_attention_heads")
     kv = shard.kv_heads(cfg.num_kv_heads)
@@ -97,6 +95,9 @@ def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
         shard.part(cfg.moe.intermediate_size, "moe_intermediate_size")
         changes["moe"] = dataclasses.replace(
             cfg.moe, intermediate_size=cfg.moe.intermediate_size // shard.size)
+    if cfg.v4 is not None:  # DeepSeek-V4: its output projection's groups, whole heads each
+        shard.part(cfg.v4.o_groups, "o_groups")
+        changes["v4"] = dataclasses.replace(cfg.v4, o_groups=cfg.v4.o_groups // shard.size)
     return dataclasses.replace(cfg, **changes)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from pdmesh.cli import parse_args
 from pdmesh.shared.config.serve import serve_config
+from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.runtime.dp_launcher import device_env, local_ranks
 from tests.deploy.test_manifests import K8S, kustomize
 from tests.deploy.test_multinode_dp_manifests import pod_command
@@ -97,15 +98,23 @@ def test_one_decode_instance_of_dp16_tp2(rendered, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["prefill-dp", "decode-dp"])
-def test_the_recipe_lines_wait_only_for_tensor_parallelism(rendered, tmp_path, qwen3_path,
-                                                           name):
-    """Each pod's line is refused for --tensor-parallel-size alone (issue 19); with TP 1
-    the same line resolves into an engine configuration on npu."""
+def test_the_recipe_lines_resolve_with_their_tensor_parallelism(rendered, tmp_path,
+                                                                qwen3_path, name):
+    """Each pod's line resolves into an engine configuration on npu with the recipe's
+    tensor-parallel size where it divides the (tiny) model's heads, and is refused
+    naming the flag and the heads where it does not (16 of the tiny model's 8)."""
     argv = _pods(rendered[("StatefulSet", name)], tmp_path)[1][0]
-    argv = [f"--model={qwen3_path}" if w.startswith("--model=") else w for w in argv]
-    with pytest.raises(ValueError, match=r"^--tensor-parallel-size: \d+ is not supported"):
-        serve_config(argv[0], argv[1:], device="npu")
-    tp1 = [w.split("=")[0] + "=1" if w.startswith("--tensor-parallel-size=") else w
-           for w in argv]
-    config = serve_config(tp1[0], tp1[1:], device="npu")
+    # the tiny model in the recipe's place, with its context length
+    argv = [f"--model={qwen3_path}" if w.startswith("--model=")
+            else "--max-model-len=4096" if w.startswith(("--max-model-len=", "--max_model_len="))
+            else w for w in argv]
+    tp = int(next(w for w in argv if w.startswith("--tensor-parallel-size=")).split("=")[1])
+    heads = ModelConfig.from_folder(qwen3_path).num_heads
+    if heads % tp:
+        with pytest.raises(ValueError, match=rf"^--tensor-parallel-size: {tp} does not "
+                                             rf"divide num_attention_heads \({heads}\)"):
+            serve_config(argv[0], argv[1:], device="npu")
+        return
+    config = serve_config(argv[0], argv[1:], device="npu")
     assert config.engine is not None and config.role == argv[0]
+    assert config.engine.tensor_parallel_size == tp

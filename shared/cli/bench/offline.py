@@ -36,6 +36,29 @@ def workload(tokenizer: Any, num_prompts: int, input_len: int) -> list[list[int]
     return [ids[i * step:i * step + input_len] for i in range(num_prompts)]
 
 
+def measure_turn(llm: Any, prompts: list[list[int]], batch: Any, single: Any,
+                 decoding: Any = None) -> tuple[float, float]:
+    """One turn of a benchmark that compares engines: the batch (output tok/s) and one
+    request alone (ms per decoded token, after its prefill), each from a cold prefix
+    cache. ``decoding``: a context manager around the lone request's decode steps."""
+    import contextlib
+
+    eng = llm.engine
+    eng.kv.reset_prefix_cache()
+    t0 = time.perf_counter()
+    llm.generate(prompts, batch)
+    tok_s = len(prompts) * batch.max_tokens / (time.perf_counter() - t0)
+    eng.kv.reset_prefix_cache()
+    req = eng.add_request(prompts[0], single)
+    eng.step()
+    with decoding or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        while not req.is_finished:
+            eng.step()
+        took = time.perf_counter() - t0
+    return tok_s, took / (single.max_tokens - 1) * 1e3
+
+
 def _median_runs(fn, runs: int) -> tuple[float, list[float]]:
     fn()  # warm-up
     times = []

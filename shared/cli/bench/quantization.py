@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from pdmesh.shared.cli.bench.offline import workload
+    from pdmesh.shared.cli.bench.offline import measure_turn, workload
     from pdmesh.shared.engine import LLM, SamplingParams
     from pdmesh.shared.models.quantize import quantize_checkpoint
 
@@ -78,18 +77,9 @@ def run(a: argparse.Namespace) -> int:
     tps: dict[str, list[float]] = {v: [] for v in llms}
     for _ in range(a.runs):
         for v, llm in llms.items():
-            eng = llm.engine
-            eng.kv.reset_prefix_cache()
-            t0 = time.perf_counter()
-            llm.generate(prompts, batch_params)
-            tps[v].append(a.batch * a.output_len / (time.perf_counter() - t0))
-            eng.kv.reset_prefix_cache()
-            req = eng.add_request(prompts[0], single_params)
-            eng.step()
-            t0 = time.perf_counter()
-            while not req.is_finished:
-                eng.step()
-            tpot[v].append((time.perf_counter() - t0) / (a.single_output_len - 1) * 1e3)
+            tok_s, ms = measure_turn(llm, prompts, batch_params, single_params)
+            tps[v].append(tok_s)
+            tpot[v].append(ms)
     base_tpot = statistics.median(tpot["float32"])
     base_tps = statistics.median(tps["float32"])
     rows = []

@@ -41,7 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from pdmesh.shared.cli.bench.offline import workload
+    from pdmesh.shared.cli.bench.offline import measure_turn, workload
     from pdmesh.shared.engine import LLM, SamplingParams
     from pdmesh.shared.models.transformer import weight_bytes
 
@@ -67,25 +67,12 @@ def run(a: argparse.Namespace) -> int:
         for _ in range(a.runs):
             for tp, llm in llms.items():
                 torch.set_num_threads(threads[tp])
-                eng = llm.engine
-                eng.kv.reset_prefix_cache()
-                t0 = time.perf_counter()
-                llm.generate(prompts, batch)
-                tps[tp].append(a.batch * a.output_len / (time.perf_counter() - t0))
-                eng.kv.reset_prefix_cache()
-                req = eng.add_request(prompts[0], single)
-                eng.step()
-                clock: dict[str, float] = {}
-                if eng.tp_ranks is not None:
-                    eng.model.tp.clock = eng.tp_ranks.clock = clock
-                t0 = time.perf_counter()
-                while not req.is_finished:
-                    eng.step()
-                took = time.perf_counter() - t0
-                if eng.tp_ranks is not None:
-                    eng.model.tp.clock = eng.tp_ranks.clock = None
-                    split.append({k: v / took for k, v in clock.items()})
-                tpot[tp].append(took / (a.single_output_len - 1) * 1e3)
+                clock = _Clock(llm.engine)
+                tok_s, ms = measure_turn(llm, prompts, batch, single, clock)
+                tps[tp].append(tok_s)
+                tpot[tp].append(ms)
+                if llm.engine.tp_ranks is not None:
+                    split.append(clock.shares)
         rows = []
         for tp, llm in llms.items():
             rows.append({"tp": tp, "threads_per_rank": threads[tp],
@@ -116,3 +103,25 @@ def run(a: argparse.Namespace) -> int:
     finally:
         llms[a.tp].close()
     return 0
+
+
+class _Clock:
+    """Around a TP engine's decode steps: the share of their time each kind of
+    collective took on rank 0 (``shares``); nothing for a TP1 engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seconds: dict[str, float] = {}
+        self.shares: dict[str, float] = {}
+
+    def __enter__(self):
+        if self.engine.tp_ranks is not None:
+            self.engine.model.tp.clock = self.engine.tp_ranks.clock = self.seconds
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        took = time.perf_counter() - self.t0
+        if self.engine.tp_ranks is not None:
+            self.engine.model.tp.clock = self.engine.tp_ranks.clock = None
+        self.shares = {k: v / took for k, v in self.seconds.items()}

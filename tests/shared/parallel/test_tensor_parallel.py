@@ -31,7 +31,7 @@ def run(llm: LLM) -> tuple[list[torch.Tensor], list[list[int]]]:
     return kept, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe", "deepseek_v3", "deepseek_v4"])
 def test_two_ranks_compute_what_one_computes(tiny_models, arch):
     path = str(tiny_models[arch])
     want_logits, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
@@ -60,13 +60,19 @@ def test_shards_are_named_when_they_do_not_divide(tiny_models):
     local = local_config(cfg, Shard(3, 4))
     assert (local.num_heads, local.num_kv_heads) == (2, 1)
     assert Shard(3, 4).kv_heads(2) == slice(1, 2)
-    with pytest.raises(ValueError, match=r"DeepSeek-V4 does not run tensor-parallel"):
-        local_config(ModelConfig.from_folder(tiny_models["deepseek_v4"]), Shard(0, 2))
+    # DeepSeek-V4: each rank its groups of the grouped output projection, whole heads
+    v4 = ModelConfig.from_folder(tiny_models["deepseek_v4"])
+    assert local_config(v4, Shard(1, 2)).v4.o_groups * 2 == v4.v4.o_groups
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size: {v4.v4.o_groups * 2} does "
+                                         rf"not divide"):
+        local_config(v4, Shard(0, v4.v4.o_groups * 2))
 
 
 @pytest.mark.parametrize(("arch", "spec"), [
     ("qwen3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
     ("deepseek_v3", {"method": "deepseek_mtp", "num_speculative_tokens": 2,
+                     "adaptive_drafts": False}),
+    ("deepseek_v4", {"method": "deepseek_mtp", "num_speculative_tokens": 2,
                      "adaptive_drafts": False})])
 def test_speculative_decoding_under_tensor_parallelism_keeps_the_greedy_answers(
         tiny_models, arch, spec):
@@ -79,7 +85,7 @@ def test_speculative_decoding_under_tensor_parallelism_keeps_the_greedy_answers(
     try:
         got = [o.outputs[0].token_ids for o in tp.generate(PROMPTS, GREEDY)]
         drafts = tp.engine.spec_stats.num_drafts
-        if spec["method"] == "deepseek_mtp":  # rank 0 holds half of the MTP layer's heads
+        if arch == "deepseek_v3":  # rank 0 holds half of the MTP layer's heads
             mtp = tp.engine.model.w.mtp[0].layer.attn
             assert mtp.w_uk.shape[0] * 2 == ModelConfig.from_folder(path).num_heads
     finally:
@@ -152,7 +158,8 @@ def test_a_rank_that_dies_ends_the_next_step_with_its_exit(tiny_models):
 
 @pytest.mark.parametrize(("arch", "prefill_tp", "decode_tp", "kv"),
                          [("qwen3", 2, 1, "auto"), ("qwen3", 1, 2, "auto"),
-                          ("deepseek_v3", 2, 1, "auto"), ("llama", 1, 2, "int8")])
+                          ("deepseek_v3", 2, 1, "auto"), ("llama", 1, 2, "int8"),
+                          ("deepseek_v4", 1, 2, "auto")])
 def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, arch,
                                                                    prefill_tp, decode_tp, kv):
     """A prefill engine at TP a puts whole blocks; a decode engine at TP b reads the heads
@@ -195,8 +202,32 @@ def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, ar
         decode.close()
 
 
+def spawn_dp_ranks(target, args: list[tuple]) -> dict[int, tuple]:
+    """One process per DP rank, ``target(rank, *args[rank], out)``; rank -> what it put
+    on ``out`` after its rank (its last field an error, None when it ran)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *a, out)) for r, a in enumerate(args)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            rank, *fields, err = out.get(timeout=300)
+            assert err is None, err
+            got[rank] = tuple(fields)
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
 def dp_tp_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
-               moves: list, out, shared_dp: bool = False) -> None:
+               moves: list, shared_dp: bool, out) -> None:
     """DP rank ``dp_rank`` of 2, at TP 2, experts over all four ranks: its share of the
     prompts, stepped in lockstep with the other DP rank (over the engines' group); after
     ``moves[i][0]`` steps every rank moves MoE layer moves[i][1] to moves[i][2]."""
@@ -237,13 +268,12 @@ def dp_tp_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
 
 
 @pytest.mark.parametrize(("arch", "shared_dp"), [("qwen3_moe", False), ("deepseek_v3", False),
-                                               ("deepseek_v3", True)])
+                                               ("deepseek_v3", True), ("deepseek_v4", True)])
 def test_dp2_tp2_with_expert_parallelism_equals_one_process(tiny_models, arch, shared_dp):
     """Two DP ranks of two TP ranks each, the experts placed over all four (two slots
     each), an expert move half-way: every answer is the single-process engine's. With
     enable_shared_expert_dp the shared experts are whole on every rank (each runs them
     on its share of the tokens), split in two without."""
-    import multiprocessing as mp
 
     path = str(tiny_models[arch])
     _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
@@ -254,31 +284,15 @@ def test_dp2_tp2_with_expert_parallelism_equals_one_process(tiny_models, arch, s
     shares = [PROMPTS[0::2], PROMPTS[1::2]]
     swapped = list(range(moe.num_experts))[::-1]  # every expert changes rank
     moves = [(3, 0, swapped)]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=dp_tp_rank, args=(r, address, path, shares[r], moves, out,
-                                                  shared_dp))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, tokens, moved, shapes, err = out.get(timeout=300)
-            assert err is None, err
-            got[rank] = (tokens, moved, shapes)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = spawn_dp_ranks(dp_tp_rank, [(address, path, shares[r], moves, shared_dp)
+                                      for r in range(2)])
     assert got[0][0] == want[0::2] and got[1][0] == want[1::2]
     assert got[0][1] > 0 and got[1][1] > 0  # the move crossed ranks
     # four expert-parallel ranks: a quarter of the experts each, at their full width
     full = moe.intermediate_size
     assert got[0][2]["w13"][0] == moe.num_experts // 4
     assert full * 2 in got[0][2]["w13"][1:]
-    if arch == "deepseek_v3":
+    if arch != "qwen3_moe":
         shared_width = moe.intermediate_size * moe.num_shared_experts * 2
         assert got[0][2]["shared"][1] == (shared_width if shared_dp else shared_width // 2)
 
@@ -320,29 +334,10 @@ def fine_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
 
 
 def run_fine(path: str, fine: dict, ep: bool, shares) -> dict:
-    import multiprocessing as mp
-
     from pdmesh.shared.infra.net import free_port
 
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=fine_rank, args=(r, address, path, shares[r], fine, ep, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, tokens, shapes, err = out.get(timeout=300)
-            assert err is None, err
-            got[rank] = (tokens, shapes)
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    return spawn_dp_ranks(fine_rank, [(address, path, shares[r], fine, ep) for r in range(2)])
 
 
 FINE = [("qwen3", {"embedding_tensor_parallel_size": 2}, False),
