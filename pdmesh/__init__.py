@@ -16,6 +16,13 @@ from __future__ import annotations
 import importlib
 import os
 
+# Every pdmesh process starts its children with fork + exec (subprocess, multiprocessing's
+# "spawn"), never a fork that goes on running gRPC. gRPC's fork support (on by default in
+# its core since 1.81) restarts its poller in the child between fork and exec, where
+# subprocess has closed the poller's epoll fd: the child can die or hang before exec
+# (grpc/grpc#43055; seen here as a DP rank that never started). Off unless set.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # A source checkout that is not the installed copy (a second worktree, say): shared/
 # and services/ sit beside this folder, not inside it, so look for them there too.
 _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
