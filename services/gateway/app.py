@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -110,8 +111,9 @@ class Gateway:
                                  media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:
+        now = int(time.time())  # (vLLM's model cards: the time of the answer)
         return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "pdmesh",
+            "id": name, "object": "model", "created": now, "owned_by": "pdmesh",
             "max_model_len": self.state.max_model_len} for name in self.names]}
 
     @property

@@ -41,7 +41,11 @@ def greedy(offline: LLM, prompt, n: int) -> str:
 
 
 def test_models_and_health(mesh, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    import time
+
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert abs(models[0].created - time.time()) < 60  # a real time, not 0
     h = httpx.get(mesh + "/health", timeout=10)
     assert h.status_code == 200 and h.json()["prefill"] == 1 and h.json()["decode"] == 1
 
