@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdmesh.shared.engine.sampling_params import SamplingParams
 
@@ -25,6 +25,18 @@ Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # a number of tokens
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null stands for the field's default, as vLLM reads it (``"n":
+        null``, ``"stream": null``, the penalties); a required field sent as null is
+        still missing (a 400 naming it)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].default is None}
 
     model: str
     max_tokens: Count | None = None
