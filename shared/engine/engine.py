@@ -101,7 +101,7 @@ class EngineCore:
         # tensor-parallel workers share the world with them
         self.dp_group = None
         if config.tensor_parallel_size > 1:
-            self.tp_ranks, shard = start_tensor_parallel(config, self.device)
+            self.tp_ranks, shard = start_tensor_parallel(config, model_cfg, self.device)
             weakref.finalize(self, self.tp_ranks.close)
         fine = FineGrainedLayout.from_config(config.finegrained_tp_config,
                                              config.data_parallel_rank,
@@ -123,8 +123,8 @@ class EngineCore:
                                         self.tp_ranks)
         self.model.shared_expert_dp = config.enable_shared_expert_dp
         if fine is not None:
-            setup_finegrained(config, self.model, fine, joined=self.ep is not None,
-                              device=self.device)
+            setup_finegrained(config, self.model, model_cfg, fine,
+                              joined=self.ep is not None, device=self.device)
         # ranks that step together, an idle one too (expert parallelism, fine-grained TP)
         self.lockstep = self.ep is not None or fine is not None
         if config.expert_load_window and self.model.moe_layers:

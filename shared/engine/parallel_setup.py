@@ -14,10 +14,10 @@ from pdmesh.shared.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def start_tensor_parallel(config: EngineConfig, device: str):
+def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, device: str):
     """Start the other tensor-parallel ranks (they join the groups once every rank has
     loaded its shard): (their TensorParallelRanks, this engine's shard). On CPU each
-    rank takes an equal share of the cores."""
+    rank takes an equal share of the cores. ``model_config``: the whole model's."""
     from pdmesh.shared.engine.tp_worker import tensor_parallel_worker, tensor_shard
     from pdmesh.shared.models.loader import check_tensor_parallel
     from pdmesh.shared.parallel.tp_ranks import TensorParallelRanks
@@ -27,7 +27,7 @@ def start_tensor_parallel(config: EngineConfig, device: str):
     check_tensor_parallel(config.model, size, config.quantization, shard.experts)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    moe = ModelConfig.from_folder(config.model).moe is not None
+    moe = model_config.moe is not None
     ranks = TensorParallelRanks(config, size, tensor_parallel_worker,
                                 shares_experts=config.enable_expert_parallel and moe)
     log.info("engine: tensor-parallel rank 0 of %d (world at %s); ranks 1..%d load their "
@@ -60,7 +60,8 @@ def setup_expert_parallel(config: EngineConfig, model, model_config: ModelConfig
     return ep
 
 
-def setup_finegrained(config: EngineConfig, model, fine, joined: bool, device: str) -> None:
+def setup_finegrained(config: EngineConfig, model, model_config: ModelConfig, fine,
+                      joined: bool, device: str) -> None:
     """Fine-grained TP's groups, within the DP ranks' world (joined here unless expert
     parallelism has: ``joined``)."""
     from pdmesh.shared.parallel.finegrained_tp import FineGrainedTP
@@ -70,6 +71,6 @@ def setup_finegrained(config: EngineConfig, model, fine, joined: bool, device: s
 
         init_group(config.data_parallel_rank, config.data_parallel_size,
                    config.data_parallel_address, device)
-    model.fg = FineGrainedTP(fine, ModelConfig.from_folder(config.model).vocab_size)
+    model.fg = FineGrainedTP(fine, model_config.vocab_size)
     log.info("engine: fine-grained TP over DP ranks: %s",
              ", ".join(f"{m} {k}" for m, k in fine.sizes))

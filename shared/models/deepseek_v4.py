@@ -542,24 +542,21 @@ class DeepseekV4:
             return be.linear(be.silu_and_mul(be.linear(rows, shared.gate_up), self.limit),
                              shared.down)
 
-        tp = self.tp
-        if tp is not None and (self.ep is not None and layer is not None
-                               or not tp.shard.experts):
+        tp, ep = self.tp, self.ep if layer is not None else None
+        if tp is not None and (ep is not None or not tp.shard.experts):
             # experts whole here (EP's slots, or an MTP block's under EP): each TP rank
             # its share of the tokens, joined by the all-reduce after the MoE
-            part = tp.token_share(x.shape[0])
-            out = torch.zeros_like(x)
-            mine = x[part]
-            out[part] = (self.ep.moe(layer, mine, weights[part], ids[part], be)
-                         if self.ep is not None and layer is not None
-                         else be.fused_moe(mine, w.w13, w.w2, weights[part].to(x.dtype),
-                                           ids[part], self.limit))
-            if self.shared_expert_dp:  # the shared expert whole, on the share too
-                out[part] += shared_mlp(mine)
-                return out
-            return out + shared_mlp(x)
-        if self.ep is not None and layer is not None:
-            out = self.ep.moe(layer, x, weights, ids, be)
+            def experts(rows: torch.Tensor, ws: torch.Tensor, ids_: torch.Tensor
+                        ) -> torch.Tensor:
+                if ep is not None:
+                    return ep.moe(layer, rows, ws, ids_, be)
+                return be.fused_moe(rows, w.w13, w.w2, ws.to(x.dtype), ids_, self.limit)
+
+            out = tp.moe_on_share(x, weights, ids, experts,
+                                  shared_mlp if self.shared_expert_dp else None)
+            return out if self.shared_expert_dp else out + shared_mlp(x)
+        if ep is not None:
+            out = ep.moe(layer, x, weights, ids, be)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids, self.limit)
         return out + shared_mlp(x)

@@ -205,19 +205,19 @@ def _read_layer(
     def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(p + name, dtype, dev)
 
-    attn = _read_mla(cfg, ckpt, p, dtype, dev) if cfg.mla else _read_attention(
-        cfg, ckpt, p, i, dtype, dev)
+    oproj = ckpt.fine.shard("oproj") if ckpt.fine is not None else None
+    o_columns = None  # fine-grained o_proj: this rank's input columns (head slices)
+    if oproj is not None:
+        name = p + "self_attn.o_proj.weight"
+        o_columns = oproj.part(ckpt.shape(name)[1], name + " columns")
+    attn = _read_mla(cfg, ckpt, p, dtype, dev, o_columns) if cfg.mla else _read_attention(
+        cfg, ckpt, p, i, dtype, dev, o_columns)
     mlp: DenseMLPWeights | MoEWeights
     if cfg.moe is not None and cfg.moe.is_moe_layer(i):
         mlp = _read_experts(cfg, ckpt, p, dtype, dev)
     else:
         fine = ckpt.fine.shard("mlp") if ckpt.fine is not None else None
         mlp = _read_dense(ckpt, p + "mlp.", dtype, dev, fine or ckpt.shard)
-    oproj = ckpt.fine.shard("oproj") if ckpt.fine is not None else None
-    if oproj is not None:  # fine-grained o_proj: this rank's input columns (head slices)
-        name = p + "self_attn.o_proj.weight"
-        attn.o = _input_major(ckpt.part(name, dtype, dev, 1,
-                                        oproj.part(ckpt.shape(name)[1], name + " columns")))
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
         post_attn_norm=get("post_attention_layernorm.weight"),
@@ -257,10 +257,11 @@ def mla_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dtype,
-              dev: torch.device) -> MLAWeights:
+              dev: torch.device, o_columns: slice | None = None) -> MLAWeights:
     """DeepSeek's latent attention. Rotary dims stored interleaved (rope_interleave) are
     put in rotate-half order here, in the q and kv_a projections alike: every dot
-    product is the same, and the rotary kernel is the one the other models use."""
+    product is the same, and the rotary kernel is the one the other models use.
+    ``o_columns``: the input columns of o_proj this rank holds (fine-grained TP)."""
     m = cfg.mla
     assert m is not None
     h, nope, lat = cfg.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
@@ -299,11 +300,14 @@ def _read_mla(cfg: ModelConfig, ckpt: CheckpointReader, p: str, dtype: torch.dty
         kv_a_norm=ckpt.dense(p + "self_attn.kv_a_layernorm.weight", dtype, dev),
         w_uk=kv_b[:, :nope].contiguous(),  # [H, nope, L]
         w_uv=kv_b[:, nope:].transpose(1, 2).contiguous(),  # [H, L, v]
-        o=_input_major(heads("o_proj.weight", m.v_head_dim, 1)))
+        o=_input_major(heads("o_proj.weight", m.v_head_dim, 1) if o_columns is None else
+                       ckpt.part(p + "self_attn.o_proj.weight", dtype, dev, 1, o_columns)))
 
 
 def _read_attention(cfg: ModelConfig, ckpt: CheckpointReader, p: str, i: int,
-                    dtype: torch.dtype, dev: torch.device) -> AttentionWeights:
+                    dtype: torch.dtype, dev: torch.device, o_columns: slice | None = None
+                    ) -> AttentionWeights:
+    """``o_columns``: the input columns of o_proj this rank holds (fine-grained TP)."""
     d = cfg.head_dim
     # a tensor-parallel rank's rows: its query heads of q (and o's columns), its K / V
     # heads of k and v
@@ -331,7 +335,10 @@ def _read_attention(cfg: ModelConfig, ckpt: CheckpointReader, p: str, i: int,
             cfg.num_heads, -1), ckpt.dense(p + "self_attn.k_norm.weight", dtype, dev).expand(
             cfg.num_kv_heads, -1)])
     return AttentionWeights(qkv=_input_major(qkv), qkv_bias=qkv_bias,
-                            o=_input_major(get("self_attn.o_proj.weight", 1, rows["q"])),
+                            o=_input_major(get("self_attn.o_proj.weight", 1, rows["q"])
+                                           if o_columns is None else
+                                           ckpt.part(p + "self_attn.o_proj.weight", dtype,
+                                                     dev, 1, o_columns)),
                             qk_norm=qk_norm)
 
 
@@ -454,7 +461,8 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
     # a tensor-parallel rank: its query heads (``cfg`` is its own: h of them), its groups
     # of the grouped output projection, its share of each expert's width
     h0 = ckpt.q_heads.start or 0
-    q_rows = torch.cat([head_order + j * d for j in range(h0, h0 + h)])
+    q_rows = torch.cat([head_order + j * d for j in range(h)])  # within this rank's heads
+    q_heads = slice(None) if ckpt.shard is None else slice(h0 * d, (h0 + h) * d)
     shard = ckpt.shard
 
     def compressor(c: str, dim: int, rate: int, overlap: bool
@@ -483,11 +491,11 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         parts.append(get(a + "indexer.weights_proj.weight"))
         rows = torch.cat([_rope_order(ih, r) + j * ih for j in range(v4.index_heads)])
         index_q = _input_major(get(a + "indexer.wq_b.weight")[rows])
-    o_a = ckpt.dense(a + "wo_a.weight", dtype, dev)  # [groups * o_lora, H * D / groups]
     g = v4.o_groups
     groups = slice(shard.rank * g * v4.o_lora_rank, (shard.rank + 1) * g * v4.o_lora_rank) \
         if shard is not None else slice(None)
-    o_a = o_a[groups]
+    # [groups * o_lora, H * D / groups]: this rank's groups, read as such
+    o_a = quantization.dense(ckpt.part(a + "wo_a.weight", dtype, dev, 0, groups), dtype)
     expected = (g * v4.o_lora_rank, h * d // g)
     if tuple(o_a.shape) != expected:
         raise ValueError(f"model: {a}wo_a has shape {tuple(o_a.shape)}, expected {expected}")
@@ -496,10 +504,11 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
     attn = V4AttentionWeights(
         x_proj=_input_major(quantization.cat(parts, dtype)),
         splits=tuple(t.shape[0] for t in parts), q_a_norm=get(a + "q_norm.weight"),
-        q_b=_input_major(get(a + "wq_b.weight")[q_rows]),
+        q_b=_input_major(ckpt.part(a + "wq_b.weight", dtype, dev, 0, q_heads)[q_rows]),
         kv_norm=ckpt.dense(a + "kv_norm.weight", dtype, dev)[head_order], o_a=o_a,
         o_b=_input_major(ckpt.part(a + "wo_b.weight", dtype, dev, 1, groups)),
-        sinks=ckpt.get(a + "attn_sink", torch.float32, dev)[h0:h0 + h], compressor=comp,
+        sinks=ckpt.part(a + "attn_sink", torch.float32, dev, 0, ckpt.q_heads),
+        compressor=comp,
         index_q=index_q, index_compressor=index_comp)
     f = p + "ffn."
     e = f + "experts.{}.{}.weight"

@@ -384,26 +384,23 @@ class CausalLM:
         weights, ids = self._route(w, x)
         if self.load_recorder is not None and layer is not None:
             self.load_recorder.record(self._moe_index[layer], ids)
-        if self.ep is not None and layer is not None and self.tp is not None:
-            # every TP rank holds the step's tokens: each sends its share through the
-            # experts, and the all-reduce after the MLP joins the shares
-            rows = self.tp.token_share(x.shape[0])
-            out = torch.zeros_like(x)
-            out[rows] = self.ep.moe(layer, x[rows], weights[rows], ids[rows], be)
-            if w.shared is not None and self.shared_expert_dp:  # whole, on the share too
-                out[rows] += self._mlp(w.shared, x[rows], layer)
+        tp, ep = self.tp, self.ep if layer is not None else None
+        if tp is not None and (ep is not None or not tp.shard.experts):
+            # experts whole here (EP's slots, or an MTP layer's under EP): every TP rank
+            # holds the step's tokens and sends its share through them
+            def experts(rows: torch.Tensor, ws: torch.Tensor, ids_: torch.Tensor
+                        ) -> torch.Tensor:
+                if ep is not None:
+                    return ep.moe(layer, rows, ws, ids_, be)
+                return be.fused_moe(rows, w.w13, w.w2, ws.to(x.dtype), ids_)
+
+            whole = w.shared is not None and self.shared_expert_dp
+            out = tp.moe_on_share(x, weights, ids, experts, (
+                lambda rows: self._mlp(w.shared, rows, layer)) if whole else None)
+            if whole:
                 return out
-        elif self.ep is not None and layer is not None:
-            out = self.ep.moe(layer, x, weights, ids, be)
-        elif self.tp is not None and not self.tp.shard.experts:
-            # an MTP layer's experts, whole on every TP rank (under EP): each rank its
-            # token share, as the layers' experts, for the all-reduce after the MLP
-            rows = self.tp.token_share(x.shape[0])
-            out = torch.zeros_like(x)
-            out[rows] = be.fused_moe(x[rows], w.w13, w.w2, weights[rows].to(x.dtype), ids[rows])
-            if w.shared is not None and self.shared_expert_dp:
-                out[rows] += self._mlp(w.shared, x[rows], layer)
-                return out
+        elif ep is not None:
+            out = ep.moe(layer, x, weights, ids, be)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)
         if w.shared is not None:

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # (the models import Shard from here)
+    from collections.abc import Callable
+
     from pdmesh.shared.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,23 @@ class TensorParallel:
         the results)."""
         per = -(-n // self.shard.size)
         return slice(min(n, self.shard.rank * per), min(n, (self.shard.rank + 1) * per))
+
+    def moe_on_share(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                       torch.Tensor],
+                     shared: Callable[[torch.Tensor], torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """A MoE whose experts this rank holds whole (EP's slots, an MTP block's under
+        EP): ``experts(x, weights, ids)`` on this rank's share of the tokens, zeros on
+        the others', for the all-reduce after the MLP to join; ``shared`` (the shared
+        experts whole, enable_shared_expert_dp) on the share too."""
+        rows = self.token_share(x.shape[0])
+        out = torch.zeros_like(x)
+        mine = x[rows]
+        out[rows] = experts(mine, weights[rows], ids[rows])
+        if shared is not None:
+            out[rows] += shared(mine)
+        return out
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the vocabulary-parallel embedding: each rank its own, summed."""

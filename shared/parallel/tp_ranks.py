@@ -20,11 +20,18 @@ first ends rank 0's start-up with its error, never a collective's timeout.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import queue
+import socket
 import time
+import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from pdmesh.shared.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S, dist_backend
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +73,10 @@ class Groups:
 def topology(config, tp_size: int, shares_experts: bool) -> Topology:
     """The topology an EngineConfig describes: the instance's world when its DP ranks
     share experts; otherwise each DP rank's TP ranks alone, on a free loopback port."""
-    from pdmesh.shared.parallel.expert_parallel import dist_backend
-
     backend = dist_backend(config.device if config.device != "auto" else "cpu")
     if config.data_parallel_size > 1 and shares_experts:  # one world
         return Topology(config.data_parallel_rank, config.data_parallel_size, tp_size,
                         config.data_parallel_address, backend)
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -82,10 +85,6 @@ def topology(config, tp_size: int, shares_experts: bool) -> Topology:
 
 def join(top: Topology, tp_rank: int) -> Groups:
     """Join the world and create every group (all processes, in the same order)."""
-    from datetime import timedelta
-
-    from pdmesh.shared.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S
-
     host, _, port = top.address.rpartition(":")
     dist.init_process_group(top.backend, init_method=f"tcp://{host}:{port}",
                             rank=top.global_rank(tp_rank), world_size=top.world,
@@ -118,8 +117,6 @@ class TensorParallelRanks:
         puts (READY, rank, what it holds) once its shard is loaded, (FAILED, rank,
         error) when it fails. ``shares_experts``: the DP ranks place a MoE model's
         experts over all their ranks (one world)."""
-        import multiprocessing as mp
-
         self.topology = topology(config, size, shares_experts)
         self.address = self.topology.address
         self.size = size
@@ -141,9 +138,6 @@ class TensorParallelRanks:
         join the groups. Returns what each worker reported (rank 1 first). RuntimeError
         with a worker's error as soon as one fails or exits; TimeoutError past
         ``timeout_s``. The workers are stopped either way on failure."""
-        import queue
-        import time
-
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
         try:
@@ -171,8 +165,6 @@ class TensorParallelRanks:
     def check(self) -> None:
         """RuntimeError naming a worker that has failed (its error when it sent one) or
         exited; nothing while all of them run."""
-        import queue
-
         try:
             kind, rank, info = self.messages.get_nowait()
         except queue.Empty:
@@ -192,8 +184,6 @@ class TensorParallelRanks:
     def _failure(self, rank: int) -> str | None:
         """The error a worker that exited sent, if it sent one (it may still be in the
         queue's pipe)."""
-        import queue
-
         while True:
             try:
                 kind, r, info = self.messages.get(timeout=1.0)
@@ -257,6 +247,4 @@ def serve_steps(worker, messages, rank: int, groups: Groups) -> None:
 
 
 def report_failure(messages, rank: int, e: BaseException) -> None:
-    import traceback
-
     messages.put((FAILED, rank, f"{e!r}\n{traceback.format_exc()}"))

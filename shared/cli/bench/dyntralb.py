@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from pdmesh.shared.cli.bench.ranks import barrier, run_ranks
+from pdmesh.shared.parallel.ranks import barrier, run_ranks
 
 PASSES = ("off", "vllm_ascend")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pdmesh.shared.cli.bench.ranks import run_ranks
+from pdmesh.shared.parallel.ranks import run_ranks
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

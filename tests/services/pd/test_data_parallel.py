@@ -5,7 +5,10 @@ ranks serve, and stopping the instance stops every rank."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 import pytest
@@ -22,29 +25,37 @@ PROMPTS = [list(range(100 + 7 * i, 130 + 11 * i)) for i in range(8)]
 NEW = 10
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_models, tmp_path_factory, registry_prefix):
-    moe = str(tiny_models["qwen3_moe"])
-    logs = tmp_path_factory.mktemp("dp-logs")
-    prefix = registry_prefix + "-dp"
+@contextmanager
+def moe_mesh(model: str, logs: Path, prefix: str, prefill: list[str], decode: list[str]
+             ) -> Iterator[dict]:
+    """A kvstore, a prefill instance, a decode instance and the gateway serving ``model``
+    as MODEL, each instance with its own extra flags; stopped on the way out."""
     reg = ["--registry-prefix", prefix]
     started: list[Service] = []
     try:
         kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
-        started.append(Service("prefill", ["prefill", moe, "--kvstore", kv.address,
-                                           "--served-model-name", MODEL, *ENGINE, *reg], logs))
-        dec = Service("decode", ["decode", moe, "--kvstore", kv.address,
-                                 "--served-model-name", MODEL, "--data-parallel-size", "2",
-                                 "--enable-expert-parallel", *ENGINE, *reg], logs)
+        started.append(Service("prefill", ["prefill", model, "--kvstore", kv.address,
+                                           "--served-model-name", MODEL, *prefill, *ENGINE,
+                                           *reg], logs))
+        dec = Service("decode", ["decode", model, "--kvstore", kv.address,
+                                 "--served-model-name", MODEL, *decode, *ENGINE, *reg], logs)
         started.append(dec)
-        gw = Service("gateway", ["gateway", moe, "--port", "0", "--served-model-name", MODEL,
+        gw = Service("gateway", ["gateway", model, "--port", "0", "--served-model-name", MODEL,
                                  *reg], logs)
         started.append(gw)
         yield {"url": gw.info["http"], "decode": dec, "prefix": prefix}
     finally:
         for s in reversed(started):
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    with moe_mesh(str(tiny_models["qwen3_moe"]), tmp_path_factory.mktemp("dp-logs"),
+                  registry_prefix + "-dp", [],
+                  ["--data-parallel-size", "2", "--enable-expert-parallel"]) as m:
+        yield m
 
 
 def offline_answers(model: str) -> list[str]:

@@ -10,41 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.shared.infra.launcher import Service
 from tests.processes import alive
-from tests.services.pd.test_data_parallel import (
-    ENGINE,
-    MODEL,
-    concurrent_answers,
-    offline_answers,
-)
+from tests.services.pd.test_data_parallel import concurrent_answers, moe_mesh, offline_answers
 
 
 @pytest.fixture(scope="module")
 def mesh(tiny_models, tmp_path_factory, registry_prefix):
-    moe = str(tiny_models["qwen3_moe"])
-    logs = tmp_path_factory.mktemp("dp-tp-logs")
-    prefix = registry_prefix + "-dptp"
-    reg = ["--registry-prefix", prefix]
-    started: list[Service] = []
-    try:
-        kv = Service("kvstore", ["kvstore", *reg], logs)
-        started.append(kv)
-        started.append(Service("prefill", ["prefill", moe, "--kvstore", kv.address,
-                                           "--served-model-name", MODEL,
-                                           "--tensor-parallel-size", "2", *ENGINE, *reg], logs))
-        dec = Service("decode", ["decode", moe, "--kvstore", kv.address,
-                                 "--served-model-name", MODEL, "--data-parallel-size", "2",
-                                 "--tensor-parallel-size", "2", "--enable-expert-parallel",
-                                 *ENGINE, *reg], logs)
-        started.append(dec)
-        gw = Service("gateway", ["gateway", moe, "--port", "0", "--served-model-name", MODEL,
-                                 *reg], logs)
-        started.append(gw)
-        yield {"url": gw.info["http"], "decode": dec}
-    finally:
-        for s in reversed(started):
-            s.stop()
+    with moe_mesh(str(tiny_models["qwen3_moe"]), tmp_path_factory.mktemp("dp-tp-logs"),
+                  registry_prefix + "-dptp", ["--tensor-parallel-size", "2"],
+                  ["--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                   "--enable-expert-parallel"]) as m:
+        yield m
 
 
 def children(pid: int) -> list[int]:

@@ -3,99 +3,68 @@ greedy output equals the single-process engine's, also while placements move."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import pytest
 import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.parallel.expert_parallel import LayerPlacement, identity_placement
+from pdmesh.shared.parallel.ranks import barrier, run_ranks
 
 PROMPTS = [list(range(40, 75)), [5, 9, 200, 14], list(range(300, 330)), [77] * 20,
            list(range(1000, 1012))]
 NEW = 12
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank_main(rank: int, world: int, address: str, model: str,
+              shares: list[list[list[int]]], redundant: int, moves: list,
+              expert_map: str | None, speculative: dict | None, quantization: str | None
+              ) -> tuple:
+    """One DP rank: its share of the prompts (``shares[rank]``), stepped in lockstep
+    with the others; after ``moves[i][0]`` steps, every rank switches MoE layer
+    moves[i][1] to moves[i][2]. ``speculative``: the ranks draft and verify (their step
+    sizes then differ more)."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.engine.engine import EngineCore
+
+    eng = EngineCore(EngineConfig(
+        model=model, device="cpu", dtype="float32", block_size=16,
+        data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
+        enable_expert_parallel=True, num_redundant_experts=redundant,
+        expert_load_window=8, expert_map_path=expert_map,
+        speculative_config=speculative, quantization=quantization))
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW,
+                                             ignore_eos=True)).request_id
+           for p in shares[rank]]
+    tokens = {rid: [] for rid in ids}
+    flag = torch.zeros(1, dtype=torch.int64)
+    step = 0
+    moved = 0
+    while True:
+        flag[0] = int(eng.has_unfinished())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag[0]:
+            break
+        for at, layer, phy2log in moves:
+            if at == step:
+                moved += eng.ep.move_experts(layer, torch.tensor(phy2log))
+        for o in eng.step():
+            tokens[o.request.request_id] += o.new_token_ids
+        step += 1
+    load = eng.model.load_recorder.load()
+    dist.destroy_process_group()
+    return [tokens[r] for r in ids], moved, load.sum().item(), eng.spec_stats.num_drafts
 
 
-def rank_main(rank: int, world: int, address: str, model: str, prompts: list[list[int]],
-              redundant: int, moves: list, out: mp.Queue, expert_map: str | None = None,
-              speculative: dict | None = None, quantization: str | None = None) -> None:
-    """One DP rank: its share of the prompts, stepped in lockstep with the others; after
-    ``moves[i][0]`` steps, every rank switches MoE layer moves[i][1] to moves[i][2].
-    ``speculative``: the ranks draft and verify (their step sizes then differ more)."""
-    try:
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-
-        from pdmesh.shared.engine.config import EngineConfig
-        from pdmesh.shared.engine.engine import EngineCore
-
-        eng = EngineCore(EngineConfig(
-            model=model, device="cpu", dtype="float32", block_size=16,
-            data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
-            enable_expert_parallel=True, num_redundant_experts=redundant,
-            expert_load_window=8, expert_map_path=expert_map,
-            speculative_config=speculative, quantization=quantization))
-        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW,
-                                                 ignore_eos=True)).request_id
-               for p in prompts]
-        tokens = {rid: [] for rid in ids}
-        flag = torch.zeros(1, dtype=torch.int64)
-        step = 0
-        moved = 0
-        while True:
-            flag[0] = int(eng.has_unfinished())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if not flag[0]:
-                break
-            for at, layer, phy2log in moves:
-                if at == step:
-                    moved += eng.ep.move_experts(layer, torch.tensor(phy2log))
-            for o in eng.step():
-                tokens[o.request.request_id] += o.new_token_ids
-            step += 1
-        load = eng.model.load_recorder.load()
-        out.put((rank, [tokens[r] for r in ids], moved, load.sum().item(), None,
-                 eng.spec_stats.num_drafts))
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 (reported to the test)
-        import traceback
-
-        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e), 0))
-
-
-def run_ranks(model: str, shares: list[list[list[int]]], redundant: int = 0,
-              moves: list | None = None, expert_map: str | None = None,
-              speculative: dict | None = None, quantization: str | None = None
-              ) -> dict[int, tuple]:
+def run_ep_ranks(model: str, shares: list[list[list[int]]], redundant: int = 0,
+                 moves: list | None = None, expert_map: str | None = None,
+                 speculative: dict | None = None, quantization: str | None = None
+                 ) -> dict[int, tuple]:
     """rank -> (its outputs, expert bytes moved, expert load recorded, drafts verified)."""
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    address = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_main, args=(r, len(shares), address, model, shares[r],
-                                                 redundant, moves or [], out, expert_map,
-                                                 speculative, quantization))
-             for r in range(len(shares))]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, toks, moved, load, err, drafts = out.get(timeout=240)
-            assert err is None, f"rank {rank} failed:\n{err}"
-            results[rank] = (toks, moved, load, drafts)
-        return results
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    return run_ranks(rank_main, len(shares), model, shares, redundant, moves or [],
+                     expert_map, speculative, quantization, timeout_s=240)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +82,7 @@ def expected(moe_path):
 def test_two_ranks_equal_the_single_process_engine(moe_path, expected):
     # rank 1 gets one short prompt: it idles (serving rank 0's tokens) for most steps
     shares = [PROMPTS[:2] + PROMPTS[3:], [PROMPTS[2]]]
-    res = run_ranks(moe_path, shares)
+    res = run_ep_ranks(moe_path, shares)
     assert res[0][0] == expected[:2] + expected[3:]
     assert res[1][0] == [expected[2]]
     assert res[0][2] > 0 and res[1][2] > 0  # both recorded expert load
@@ -123,7 +92,7 @@ def test_two_ranks_drafting_equal_the_single_process_engine(moe_path, expected):
     """n-gram speculation on expert-parallel ranks: each rank verifies its own drafts
     (steps of uneven sizes in lockstep) and the greedy answers stay the same."""
     shares = [PROMPTS[:2] + PROMPTS[3:], [PROMPTS[2]]]
-    res = run_ranks(moe_path, shares, speculative={
+    res = run_ep_ranks(moe_path, shares, speculative={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "adaptive_drafts": False})
     assert res[0][0] == expected[:2] + expected[3:]
@@ -141,7 +110,7 @@ def test_two_ranks_drafting_with_mtp_equal_the_single_process_engine(tiny_models
                                                  block_size=16).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
     shares = [PROMPTS[:2] + PROMPTS[3:], [PROMPTS[2]]]
-    res = run_ranks(path, shares, speculative={
+    res = run_ep_ranks(path, shares, speculative={
         "method": "deepseek_mtp", "num_speculative_tokens": 2, "adaptive_drafts": False})
     assert res[0][0] == want[:2] + want[3:]
     assert res[1][0] == [want[2]]
@@ -162,7 +131,7 @@ def test_redundant_experts_and_live_moves_keep_the_output(moe_path, expected):
                           torch.randint(0, experts, (2,), generator=g)])
         moves.append((2 + layer, layer, perm.tolist()))
     shares = [PROMPTS[:3], PROMPTS[3:]]
-    res = run_ranks(moe_path, shares, redundant=2, moves=moves)
+    res = run_ep_ranks(moe_path, shares, redundant=2, moves=moves)
     assert res[0][0] == expected[:3] and res[1][0] == expected[3:]
     assert res[0][1] > 0 and res[1][1] > 0  # weights really crossed between the ranks
     assert identity_placement(n_moe, experts, slots).shape == (n_moe, slots)
@@ -187,7 +156,7 @@ def test_quantized_experts_move_with_their_scales(tiny_models, tmp_path, scheme)
                                            torch.randint(0, cfg.moe.num_experts, (2,),
                                                          generator=g)]).tolist())
              for layer in range(cfg.num_layers)]
-    res = run_ranks(path, [PROMPTS[:3], PROMPTS[3:]], redundant=2, moves=moves,
+    res = run_ep_ranks(path, [PROMPTS[:3], PROMPTS[3:]], redundant=2, moves=moves,
                     quantization="ascend")
     assert res[0][0] == want[:3] and res[1][0] == want[3:]
     # whole experts crossed: every tensor they are held as (the int8 weight, its scales,
@@ -221,7 +190,7 @@ def test_static_expert_map_from_a_recorded_file(moe_path, expected, tmp_path):
     reversed_map = torch.arange(experts - 1, -1, -1).repeat(n_moe, 1)  # expert 7 in slot 0
     path = tmp_path / "map.json"
     save_expert_map(str(path), reversed_map, version=3)
-    res = run_ranks(moe_path, [PROMPTS[:2], PROMPTS[2:]], expert_map=str(path))
+    res = run_ep_ranks(moe_path, [PROMPTS[:2], PROMPTS[2:]], expert_map=str(path))
     assert res[0][0] == expected[:2] and res[1][0] == expected[2:]
 
 
@@ -307,50 +276,53 @@ def test_bench_dyntralb_reports_each_pass(tmp_path, moe_path):
 
 
 def loop_rank_main(rank: int, world: int, address: str, model: str,
-                   prompts: list[list[int]], barrier, out: mp.Queue,
-                   max_num_seqs: int) -> None:
-    """One rank served by the real lockstep EngineLoop with DyntraLB on."""
-    try:
-        import threading
+                   shares: list[list[list[int]]], barrier, max_num_seqs: int) -> tuple:
+    """One rank served by the real lockstep EngineLoop with DyntraLB on: its outputs
+    and how often its scheduler paused a request."""
+    import threading
 
-        torch.set_num_threads(1)
-        from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
-        from pdmesh.shared.engine.config import EngineConfig
-        from pdmesh.shared.engine.engine import EngineCore
-        from tests.shared.runtime.driver import LoopDriver
+    torch.set_num_threads(1)
+    from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.engine.engine import EngineCore
+    from tests.shared.runtime.driver import LoopDriver
 
-        lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
-        eng = EngineCore(EngineConfig(
-            model=model, device="cpu", dtype="float32", block_size=16,
-            max_num_seqs=max_num_seqs,
-            data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
-            enable_expert_parallel=True, dyntra_lb=lb))
-        driver = LoopDriver(eng, start=False)  # the loop runs in this (main) thread
-        loop = driver.loop
-        streams = [driver.submit(p, SamplingParams(temperature=0, max_tokens=NEW,
-                                                   ignore_eos=True)) for p in prompts]
-        tokens: list[list[int]] = [[] for _ in prompts]
+    lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
+    eng = EngineCore(EngineConfig(
+        model=model, device="cpu", dtype="float32", block_size=16,
+        max_num_seqs=max_num_seqs,
+        data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
+        enable_expert_parallel=True, dyntra_lb=lb))
+    driver = LoopDriver(eng, start=False)  # the loop runs in this (main) thread
+    loop = driver.loop
+    streams = [driver.submit(p, SamplingParams(temperature=0, max_tokens=NEW,
+                                               ignore_eos=True)) for p in shares[rank]]
+    tokens: list[list[int]] = [[] for _ in streams]
+    errors: list[str] = []
 
-        def collect():
+    def collect():
+        try:
             for i, s in enumerate(streams):
                 while True:
                     ev = s.get(timeout=240)
-                    assert ev.error is None, ev.error
+                    if ev.error is not None:
+                        raise RuntimeError(ev.error)
                     tokens[i] += ev.token_ids
                     if ev.finished:
                         break
             barrier.wait(240)  # every rank done: now all may stop together
+        except Exception as e:  # noqa: BLE001 (raised in the rank's main thread)
+            errors.append(repr(e))
+        finally:
             loop.stop()
 
-        t = threading.Thread(target=collect)
-        t.start()
-        loop.run()
-        t.join()
-        out.put((rank, tokens, eng.scheduler.pauses, 0, None))
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        out.put((rank, None, 0, 0, traceback.format_exc() + repr(e), 0))
+    t = threading.Thread(target=collect)
+    t.start()
+    loop.run()
+    t.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    return tokens, eng.scheduler.pauses
 
 
 def test_dyntralb_pauses_on_the_heavy_rank_and_keeps_every_answer(moe_path, tiny_models):
@@ -363,26 +335,8 @@ def test_dyntralb_pauses_on_the_heavy_rank_and_keeps_every_answer(moe_path, tiny
     llm = LLM(moe_path, device="cpu", dtype="float32", block_size=16)
     want = [o.outputs[0].token_ids for o in llm.generate(
         heavy + light, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))]
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    barrier = ctx.Barrier(2)
-    address = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=loop_rank_main, args=(r, 2, address, moe_path, share,
-                                                      barrier, out, 2))
-             for r, share in enumerate([heavy, light])]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, toks, pauses, _, err = out.get(timeout=300)
-            assert err is None, f"rank {rank} failed:\n{err}"
-            got[rank] = (toks, pauses)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(loop_rank_main, 2, moe_path, [heavy, light], barrier(2), 2,
+                    timeout_s=300)
     assert got[0][0] == want[:5] and got[1][0] == want[5:]
     assert got[0][1] > 0  # the heavy rank paused requests
 
@@ -403,7 +357,7 @@ def test_deepseek_moe_over_two_ranks_with_moves_equals_one_process(tiny_models):
                                            torch.randint(0, cfg.moe.num_experts, (2,),
                                                          generator=g)]).tolist())
              for layer in range(n_moe)]
-    res = run_ranks(path, [PROMPTS[:2], PROMPTS[2:]], redundant=2, moves=moves)
+    res = run_ep_ranks(path, [PROMPTS[:2], PROMPTS[2:]], redundant=2, moves=moves)
     assert res[0][0] == want[:2] and res[1][0] == want[2:]
     assert res[0][1] > 0 and res[1][1] > 0 and res[0][2] > 0
 
@@ -427,6 +381,6 @@ def test_deepseek_v4_moe_over_two_ranks_with_moves_equals_one_process(tiny_model
                                            torch.randint(0, cfg.moe.num_experts, (2,),
                                                          generator=g)]).tolist())
              for layer in range(cfg.num_layers)]
-    res = run_ranks(path, [prompts[:2], prompts[2:]], redundant=2, moves=moves)
+    res = run_ep_ranks(path, [prompts[:2], prompts[2:]], redundant=2, moves=moves)
     assert res[0][0] == want[:2] and res[1][0] == want[2:]
     assert res[0][1] > 0 and res[1][1] > 0 and res[0][2] > 0

@@ -17,6 +17,7 @@ import torch
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.transformer import weight_bytes
+from pdmesh.shared.parallel.ranks import run_ranks
 from pdmesh.shared.parallel.tensor_parallel import Shard, local_config
 from pdmesh.shared.parallel.tp_ranks import TensorParallelRanks
 
@@ -202,51 +203,27 @@ def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, ar
         decode.close()
 
 
-def spawn_dp_ranks(target, args: list[tuple]) -> dict[int, tuple]:
-    """One process per DP rank, ``target(rank, *args[rank], out)``; rank -> what it put
-    on ``out`` after its rank (its last field an error, None when it ran)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *a, out)) for r, a in enumerate(args)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            rank, *fields, err = out.get(timeout=300)
-            assert err is None, err
-            got[rank] = tuple(fields)
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-
-
-def dp_tp_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
-               moves: list, shared_dp: bool, out) -> None:
+def dp_tp_rank(dp_rank: int, world: int, address: str, model: str,
+               shares: list[list[list[int]]], moves: list, shared_dp: bool) -> tuple:
     """DP rank ``dp_rank`` of 2, at TP 2, experts over all four ranks: its share of the
     prompts, stepped in lockstep with the other DP rank (over the engines' group); after
     ``moves[i][0]`` steps every rank moves MoE layer moves[i][1] to moves[i][2]."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.engine.engine import EngineCore
+
+    eng = EngineCore(EngineConfig(
+        model=model, device="cpu", dtype="float32", block_size=16,
+        data_parallel_size=world, data_parallel_rank=dp_rank, data_parallel_address=address,
+        tensor_parallel_size=2, enable_expert_parallel=True,
+        enable_shared_expert_dp=shared_dp))
     try:
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-
-        from pdmesh.shared.engine.config import EngineConfig
-        from pdmesh.shared.engine.engine import EngineCore
-
-        eng = EngineCore(EngineConfig(
-            model=model, device="cpu", dtype="float32", block_size=16,
-            data_parallel_size=2, data_parallel_rank=dp_rank, data_parallel_address=address,
-            tensor_parallel_size=2, enable_expert_parallel=True,
-            enable_shared_expert_dp=shared_dp))
         moe = eng.model.w.layers[eng.model.moe_layers[0]].mlp
         shapes = {"w13": list(eng.ep.w13[0].shape), "shared": None if moe.shared is None
                   else list(moe.shared.gate_up.shape)}
-        reqs = [eng.add_request(p, GREEDY) for p in prompts]
+        reqs = [eng.add_request(p, GREEDY) for p in shares[dp_rank]]
         flag = torch.zeros(1, dtype=torch.int64)
         step = moved = 0
         while True:
@@ -259,12 +236,9 @@ def dp_tp_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
                     moved += eng.ep.move_experts(layer, torch.tensor(phy2log))
             eng.step()
             step += 1
-        out.put((dp_rank, [r.output_token_ids for r in reqs], moved, shapes, None))
+        return [r.output_token_ids for r in reqs], moved, shapes
+    finally:
         eng.close()
-    except Exception as e:  # noqa: BLE001 (reported to the test)
-        import traceback
-
-        out.put((dp_rank, None, 0, None, traceback.format_exc() + repr(e)))
 
 
 @pytest.mark.parametrize(("arch", "shared_dp"), [("qwen3_moe", False), ("deepseek_v3", False),
@@ -278,14 +252,10 @@ def test_dp2_tp2_with_expert_parallelism_equals_one_process(tiny_models, arch, s
     path = str(tiny_models[arch])
     _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
     moe = ModelConfig.from_folder(path).moe
-    from pdmesh.shared.infra.net import free_port
-
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
     shares = [PROMPTS[0::2], PROMPTS[1::2]]
     swapped = list(range(moe.num_experts))[::-1]  # every expert changes rank
     moves = [(3, 0, swapped)]
-    got = spawn_dp_ranks(dp_tp_rank, [(address, path, shares[r], moves, shared_dp)
-                                      for r in range(2)])
+    got = run_ranks(dp_tp_rank, 2, path, shares, moves, shared_dp, timeout_s=300)
     assert got[0][0] == want[0::2] and got[1][0] == want[1::2]
     assert got[0][1] > 0 and got[1][1] > 0  # the move crossed ranks
     # four expert-parallel ranks: a quarter of the experts each, at their full width
@@ -297,47 +267,39 @@ def test_dp2_tp2_with_expert_parallelism_equals_one_process(tiny_models, arch, s
         assert got[0][2]["shared"][1] == (shared_width if shared_dp else shared_width // 2)
 
 
-def fine_rank(dp_rank: int, address: str, model: str, prompts: list[list[int]],
-              fine: dict, ep: bool, out) -> None:
+def fine_rank(dp_rank: int, world: int, address: str, model: str,
+              shares: list[list[list[int]]], fine: dict, ep: bool) -> tuple:
     """DP rank ``dp_rank`` of 2 with ``fine`` (finegrained_tp_config), in lockstep: its
     outputs and the shapes of the weights fine-grained TP splits."""
-    try:
-        torch.set_num_threads(1)
-        import torch.distributed as dist
+    torch.set_num_threads(1)
+    import torch.distributed as dist
 
-        from pdmesh.shared.engine.config import EngineConfig
-        from pdmesh.shared.engine.engine import EngineCore
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.engine.engine import EngineCore
 
-        eng = EngineCore(EngineConfig(
-            model=model, device="cpu", dtype="float32", block_size=16,
-            data_parallel_size=2, data_parallel_rank=dp_rank, data_parallel_address=address,
-            enable_expert_parallel=ep, finegrained_tp_config=fine))
-        w = eng.model.w
-        dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
-        shapes = {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
-                  "oproj": w.layers[0].attn.o.shape[0],
-                  "mlp": w.layers[dense].mlp.gate_up.shape[1]}
-        reqs = [eng.add_request(p, GREEDY) for p in prompts]
-        flag = torch.zeros(1, dtype=torch.int64)
-        while True:  # the instance's lockstep: an idle rank still steps
-            flag[0] = int(eng.has_unfinished())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if not flag[0]:
-                break
-            eng.step()
-        out.put((dp_rank, [r.output_token_ids for r in reqs], shapes, None))
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 (reported to the test)
-        import traceback
-
-        out.put((dp_rank, None, None, traceback.format_exc() + repr(e)))
+    eng = EngineCore(EngineConfig(
+        model=model, device="cpu", dtype="float32", block_size=16,
+        data_parallel_size=world, data_parallel_rank=dp_rank, data_parallel_address=address,
+        enable_expert_parallel=ep, finegrained_tp_config=fine))
+    w = eng.model.w
+    dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
+    shapes = {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
+              "oproj": w.layers[0].attn.o.shape[0],
+              "mlp": w.layers[dense].mlp.gate_up.shape[1]}
+    reqs = [eng.add_request(p, GREEDY) for p in shares[dp_rank]]
+    flag = torch.zeros(1, dtype=torch.int64)
+    while True:  # the instance's lockstep: an idle rank still steps
+        flag[0] = int(eng.has_unfinished())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag[0]:
+            break
+        eng.step()
+    dist.destroy_process_group()
+    return [r.output_token_ids for r in reqs], shapes
 
 
 def run_fine(path: str, fine: dict, ep: bool, shares) -> dict:
-    from pdmesh.shared.infra.net import free_port
-
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    return spawn_dp_ranks(fine_rank, [(address, path, shares[r], fine, ep) for r in range(2)])
+    return run_ranks(fine_rank, 2, path, shares, fine, ep, timeout_s=300)
 
 
 FINE = [("qwen3", {"embedding_tensor_parallel_size": 2}, False),

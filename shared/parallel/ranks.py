@@ -1,5 +1,6 @@
-"""Run one function as the DP ranks of a benchmark: spawned processes on loopback, the
-results gathered by rank, any rank's failure raised with its traceback."""
+"""Run one function as the DP ranks of an instance (a benchmark's, a test's): spawned
+processes on loopback, the results gathered by rank, any rank's failure raised with its
+traceback."""
 
 from __future__ import annotations
 
