@@ -28,8 +28,10 @@ _REQUESTS.setLevel(logging.INFO)  # --log-requests shows them whatever --log-lev
 class Answer:
     def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
                  params: SamplingParams, stops: list[str], tok: Tokenizer,
-                 metrics: GatewayMetrics, span: Any = None, log_level: int | None = None):
+                 metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
+                 echo: str = ""):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        self.echo = echo  # a completion's prompt text, put before its answer (echo)
         self.params, self.tok, self.metrics = params, tok, metrics
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
@@ -58,7 +60,7 @@ class Answer:
 
     # -- the two shapes ------------------------------------------------------------------
     async def whole(self) -> dict[str, Any]:
-        parts: list[str] = []
+        parts: list[str] = [self.echo]
         lps: list[tuple[int, dict[int, Logprob]]] = []
         async for delta in self._deltas():
             parts.append(self._take(delta))
@@ -89,7 +91,7 @@ class Answer:
                     choice["delta"] = {"content": text, **({"role": "assistant"} if first
                                                            else {})}
                 else:
-                    choice["text"] = text
+                    choice["text"] = self.echo + text if first else text
                 first = False
                 yield self._event([choice])
             self._finished()

@@ -114,7 +114,15 @@ class Gateway:
         now = int(time.time())  # (vLLM's model cards: the time of the answer)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": now, "owned_by": "pdmesh",
-            "max_model_len": self.state.max_model_len} for name in self.names]}
+            "max_model_len": self.context_len()} for name in self.names]}
+
+    def context_len(self) -> int:
+        """The longest sequence the mesh serves: the gateway's --max-model-len (else the
+        checkpoint's), and no more than any registered engine's own."""
+        router = self.state.router
+        engines = [i.load.get("max_model_len", 0) for role in ("prefill", "decode", "mixed")
+                   for i in router.instances(role)]
+        return min([self.state.max_model_len, *(n for n in engines if n > 0)])
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -127,23 +135,34 @@ class Gateway:
         prompt = await self._completion_prompt(body)
         if isinstance(prompt, JSONResponse):
             return prompt
-        return await self.serve(body, prompt, False, request.headers)
+        echo = self._echo(body, prompt) if body.echo else ""
+        return await self.serve(body, prompt, False, request, echo)
+
+    def _echo(self, body: CompletionRequest, prompt: list[int]) -> str:
+        """The prompt as given, token ids as their text (echo puts it before the answer)."""
+        p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        return p if isinstance(p, str) else self.state.tokenizer.decode(
+            prompt, skip_special_tokens=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         refused = self._check_model(body)
         if refused is not None:
             return refused
         tok = self.state.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
-            text = tok.apply_chat_template(messages,
-                                           add_generation_prompt=body.add_generation_prompt)
+            text = tok.apply_chat_template(
+                messages, continue_final_message=body.continue_final_message,
+                **body.template_kwargs())
         except ValueError as e:
             return error(400, str(e), "messages")
-        prompt = await self._tokenize(text, "messages", add_special_tokens=False)
+        prompt = await self._tokenize(text, "messages",
+                                      add_special_tokens=bool(body.add_special_tokens))
         if isinstance(prompt, JSONResponse):
             return prompt
-        return await self.serve(body, prompt, True, request.headers)
+        return await self.serve(body, prompt, True, request)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
         if body.model in self.names:
@@ -156,7 +175,7 @@ class Gateway:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
             p = p[0]  # one prompt, in a list
         if isinstance(p, str):
-            return await self._tokenize(p, "prompt")
+            return await self._tokenize(p, "prompt", add_special_tokens=body.add_special_tokens)
         if p and all(isinstance(t, int) for t in p):
             bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -180,39 +199,63 @@ class Gateway:
                               f"hold", field)
         return await asyncio.to_thread(self.state.tokenizer.encode, text, add_special_tokens)
 
-    async def serve(self, body: _Base, prompt: list[int], chat: bool, headers: Any
-                    ) -> Response:
+    async def serve(self, body: _Base, prompt: list[int], chat: bool, request: Request,
+                    echo: str = "") -> Response:
         state = self.state
         field = "messages" if chat else "prompt"
         if not prompt:
             return error(400, f"{field}: must not be empty", field)
-        if len(prompt) >= state.max_model_len:
+        context = self.context_len()
+        if len(prompt) >= context:
             return error(400, f"{field}: {len(prompt)} tokens leaves no room to generate "
-                              f"within max_model_len ({state.max_model_len})", field)
+                              f"within max_model_len ({context})", field)
+        asked = body.asked_max_tokens()
+        if asked is not None and asked[1] > context - len(prompt):
+            name, n = asked  # vLLM's refusal: past the context is a 400, not a cut
+            return error(400, f"{name}: {n} is too large: this model's maximum context "
+                              f"length is {context} tokens and the request has "
+                              f"{len(prompt)} input tokens ({n} > {context} - "
+                              f"{len(prompt)})", name)
         bad = next((t for t in body.stop_token_ids or () if t >= self.vocab_size), None)
         if bad is not None:
             return error(400, f"stop_token_ids: token id {bad} is outside the vocabulary "
                               f"[0, {self.vocab_size})", "stop_token_ids")
         try:
-            params = body.to_sampling(state.max_model_len - len(prompt))
+            params = body.to_sampling(context - len(prompt))
         except ValueError as e:
             return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        span = self._span(rid, chat, prompt, body, headers)
+        span = self._span(rid, chat, prompt, body, request.headers)
         journey = Journey(self.mesh, MeshRequest(rid, prompt, params, body.priority),
                           JourneyTrace(self.tracing, span) if span is not None else None)
         answer = Answer(rid, body.model, chat, prompt, params, body.stop_strings(),
-                        state.tokenizer, self.metrics, span, state.log_requests)
+                        state.tokenizer, self.metrics, span, state.log_requests, echo)
         try:  # the first token before any answer: a failure here gets its status code
             await answer.start(journey.run())
             if not body.stream:
-                return JSONResponse(await answer.whole())
+                return await self._whole(answer, request)
         except MeshError as e:
             await answer.close()
             (self.metrics.rejected if e.status == 429 else self.metrics.failures).inc()
             return error(e.status, str(e))
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(answer.sse(include_usage), media_type="text/event-stream")
+
+    @staticmethod
+    async def _whole(answer: Answer, request: Request) -> Response:
+        """The whole answer; a client that leaves before it is ready aborts the request
+        (its journey closed: the instances stop and free its KV), as a stream's does."""
+        whole = asyncio.ensure_future(answer.whole())
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if whole.done():
+            return JSONResponse(whole.result())
+        whole.cancel()
+        await asyncio.gather(whole, return_exceptions=True)
+        await answer.close()
+        log.info("request %s: the client left before its answer; aborted", answer.rid)
+        return Response(status_code=499)  # (nobody reads it)
 
     def _span(self, rid: str, chat: bool, prompt: list[int], body: _Base, headers: Any
               ) -> Any:
@@ -224,6 +267,13 @@ class Gateway:
                                   attributes={"pdmesh.request_id": rid,
                                               "pdmesh.prompt_tokens": len(prompt),
                                               "pdmesh.stream": bool(body.stream)})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read already: what the server
+    receives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(state: GatewayState) -> FastAPI:

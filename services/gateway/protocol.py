@@ -10,21 +10,47 @@ and no float may be infinite or NaN.
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdmesh.shared.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
 INT64 = 2**63
 Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # not a bool
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # a number of tokens
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when none is given (vLLM's, OpenAI's)
+
+# accepted as OpenAI's clients send them, without effect here (one warning per name)
+WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_warned: set[str] = set()  # field names warned about, once per process
+
+
+def warn_once(names: list[str], why: str) -> None:
+    """One warning per field name for the life of the process, as vLLM warns of the
+    fields it ignores (a request per second would otherwise flood the log)."""
+    new = sorted(n for n in names if n not in _warned)
+    if new:
+        _warned.update(new)
+        log.warning("request fields %s: %s", ", ".join(new), why)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # an unknown field is accepted and ignored (warned of once), as vLLM does
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -38,6 +64,16 @@ class _Base(BaseModel):
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].default is None}
 
+    @model_validator(mode="after")
+    def _warn_of_ignored(self) -> _Base:
+        if self.model_extra:
+            warn_once(list(self.model_extra), "not known here, ignored")
+        fields = type(self).model_fields
+        given = [n for n in WITHOUT_EFFECT if n in fields and getattr(self, n) is not None]
+        if given:
+            warn_once(given, "accepted, without effect")
+        return self
+
     model: str
     max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
@@ -50,6 +86,9 @@ class _Base(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # vLLM extensions
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -61,6 +100,25 @@ class _Base(BaseModel):
     # None: the engine's --default-priority-value (0 unless set); int32 on the wire
     priority: Int32 | None = None
 
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(default=None, ge=1, le=1)  # (several: not served yet)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias_yet(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:  # refused, not ignored: the answer would not be what was asked
+            raise ValueError("not served yet")
+        return bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text_only(cls, fmt: ResponseFormat | None) -> ResponseFormat | None:
+        if fmt is not None and fmt.type != "text":
+            raise ValueError(f"{fmt.type!r} is not served yet (structured output); only "
+                             f"'text' is")
+        return fmt
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -70,7 +128,9 @@ class _Base(BaseModel):
     def top_logprobs_n(self) -> int | None:
         return None
 
-    def to_sampling(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling(self, room: int) -> SamplingParams:
+        """The engine's parameters; ``room``: the tokens the context has left, which a
+        default max_tokens is cut to (one asked for past it is refused before this)."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -78,12 +138,17 @@ class _Base(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty or 1.0,
             stop_token_ids=self.stop_token_ids or [],
-            max_tokens=self.effective_max_tokens() or default_max_tokens,
+            max_tokens=min(self.effective_max_tokens() or room, room),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=self.top_logprobs_n(), skip_special_tokens=self.skip_special_tokens)
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def asked_max_tokens(self) -> tuple[str, int] | None:
+        """The output length the client asked for, and the field it asked in (None:
+        none asked)."""
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
 
 
 class CompletionRequest(_Base):
@@ -91,9 +156,48 @@ class CompletionRequest(_Base):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # a completion's prompt gets the BOS its model wants
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:  # refused, not dropped: the answer would not be what was asked
+            raise ValueError("not served (no fill-in-the-middle model is served here)")
+        return suffix
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: with logprobs it needs the prompt's logprobs, which "
+                             "are not served yet; ask for one or the other")
+        return self
 
     def top_logprobs_n(self) -> int | None:
         return self.logprobs
+
+    def effective_max_tokens(self) -> int | None:
+        """As asked; none asked: 16 (vLLM's and OpenAI's default; an explicit null is
+        "as many as fit", as vLLM reads it)."""
+        if "max_tokens" not in self.model_fields_set:
+            return COMPLETION_MAX_TOKENS
+        return self.max_tokens
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's earlier tool call, as the client sends it back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -101,14 +205,55 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Text parts only: no multimodal model is served here, and a part dropped
+        silently would change the question."""
+        if not isinstance(content, list):
+            return content
+        for i, part in enumerate(content):
+            kind = part.get("type")
+            if kind not in ("text", "input_text"):
+                raise ValueError(f"part {i} is of type {kind!r}: only text parts are "
+                                 f"served (no multimodal model is served here)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: text must be a string")
+        return content
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content
-                       if part.get("type") == "text")
+        return "".join(part["text"] for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content; an earlier call's
+        arguments as a mapping (templates iterate them, as vLLM hands them over)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _as_mapping(c.function.arguments)}}
+                for c in self.tool_calls]
+        return out
+
+
+def _as_mapping(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template gets the text as it came
 
 
 class ChatCompletionRequest(_Base):
@@ -117,9 +262,40 @@ class ChatCompletionRequest(_Base):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template puts them where they go
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # to the chat template, which may read it
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt \
+                and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message: cannot be set with "
+                             "add_generation_prompt (the answer either continues the last "
+                             "message or starts a new one)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the "
+                             "assistant's")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages: the request's
+        chat_template_kwargs and reasoning_effort (as vLLM passes them)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        kwargs["add_generation_prompt"] = (self.add_generation_prompt
+                                           and not self.continue_final_message)
+        return kwargs
 
     def top_logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def asked_max_tokens(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().asked_max_tokens()

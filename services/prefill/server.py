@@ -75,8 +75,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             submit = submit_from_proto(request, rid)
         except ValueError as e:
             await context.abort(grpc_code(InvalidRequest.status), str(e))
+        budget = len(submit.output_token_ids) + 1  # min_tokens past it is decode's to keep
         submit.sampling = dataclasses.replace(
-            submit.sampling, max_tokens=len(submit.output_token_ids) + 1)
+            submit.sampling, max_tokens=budget,
+            min_tokens=min(submit.sampling.min_tokens, budget))
         stream = RequestStream()
         self.engine.submit(submit, stream)
         return rid, stream

@@ -126,7 +126,10 @@ def plan(cfg: ServeConfig) -> Plan:
     for role, _ in roles:  # (each engine finds its device itself)
         checked = serve_config(role, [str(model), *words[role]], device="cpu")
         ranks[role] = checked.data_parallel_size
-    return Plan(model, cfg.served_model_name or (model.name,), roles, words, ranks, log_dir)
+    # served as given on the command line, as `vllm serve MODEL` is (the demo model by
+    # its folder's name)
+    names = cfg.served_model_name or ((cfg.model,) if cfg.model else (model.name,))
+    return Plan(model, names, roles, words, ranks, log_dir)
 
 
 def _words(flag: str, text: str) -> list[str]:

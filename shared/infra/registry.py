@@ -34,7 +34,7 @@ LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
                "queued_prefill_tokens", "block_size", "placement_version",
                "expert_bytes_moved", "decode_step_us", "prefill_ns_per_token",
                "max_num_batched_tokens", "stalled_ms", "spec_draft_tokens",
-               "spec_accepted_tokens")
+               "spec_accepted_tokens", "max_model_len")
 
 
 @dataclass

@@ -71,8 +71,25 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any
     ) -> str:
+        """The chat rendered as the model's template says. ``continue_final_message``:
+        the text ends where the last (assistant) message's content ends, so the answer
+        continues it (transformers' cut: what the template puts after it is dropped)."""
+        text = self._render(messages, add_generation_prompt and not continue_final_message,
+                            **kwargs)
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") or ""
+        if not isinstance(final, str) or final.strip() not in text:
+            raise ValueError("messages: the chat template does not render the final "
+                             "message's text, so it cannot be continued")
+        final = final if final in text else final.strip()
+        return text[:text.rindex(final) + len(final)]
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                **kwargs: Any) -> str:
         if not self.chat_template:
             raise ValueError("messages: this model's tokenizer has no chat template")
         if self._template is None:
@@ -83,13 +100,18 @@ class Tokenizer:
                 x, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+        reserved = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+        kwargs = {k: v for k, v in kwargs.items() if k not in reserved}
+        try:
+            return self._template.render(
+                **kwargs,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:  # raise_exception(...), or a template fault
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
 
 
 def _token_text(tok: Any) -> str | None:

@@ -176,7 +176,7 @@ class EngineLoad(msgspec.Struct, tag=True):
     def registry_fields(self) -> dict[str, int]:
         """The load the instance publishes in the registry."""
         fields = msgspec.structs.asdict(self)
-        del fields["draining"], fields["max_model_len"]
+        del fields["draining"]  # (published on its own: Registry.mark_draining)
         return fields
 
 

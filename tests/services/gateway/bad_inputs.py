@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+INT32_MAX = 2**31 - 1
+
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -41,7 +43,6 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
          "temperature"),
         ("infinity-literal", CMPL, b'{"model": "m", "prompt": "x", "top_p": -Infinity}', 400,
          "top_p"),
-        ("unknown-field", CMPL, c(bogus_field=1), 400, "bogus_field"),
         ("logit-bias-unsupported", CMPL, c(logit_bias={"1": 5}), 400, "logit_bias"),
         ("best-of-unsupported", CMPL, c(best_of=2), 400, "best_of"),
         # -- model --------------------------------------------------------------------------
@@ -74,6 +75,11 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("prompt-too-long-text", CMPL, c(prompt="z" * 3_000_000), 400, "prompt"),
         ("suffix-int", CMPL, c(suffix=5), 400, "suffix"),
         ("echo-int", CMPL, c(echo=5), 400, "echo"),
+        ("suffix-given", CMPL, c(suffix="return x"), 400, "suffix"),
+        ("echo-with-logprobs", CMPL, c(echo=True, logprobs=1), 400, "echo"),
+        ("response-format-unknown", CMPL, c(response_format={"type": "yaml"}), 400,
+         "response_format"),
+        ("response-format-string", CMPL, c(response_format="json"), 400, "response_format"),
         ("logprobs-21", CMPL, c(logprobs=21), 400, "logprobs"),
         ("logprobs-negative", CMPL, c(logprobs=-1), 400, "logprobs"),
         ("logprobs-string", CMPL, c(logprobs="x"), 400, "logprobs"),
@@ -88,6 +94,11 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("min-tokens-negative", CMPL, c(min_tokens=-1), 400, "min_tokens"),
         ("min-tokens-2-40", CMPL, c(min_tokens=big), 400, "min_tokens"),
         ("min-tokens-over-max", CMPL, c(min_tokens=9, max_tokens=3), 400, "min_tokens"),
+        ("max-tokens-past-the-context", CMPL, c(max_tokens=INT32_MAX), 400,
+         "maximum context length"),
+        ("chat-max-tokens-past-the-context", CHAT, m(max_completion_tokens=INT32_MAX), 400,
+         "max_completion_tokens"),
+        ("max-tokens-2-70", CMPL, c(max_tokens=2**70), 400, "max_tokens"),
         # -- sampling -----------------------------------------------------------------------
         ("temperature-negative", CMPL, c(temperature=-1), 400, "temperature"),
         ("temperature-string", CMPL, c(temperature="hot"), 400, "temperature"),
@@ -113,6 +124,8 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("seed-2-64", CMPL, c(seed=2**64), 400, "seed"),
         ("seed-minus-2-64", CMPL, c(seed=-(2**64)), 400, "seed"),
         ("seed-string", CMPL, c(seed="abc"), 400, "seed"),
+        ("seed-2-70", CMPL, c(seed=2**70), 400, "seed"),
+        ("priority-2-70", CMPL, c(priority=2**70), 400, "priority"),
         ("seed-float", CMPL, c(seed=1.5), 400, "seed"),
         # -- stops --------------------------------------------------------------------------
         ("stop-int", CMPL, c(stop=5), 400, "stop"),
@@ -152,6 +165,19 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
          "content"),
         ("chat-content-part-int", CHAT, m(messages=[{"role": "user", "content": [1]}]), 400,
          "content"),
+        ("chat-content-part-text-int", CHAT,
+         m(messages=[{"role": "user", "content": [{"type": "text", "text": 123}]}]), 400,
+         "content"),
+        ("chat-content-image", CHAT, m(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]),
+         400, "image_url"),
+        ("chat-tool-call-without-function", CHAT, m(messages=[
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]), 400,
+         "tool_calls"),
+        ("chat-continue-after-user", CHAT, m(continue_final_message=True,
+                                             add_generation_prompt=False), 400,
+         "continue_final_message"),
         ("chat-content-lone-surrogate", CHAT,
          b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
          "content"),
@@ -166,7 +192,6 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("chat-logprobs-string", CHAT, m(logprobs="x"), 400, "logprobs"),
         ("chat-add-generation-prompt-string", CHAT, m(add_generation_prompt="x"), 400,
          "add_generation_prompt"),
-        ("chat-prompt-field", CHAT, m(prompt="x"), 400, "prompt"),
         ("chat-model-unknown", CHAT, m(model="other"), 404, "model"),
         ("chat-model-unknown-long", CHAT,
          m(model="other", messages=[{"role": "user", "content": "w " * 100_000}]), 404,

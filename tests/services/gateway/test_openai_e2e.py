@@ -15,12 +15,16 @@ from tests.mesh import MODEL, pd_mesh
 from tests.services.gateway.bad_inputs import cases as bad_cases
 
 KEY = "test-key"
+ENGINE_LEN = 3584  # the decode instance's --max-model-len (the checkpoint's: 4096)
 
 
 @pytest.fixture(scope="module")
 def mesh(qwen3_path, tmp_path_factory, registry_prefix):
+    # the decode instance serves shorter sequences than the checkpoint: the gateway
+    # enforces and reports the engines' limit
     with pd_mesh(qwen3_path, tmp_path_factory.mktemp("mesh-logs"), registry_prefix + "-gw",
-                 gateway_args=["--api-key", KEY]) as services:
+                 gateway_args=["--api-key", KEY],
+                 decode_args=["--max-model-len", str(ENGINE_LEN)]) as services:
         yield services["gateway"].info["http"]
 
 
@@ -46,6 +50,7 @@ def test_models_and_health(mesh, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert abs(models[0].created - time.time()) < 60  # a real time, not 0
+    assert models[0].max_model_len == ENGINE_LEN  # the engines', not the checkpoint's
     h = httpx.get(mesh + "/health", timeout=10)
     assert h.status_code == 200 and h.json()["prefill"] == 1 and h.json()["decode"] == 1
 
@@ -129,7 +134,6 @@ def test_logprobs(client):
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
-    ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
     ({"model": MODEL, "prompt": "x", "priority": 2**31}, 400, "priority"),  # int32
     ({"model": MODEL, "prompt": "x", "priority": "high"}, 400, "priority"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
@@ -189,6 +193,76 @@ def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
             for _ in range(5):
                 next(lines)
             assert health(common_pb2.HealthRequest(), timeout=5).load.running == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = health(common_pb2.HealthRequest(), timeout=5).load
+        if load.running == 0 and load.free_kv_blocks == load.total_kv_blocks:
+            break
+        time.sleep(0.05)
+    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+
+
+def test_min_tokens_past_the_prefill_token(client):
+    """The prefill instance makes one token; a min_tokens beyond it is decode's to keep
+    (it was a 400: "must be <= max_tokens (1)")."""
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=9,
+                                  extra_body={"min_tokens": 7, "stop_token_ids": list(
+                                      range(0, 4096, 3))})
+    assert 7 <= r.usage.completion_tokens <= 9
+
+
+def test_a_completion_without_max_tokens_stops_at_16(client):
+    r = client.completions.create(model=MODEL, prompt=[11, 12, 13],
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_max_tokens_past_the_context_is_refused(mesh):
+    r = httpx.post(mesh + "/v1/completions", timeout=30, headers={
+        "Authorization": f"Bearer {KEY}"}, json={"model": MODEL, "prompt": [5] * 100,
+                                                 "max_tokens": ENGINE_LEN - 99})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert f"maximum context length is {ENGINE_LEN}" in r.json()["error"]["message"]
+
+
+def test_echo_puts_the_prompt_before_the_answer(client, offline):
+    for prompt in ("def add(a, b):", [40, 41, 42]):
+        plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                          temperature=0)
+        echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                           temperature=0, echo=True)
+        given = prompt if isinstance(prompt, str) else offline.tokenizer.decode(
+            prompt, skip_special_tokens=False)
+        assert echoed.choices[0].text == given + plain.choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True, stream=True)
+            if c.choices)
+        assert streamed == echoed.choices[0].text
+
+
+def test_fields_it_does_not_know_are_accepted(client):
+    """As vLLM: ignored (a warning per field name in the gateway's log)."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        metadata={"k": "v"}, store=False, service_tier="auto", response_format={
+            "type": "text"}, extra_body={"bogus_field": 1, "prompt": "x"})
+    assert r.usage.completion_tokens >= 1 and r.choices[0].message.content is not None
+
+
+def test_a_client_leaving_a_whole_answer_aborts_it_on_decode(mesh, registry_prefix):
+    """Not streamed: a client that gives up waiting frees the request on decode too."""
+    import grpc
+
+    from pdmesh.shared.infra.registry import Registry
+    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
+
+    [dec] = Registry(prefix=registry_prefix + "-gw").instances(role="decode")
+    health = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(dec.address)).Health
+    body = {"model": MODEL, "prompt": list(range(50, 90)), "max_tokens": 3000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(mesh + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=2),
+                   headers={"Authorization": f"Bearer {KEY}"})
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         load = health(common_pb2.HealthRequest(), timeout=5).load

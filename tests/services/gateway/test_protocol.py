@@ -29,6 +29,74 @@ def test_a_required_field_sent_as_null_is_still_missing(field):
     assert e.value.errors()[0]["loc"] == (field,)
 
 
-def test_a_field_it_does_not_know_is_still_refused():
-    with pytest.raises(ValidationError, match="bogus"):
-        ChatCompletionRequest.model_validate({**CHAT, "bogus": None})
+def test_a_field_it_does_not_know_is_accepted_and_warned_of_once(caplog):
+    """As vLLM: ignored, one warning per field name for the life of the process."""
+    name = f"bogus_{id(caplog)}"  # a name no other test has warned of
+    with caplog.at_level("WARNING", logger="pdmesh.services.gateway.protocol"):
+        for _ in range(3):
+            r = ChatCompletionRequest.model_validate({**CHAT, name: 1, "metadata": {"a": 1}})
+    assert r.model_extra == {name: 1}
+    warned = [rec.getMessage() for rec in caplog.records if name in rec.getMessage()]
+    assert len(warned) == 1 and "ignored" in warned[0]
+
+
+def test_a_completion_without_max_tokens_asks_for_16():
+    """vLLM's and OpenAI's default for completions; an explicit null is "what fits";
+    chat asks for what fits."""
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).to_sampling(
+        100).max_tokens == 16
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).to_sampling(
+        5).max_tokens == 5  # a default never runs past the context
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None}
+                                            ).to_sampling(100).max_tokens == 100
+    assert ChatCompletionRequest.model_validate(CHAT).to_sampling(100).max_tokens == 100
+    asked = ChatCompletionRequest.model_validate({**CHAT, "max_completion_tokens": 9,
+                                                  "max_tokens": 3})
+    assert asked.asked_max_tokens() == ("max_completion_tokens", 9)
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ([{"type": "text", "text": 123}], "text must be a string"),
+    ([{"type": "image_url", "image_url": {"url": "data:,"}}], "image_url"),
+    ([{"type": "input_audio", "input_audio": {}}], "input_audio"),
+    ([{"text": "no type"}], "None"),
+])
+def test_content_parts_other_than_text_are_refused_not_dropped(content, needle):
+    with pytest.raises(ValidationError, match=needle) as e:
+        ChatCompletionRequest.model_validate(
+            {**CHAT, "messages": [{"role": "user", "content": content}]})
+    assert e.value.errors()[0]["loc"][:3] == ("messages", 0, "content")
+
+
+def test_history_tool_calls_reach_the_template_with_mapping_arguments():
+    r = ChatCompletionRequest.model_validate({**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                      "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": '{"x": [1, 2]}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]})
+    got = [m.for_template() for m in r.messages]
+    assert got[0] == {"role": "user", "content": "ab"}
+    assert got[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": [1, 2]}}
+    assert got[2] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"model": "m", "prompt": "x", "suffix": "y"}, "fill-in-the-middle"),
+    ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "bogus"}}, "response_format"),
+])
+def test_what_cannot_be_served_is_refused_naming_it(body, needle):
+    with pytest.raises(ValidationError, match=needle):
+        CompletionRequest.model_validate(body)
+
+
+def test_continue_final_message_needs_the_assistant_last():
+    with pytest.raises(ValidationError, match="continue_final_message"):
+        ChatCompletionRequest.model_validate({**CHAT, "continue_final_message": True,
+                                              "add_generation_prompt": False})
+    r = ChatCompletionRequest.model_validate({**CHAT, "continue_final_message": True,
+                                              "messages": [*CHAT["messages"], {
+                                                  "role": "assistant", "content": "Sure"}]})
+    assert r.template_kwargs()["add_generation_prompt"] is False

@@ -88,7 +88,7 @@ def test_pdmesh_up_serves_it_like_the_offline_engine(tiny_models, tmp_path, regi
                             "--pool-segment-mb 64")
     try:
         assert url, "".join(out)
-        _ask_both_ways(url, path.name, texts)
+        _ask_both_ways(url, str(path), texts)
     finally:
         shut(proc, prefix)
 

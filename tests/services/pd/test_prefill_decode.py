@@ -83,6 +83,19 @@ def test_prefill_then_decode_equals_offline(mesh, expected):
         assert tokens == expected[i]
 
 
+def test_min_tokens_past_the_first_token_hold_on_prefill(mesh, expected):
+    """Prefill makes one token of a request that asks for min_tokens more: it is served
+    (it was refused: "min_tokens: must be <= max_tokens (1)") and its first token still
+    cannot be a stop token."""
+    pre, _ = stubs(mesh)
+    first = expected[0][0]
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=9, min_tokens=7,
+                                          stop_token_ids=[first]))
+    r = prefill(pre, prefill_pb2.PrefillRequest(request_id="min", prompt_token_ids=PROMPTS[0],
+                                               sampling=sp), timeout=60)
+    assert r.first_token != first and r.num_prompt_tokens == len(PROMPTS[0])
+
+
 def test_bad_input_is_invalid_argument(mesh):
     pre, dec = stubs(mesh)
     sp = sampling_to_proto(SamplingParams(max_tokens=4))

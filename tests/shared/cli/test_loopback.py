@@ -96,7 +96,7 @@ def test_up_keeps_every_socket_on_loopback(tiny_models, tmp_path, registry_prefi
         offenders: list = []
         for i in range(6):  # requests move KV through the pool meanwhile
             r = httpx.post(url + "/v1/completions", timeout=60, json={
-                "model": model.name, "prompt": list(range(40 + i, 140 + i)),
+                "model": str(model), "prompt": list(range(40 + i, 140 + i)),
                 "max_tokens": 8, "ignore_eos": True})
             assert r.status_code == 200, r.text
             offenders += not_loopback(tree(proc.pid))

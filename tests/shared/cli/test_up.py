@@ -73,7 +73,7 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
         master = found[0] if found else None
         assert url and (master or command == "serve"), "".join(out)
         assert moe == any("eplb controller ready" in line for line in out), "".join(out)
-        model = model_path.name
+        model = str(model_path)  # the name as given, as vLLM serves it
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8,
                              "temperature": 0, "ignore_eos": True})
@@ -340,7 +340,7 @@ def test_up_restarts_what_dies_and_dies_with_its_children(qwen3_path, tmp_path,
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
                                   daemon=True)
         reader.start()
-        body = {"model": qwen3_path.name, "prompt": [5, 6, 7, 8], "max_tokens": 6,
+        body = {"model": str(qwen3_path), "prompt": [5, 6, 7, 8], "max_tokens": 6,
                 "temperature": 0, "ignore_eos": True}
         first = httpx.post(url + "/v1/completions", timeout=60, json=body).json()
         for role in ("decode", "gateway"):
