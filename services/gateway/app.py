@@ -19,6 +19,7 @@ tokenized, and tokenizing runs on worker threads, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException
 
 from pdmesh.services.gateway.answer import Answer
 from pdmesh.services.gateway.clients import GrpcClients
+from pdmesh.services.gateway.constraints import grammar_for, logit_bias_for, wants_grammar
 from pdmesh.services.gateway.errors import MeshError, error_type
 from pdmesh.services.gateway.guard import BodyGuard
 from pdmesh.services.gateway.journey import (
@@ -46,6 +48,7 @@ from pdmesh.services.gateway.journey import (
 from pdmesh.services.gateway.metrics import GatewayMetrics
 from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
 from pdmesh.services.gateway.router import Router
+from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.tokenizer import Tokenizer
 
@@ -202,27 +205,9 @@ class Gateway:
     async def serve(self, body: _Base, prompt: list[int], chat: bool, request: Request,
                     echo: str = "") -> Response:
         state = self.state
-        field = "messages" if chat else "prompt"
-        if not prompt:
-            return error(400, f"{field}: must not be empty", field)
-        context = self.context_len()
-        if len(prompt) >= context:
-            return error(400, f"{field}: {len(prompt)} tokens leaves no room to generate "
-                              f"within max_model_len ({context})", field)
-        asked = body.asked_max_tokens()
-        if asked is not None and asked[1] > context - len(prompt):
-            name, n = asked  # vLLM's refusal: past the context is a 400, not a cut
-            return error(400, f"{name}: {n} is too large: this model's maximum context "
-                              f"length is {context} tokens and the request has "
-                              f"{len(prompt)} input tokens ({n} > {context} - "
-                              f"{len(prompt)})", name)
-        bad = next((t for t in body.stop_token_ids or () if t >= self.vocab_size), None)
-        if bad is not None:
-            return error(400, f"stop_token_ids: token id {bad} is outside the vocabulary "
-                              f"[0, {self.vocab_size})", "stop_token_ids")
         try:
-            params = body.to_sampling(context - len(prompt))
-        except ValueError as e:
+            params = await self._params(body, prompt, "messages" if chat else "prompt")
+        except ValueError as e:  # "field: why"
             return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         span = self._span(rid, chat, prompt, body, request.headers)
@@ -240,6 +225,35 @@ class Gateway:
             return error(e.status, str(e))
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(answer.sse(include_usage), media_type="text/event-stream")
+
+    async def _params(self, body: _Base, prompt: list[int], field: str) -> SamplingParams:
+        """The engine's parameters for ``body`` on ``prompt``; ValueError "field: why" for
+        what cannot be served: no room in the context, a token id past the vocabulary, a
+        grammar that does not compile, a value out of range."""
+        if not prompt:
+            raise ValueError(f"{field}: must not be empty")
+        context = self.context_len()
+        if len(prompt) >= context:
+            raise ValueError(f"{field}: {len(prompt)} tokens leaves no room to generate "
+                             f"within max_model_len ({context})")
+        asked = body.asked_max_tokens()
+        if asked is not None and asked[1] > context - len(prompt):
+            name, n = asked  # vLLM's refusal: past the context is a 400, not a cut
+            raise ValueError(f"{name}: {n} is too large: this model's maximum context "
+                             f"length is {context} tokens and the request has "
+                             f"{len(prompt)} input tokens ({n} > {context} - {len(prompt)})")
+        bad = next((t for t in body.stop_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        params = body.to_sampling(context - len(prompt))
+        grammar = None
+        if wants_grammar(body):  # compiled off the event loop: a schema can be large
+            grammar = await asyncio.to_thread(grammar_for, body)
+        bias = logit_bias_for(body, self.vocab_size)
+        if grammar is None and not bias:
+            return params
+        return dataclasses.replace(params, grammar=grammar, logit_bias=bias)
 
     @staticmethod
     async def _whole(answer: Answer, request: Request) -> Response:

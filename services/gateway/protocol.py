@@ -28,7 +28,8 @@ Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # a number of tokens
 COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when none is given (vLLM's, OpenAI's)
 
 # accepted as OpenAI's clients send them, without effect here (one warning per name)
-WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "guided_decoding_backend",
+                  "guided_whitespace_pattern")
 _warned: set[str] = set()  # field names warned about, once per process
 
 
@@ -46,6 +47,18 @@ class ResponseFormat(BaseModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Base(BaseModel):
@@ -100,24 +113,17 @@ class _Base(BaseModel):
     # None: the engine's --default-priority-value (0 unless set); int32 on the wire
     priority: Int32 | None = None
 
+    # structured output (constraints.py makes the grammar), and the bias on the logits
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # (one grammar engine here: llguidance)
+    guided_whitespace_pattern: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     best_of: int | None = Field(default=None, ge=1, le=1)  # (several: not served yet)
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias_yet(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:  # refused, not ignored: the answer would not be what was asked
-            raise ValueError("not served yet")
-        return bias
-
-    @field_validator("response_format")
-    @classmethod
-    def _plain_text_only(cls, fmt: ResponseFormat | None) -> ResponseFormat | None:
-        if fmt is not None and fmt.type != "text":
-            raise ValueError(f"{fmt.type!r} is not served yet (structured output); only "
-                             f"'text' is")
-        return fmt
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

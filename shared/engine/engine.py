@@ -15,6 +15,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from pdmesh.shared.engine.spec_decode import (
     make_ngram_proposer,
 )
 from pdmesh.shared.engine.step_costs import StepCosts
+from pdmesh.shared.engine.structured import GrammarCompiler, check_grammar
 from pdmesh.shared.infra.launcher import ready_timeout_s
 from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
@@ -168,6 +170,9 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.backend, self.kv, per_layer[:num_layers])
         self.runner.tp_ranks = self.tp_ranks
         self.sampler = Sampler(self.backend, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler(Path(config.model) / "tokenizer.json",
+                                        self.model_config.vocab_size,
+                                        self.model_config.eos_token_ids)
         self.proposer: Proposer | None = None
         self.verify_budget: VerifyBudget | None = None
         if self.speculative is not None:
@@ -353,6 +358,8 @@ class EngineCore:
         priority = self._priority(rid, priority)
         req = Request(rid, list(prompt_token_ids), params,
                       eos_token_ids=self.model_config.eos_token_ids, priority=priority)
+        if params.grammar is not None:  # (its state catches up on ``done`` when sampled)
+            req.grammar = self.grammars.start(params.grammar)
         req.token_ids.extend(done)
         req.num_carried_outputs = len(done)
         self._requests[rid] = req
@@ -395,6 +402,8 @@ class EngineCore:
                              f"max_tokens is {params.max_tokens}")
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
+        if params.grammar is not None:
+            check_grammar(params.grammar)
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:

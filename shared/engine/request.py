@@ -88,6 +88,7 @@ class Request:
     # speculative decoding: what the proposer drafted after its last token, verified in
     # its next step (spec_decode.Drafts; None: it decodes one token)
     drafts: Any = None
+    grammar: Any = None  # structured.Grammar: its output's grammar (None: free output)
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""

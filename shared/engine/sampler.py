@@ -1,9 +1,10 @@
 """Turn one step's logits into tokens, batched across requests.
 
-Order, as vLLM applies it: raw logprobs (if asked) -> min_tokens masking of stop tokens
--> repetition / presence / frequency penalties -> greedy argmax, or temperature ->
-top-k / top-p (device kernel) -> min-p -> sample (seeded rows from their own generator).
-Fast path: an all-greedy batch without penalties or logprobs is one argmax.
+Order, as vLLM applies it: the structured-output grammar's mask -> raw logprobs (if
+asked) -> min_tokens masking of stop tokens -> logit_bias -> repetition / presence /
+frequency penalties -> greedy argmax, or temperature -> top-k / top-p (device kernel) ->
+min-p -> sample (seeded rows from their own generator). Fast path: an all-greedy batch
+without penalties, bias or logprobs is one argmax (after any grammar's mask).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from pdmesh.shared.engine.request import Logprob, Request
 from pdmesh.shared.engine.spec_decode import Drafts, SpeculativeConfig, verify
+from pdmesh.shared.engine.structured import apply_bitmask, new_bitmask
 from pdmesh.shared.kernels import KernelBackend
 
 
@@ -58,12 +60,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [B, V] float32, one row per request in ``reqs``."""
         params = [r.sampling_params for r in reqs]
+        if any(r.grammar is not None for r in reqs):
+            logits = self._mask_by_grammar(logits, reqs)
         if all(p.is_plain_greedy for p in params):  # the common case: one argmax
             return SamplerOutput(self.backend.greedy(logits).tolist(), [None] * len(reqs))
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(p.min_tokens for p in params):
             logits = self._mask_early_stops(logits, reqs)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, params)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, reqs)
         greedy = [p.is_greedy for p in params]
@@ -107,6 +113,30 @@ class Sampler:
                               None if tau is None else tau[row:row + n - 1], block))
             row += n
         return out
+
+    def _mask_by_grammar(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """-inf on the tokens each grammar forbids next (its state caught up first on
+        the outputs it has not seen: carried in, or sampled last step)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        bitmask = new_bitmask(len(rows), self.vocab_size)
+        for k, i in enumerate(rows):
+            reqs[i].grammar.sync(reqs[i].output_token_ids)
+            reqs[i].grammar.fill(bitmask, k)
+        return apply_bitmask(logits, rows, bitmask)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        rows, cols, bias = [], [], []
+        for i, p in enumerate(params):
+            for token, b in p.logit_bias.items():
+                if token < self.vocab_size:
+                    rows.append(i)
+                    cols.append(token)
+                    bias.append(b)
+        logits = logits.clone()
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+        return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         rows, cols = [], []

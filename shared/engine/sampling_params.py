@@ -25,9 +25,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
+    # structured output: an llguidance grammar (engine/structured.py) the output obeys
+    grammar: str | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
         if self.is_greedy:
             # As vLLM does: greedy ignores the truncation knobs.
@@ -41,7 +45,7 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing else to compute: no penalties, logprobs or min_tokens."""
         return (self.temperature < SAMPLING_EPS and self.logprobs is None
-                and not self.min_tokens and not self.has_penalties)
+                and not self.min_tokens and not self.has_penalties and not self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -78,6 +82,12 @@ class SamplingParams:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+               or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError(f"logit_bias: token ids must be non-negative integers and "
+                             f"biases in [-100, 100], got {self.logit_bias}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar: must be a grammar's text")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be non-negative integers, "
                              f"got {self.stop_token_ids}")

@@ -524,6 +524,10 @@ class Scheduler:
     def stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
         num_output = req.num_output_tokens
+        if req.grammar is not None:
+            req.grammar.sync(req.output_token_ids)
+            if req.grammar.done:  # complete: only the end of sequence could follow
+                return RequestStatus.FINISHED_STOPPED
         if token in req.stop_ids and num_output >= sp.min_tokens:
             if token in sp.stop_token_ids:
                 req.stop_reason = token

@@ -19,7 +19,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty, stop_token_ids=list(m.stop_token_ids),
         max_tokens=m.max_tokens, min_tokens=m.min_tokens, ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        grammar=m.grammar if m.HasField("grammar") else None, logit_bias=dict(m.logit_bias))
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -27,7 +28,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, stop_token_ids=p.stop_token_ids,
-        max_tokens=p.max_tokens or 0, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos)
+        max_tokens=p.max_tokens or 0, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
+        logit_bias=p.logit_bias)
+    if p.grammar is not None:
+        m.grammar = p.grammar
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -3,6 +3,8 @@ gateway), driven over HTTP with the official openai client."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -270,3 +272,74 @@ def test_a_client_leaving_a_whole_answer_aborts_it_on_decode(mesh, registry_pref
             break
         time.sleep(0.05)
     assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]}}}
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_json_schema_answers_validate_after_the_hand_off(client, sampled):
+    """response_format json_schema, greedy and sampled, streamed and not: the prefill
+    instance masks the first token, the decode instance rebuilds the grammar from it."""
+    import jsonschema
+
+    kw = {"temperature": 1.0, "seed": 11} if sampled else {"temperature": 0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+    for i in range(3):
+        messages = [{"role": "user", "content": f"who is number {i}?"}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
+                                           response_format=fmt, **kw)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(
+                               model=MODEL, messages=messages, max_tokens=60, stream=True,
+                               response_format=fmt, **kw) if c.choices)
+        assert streamed == r.choices[0].message.content
+
+
+@pytest.mark.parametrize(("extra", "check"), [
+    ({"guided_regex": r"[A-Z][a-z]{2,4} [0-9]{2}"},
+     lambda t: re.fullmatch(r"[A-Z][a-z]{2,4} [0-9]{2}", t)),
+    ({"guided_choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so")),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"structured_outputs": {"regex": r"id-[0-9]{4}"}}, lambda t: re.fullmatch(r"id-\d{4}", t)),
+    ({"guided_grammar": 'start: "(" NUM ("," NUM)? ")"\nNUM: /[0-9]{1,3}/'},
+     lambda t: re.fullmatch(r"\(\d{1,3}(,\d{1,3})?\)", t)),
+    ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
+                      "maxItems": 3}},
+     lambda t: isinstance(json.loads(t), list) and 1 <= len(json.loads(t)) <= 3),
+])
+def test_guided_outputs_match(client, extra, check):
+    for seed in (1, 2):
+        r = client.completions.create(model=MODEL, prompt=f"answer {seed}:", max_tokens=40,
+                                      temperature=0.9, seed=seed, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop" and check(r.choices[0].text), \
+            r.choices[0].text
+
+
+def test_json_object_with_logit_bias(client, offline):
+    """json_object: any JSON object; a bias towards "}" closes it at once."""
+    close = offline.tokenizer.encode("}", add_special_tokens=False)
+    assert len(close) == 1
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "an object"}], max_tokens=30,
+        temperature=0, response_format={"type": "json_object"},
+        logit_bias={str(close[0]): 50})
+    assert json.loads(r.choices[0].message.content) == {}
+
+
+def test_logit_bias_steers_greedy_tokens(client, offline):
+    prompt = [300, 301, 302]
+    plain = greedy(offline, prompt, 4)
+    target = next(t for t in range(1000, 1100)
+                  if offline.tokenizer.decode([t]) not in plain and offline.tokenizer.decode(
+                      [t]).strip())
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(target): 100},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == offline.tokenizer.decode([target] * 4)

@@ -1,0 +1,106 @@
+"""What a request's output must obey, as the engine's grammar (shared/engine/structured.py)
+and logit bias: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
+``structured_outputs`` and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``. At most one kind per request; a schema or regex
+that cannot be compiled is a 400 naming its field, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdmesh.services.gateway.protocol import _Base
+from pdmesh.shared.engine.structured import (
+    check_grammar,
+    choice_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+)
+
+
+def grammar_for(body: _Base) -> str | None:
+    """The grammar the output obeys (None: free). ValueError "field: why"."""
+    asked = _asked(body)
+    if len(asked) > 1:
+        raise ValueError(f"{asked[1][0]}: one kind of structured output per request; "
+                         f"{', '.join(name for name, _ in asked)} were given")
+    if not asked:
+        return None
+    field, make = asked[0]
+    try:
+        grammar = make()
+        check_grammar(grammar)
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+    return grammar
+
+
+def wants_grammar(body: _Base) -> bool:
+    return bool(_asked(body))
+
+
+def _asked(body: _Base) -> list[tuple[str, Any]]:
+    """(field, the grammar's maker) for each kind of structured output asked for."""
+    out: list[tuple[str, Any]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        out.append(("response_format", lambda: json_schema_grammar({"type": "object"})))
+    elif fmt is not None and fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        if not isinstance(spec.get("schema", {}), dict | bool):
+            raise ValueError("response_format.json_schema.schema: must be a JSON schema")
+        out.append(("response_format", lambda: json_schema_grammar(spec.get("schema", {}))))
+    so = body.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),
+                                     ("choice", so.choice), ("grammar", so.grammar),
+                                     ("json_object", so.json_object or None))
+                 if v is not None]
+        out += [(f"structured_outputs.{k}", _maker(k, v)) for k, v in given]
+    for k in ("json", "regex", "choice", "grammar"):
+        v = getattr(body, f"guided_{k}")
+        if v is not None:
+            out.append((f"guided_{k}", _maker(k, v)))
+    return out
+
+
+def _maker(kind: str, value: Any) -> Any:
+    if kind == "json":
+        return lambda: json_schema_grammar(_schema(value))
+    if kind == "json_object":
+        return lambda: json_schema_grammar({"type": "object"})
+    if kind == "regex":
+        return lambda: regex_grammar(value)
+    if kind == "choice":
+        return lambda: choice_grammar(value)
+    return lambda: lark_grammar(value)
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"not a JSON schema ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError("not a JSON schema (an object)")
+    return schema
+
+
+def logit_bias_for(body: _Base, vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` by token id (JSON keys are strings). ValueError naming a key that
+    is not a token id of this vocabulary."""
+    out: dict[int, float] = {}
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias: {key!r} is not a token id") from None
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias: token id {token} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+        out[token] = bias
+    return out

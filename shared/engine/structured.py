@@ -1,0 +1,152 @@
+"""Structured output: a request's grammar as a mask on its next token's logits.
+
+A request carries its grammar as text (``SamplingParams.grammar``: what llguidance's
+``LLMatcher.grammar_from_json_schema`` / ``_regex`` / ``_lark`` return, built at the
+gateway from ``response_format`` or vLLM's ``structured_outputs`` / ``guided_*``). The
+engine holds one llguidance matcher per such request, fed with the request's output
+tokens: before each sampling the matcher catches up on the tokens it has not seen, so a
+request that arrives carrying tokens (a decode instance continuing a prefill, a
+hand-back, a recompute after preemption) rebuilds its grammar state from them, and a
+moved request masks exactly as it would have where it was. Tokens the grammar forbids
+get -inf before anything else in the sampler; once the grammar is complete, only the
+end of sequence is allowed.
+
+    gateway: schema ──grammar_from_*──▶ grammar text ──(gRPC)──▶ engine
+    engine:  Grammar.start(text) ── sync(outputs) ── fill(row of a [B, V/32] bitmask)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _llguidance() -> Any:
+    import llguidance  # (imported when a grammar is first asked for)
+
+    return llguidance
+
+
+def check_grammar(grammar: str) -> None:
+    """ValueError naming the grammar's fault (no tokenizer needed: the gateway's check
+    before a request is sent)."""
+    err = _llguidance().LLMatcher.validate_grammar(grammar)
+    if err:
+        raise ValueError(f"grammar: not valid: {err}")
+
+
+class GrammarCompiler:
+    """One engine's tokenizer as llguidance reads it (built on first use: ~1 s for a
+    large vocabulary), and the matchers it makes."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.tokenizer_json = Path(tokenizer_json)
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                llg = _llguidance()
+                text = self.tokenizer_json.read_text()
+                eos = list(self.eos_token_ids) or None
+                self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+            return self._tokenizer
+
+    def start(self, grammar: str) -> Grammar:
+        """A new matcher; ValueError naming the grammar's fault."""
+        matcher = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar: not valid: {matcher.get_error()}")
+        return Grammar(matcher, self.vocab_size)
+
+
+class Grammar:
+    """One request's matcher, and how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.consumed = 0
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Consume the outputs it has not seen yet (tokens carried in, or sampled)."""
+        new = output_token_ids[self.consumed:]
+        if new:
+            if not self.matcher.consume_tokens(new):
+                log.warning("grammar: output token(s) %s refused by the grammar: %s", new,
+                            self.matcher.get_error())
+            self.consumed = len(output_token_ids)
+
+    @property
+    def done(self) -> bool:
+        """Nothing more may follow (the grammar is complete, or broken)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The allowed next tokens into ``bitmask[row]`` (int32 words, bit i of word j
+        = token 32 j + i)."""
+        v = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+                  ) -> torch.Tensor:
+    """``logits`` with -inf on each of ``rows``' forbidden tokens (``bitmask`` holds one
+    row per entry of ``rows``); the other rows as they were."""
+    words = bitmask.to(logits.device)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
+    out = logits.clone()
+    idx = torch.tensor(rows, device=logits.device)
+    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def new_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+# -- what clients send, as grammars (the gateway) ---------------------------------------
+def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
+    """A JSON schema's grammar; compact JSON (no whitespace between tokens: a model
+    free to add any would be free to never stop)."""
+    return _llguidance().LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults={"whitespace_flexible": False})
+
+
+def regex_grammar(regex: str) -> str:
+    return _llguidance().LLMatcher.grammar_from_regex(regex)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """Exactly one of ``choices``."""
+    return regex_grammar("(" + "|".join(_escape(c) for c in choices) + ")")
+
+
+def lark_grammar(grammar: str) -> str:
+    """A Lark grammar as llguidance reads it; a GBNF one (``::=`` rules, as llama.cpp
+    and vLLM's xgrammar backend take) converted first."""
+    llg = _llguidance()
+    if "::=" in grammar:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        grammar = gbnf_to_lark(grammar)
+    return llg.LLMatcher.grammar_from_lark(grammar)
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$-&~#")
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)

@@ -1,0 +1,127 @@
+"""Structured output in the engine: the grammar's mask holds for greedy and sampled
+requests, its state is rebuilt from the tokens a request arrives with, a complete
+grammar ends the request, and logit_bias shifts the logits it names."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.engine.structured import (
+    GrammarCompiler,
+    apply_bitmask,
+    choice_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    new_bitmask,
+    regex_grammar,
+)
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["name", "count", "ok", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "ok": {"type": "boolean"}, "kind": {"enum": ["cat", "dog"]}}}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_path):
+    return LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16)
+
+
+def texts(llm, prompts, **kw):
+    outs = llm.generate(prompts, SamplingParams(**kw))
+    return [o.outputs[0] for o in outs]
+
+
+def test_json_schema_output_validates_greedy_and_sampled(llm):
+    grammar = json_schema_grammar(SCHEMA)
+    prompts = [list(range(30 + 9 * i, 50 + 9 * i)) for i in range(6)]
+    greedy = texts(llm, prompts, temperature=0, max_tokens=64, grammar=grammar)
+    sampled = texts(llm, prompts, temperature=1.0, seed=7, max_tokens=64, grammar=grammar)
+    for out in greedy + sampled:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert len({o.text for o in sampled}) > 1  # sampling still chooses within the grammar
+
+
+@pytest.mark.parametrize(("grammar", "check"), [
+    (regex_grammar(r"[0-9]{3}-[a-z]{2}"), lambda t: len(t) == 6 and t[3] == "-"
+     and t[:3].isdigit() and t[4:].isalpha()),
+    (choice_grammar(["red (warm)", "blue|cold", "green.*"]),
+     lambda t: t in ("red (warm)", "blue|cold", "green.*")),
+    (lark_grammar('start: "x=" NUM ";"\nNUM: /[1-9][0-9]?/'),
+     lambda t: t.startswith("x=") and t.endswith(";") and t[2:-1].isdigit()),
+    (lark_grammar('root ::= "yes" | "no"'), lambda t: t in ("yes", "no")),  # GBNF
+])
+def test_regex_choice_and_grammar_outputs_match(llm, grammar, check):
+    for out in texts(llm, [[5, 6, 7], [900, 901]], temperature=0.8, seed=3, max_tokens=32,
+                     grammar=grammar):
+        assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+def test_grammar_state_is_rebuilt_from_carried_tokens(llm):
+    """A request continued elsewhere (decode after prefill) from k tokens masks exactly
+    as the uninterrupted one: same greedy output."""
+    grammar = json_schema_grammar(SCHEMA)
+    prompt = list(range(200, 230))
+    whole = texts(llm, [prompt], temperature=0, max_tokens=64, grammar=grammar)[0]
+    for k in (1, 4):
+        req = llm.engine.add_request(prompt, SamplingParams(
+            temperature=0, max_tokens=64, grammar=grammar), output_token_ids=whole.token_ids[:k])
+        while not req.is_finished:
+            llm.engine.step()
+        assert req.output_token_ids == whole.token_ids
+        assert req.finish_reason == "stop"
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
+    out = texts(llm, [[1, 2, 3]], temperature=0, max_tokens=20, ignore_eos=True,
+                grammar=choice_grammar(["done"]))[0]
+    assert out.text == "done" and out.finish_reason == "stop"
+
+
+def test_a_bad_grammar_is_refused_naming_it(llm):
+    good = SamplingParams(max_tokens=4, grammar=regex_grammar("a+"))
+    with pytest.raises(ValueError, match="grammar: not valid"):  # before any runs
+        llm.generate([[1, 2], [3, 4]], [good, SamplingParams(
+            max_tokens=4, grammar=regex_grammar("(("))])
+    assert not llm.engine.has_unfinished()
+
+
+def test_logit_bias_moves_the_greedy_choice(llm):
+    plain = texts(llm, [[40, 41, 42]], temperature=0, max_tokens=4)[0]
+    target = next(t for t in range(100, 200) if t not in plain.token_ids)
+    biased = texts(llm, [[40, 41, 42]], temperature=0, max_tokens=4,
+                   logit_bias={target: 100.0})[0]
+    assert biased.token_ids == [target] * 4
+    banned = texts(llm, [[40, 41, 42]], temperature=0, max_tokens=4,
+                   logit_bias={plain.token_ids[0]: -100.0})[0]
+    assert banned.token_ids[0] != plain.token_ids[0]
+
+
+def test_bitmask_masks_only_its_rows(qwen3_path):
+    compiler = GrammarCompiler(qwen3_path / "tokenizer.json", 4096, (2,))
+    g = compiler.start(regex_grammar("ab"))
+    mask = new_bitmask(1, 4096)
+    g.fill(mask, 0)
+    logits = torch.zeros(3, 4096)
+    out = apply_bitmask(logits, [1], mask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    allowed = (out[1] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed and len(allowed) < 4096
+    with pytest.raises(ValueError, match="unclosed group"):
+        compiler.start(regex_grammar("(("))
+
+
+def test_sampling_params_check_bias_and_grammar():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(grammar=5)  # type: ignore[arg-type]
