@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdmesh.services.gateway.chat_output import ChatOutput
 from pdmesh.services.gateway.detokenize import IncrementalText
 from pdmesh.services.gateway.errors import MeshError, error_type
 from pdmesh.services.gateway.metrics import GatewayMetrics
@@ -29,9 +30,10 @@ class Answer:
     def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
                  params: SamplingParams, stops: list[str], tok: Tokenizer,
                  metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
-                 echo: str = ""):
+                 echo: str = "", output: ChatOutput | None = None):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
         self.echo = echo  # a completion's prompt text, put before its answer (echo)
+        self.output = output  # a chat's reasoning and tool calls (None: a completion)
         self.params, self.tok, self.metrics = params, tok, metrics
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
@@ -69,8 +71,9 @@ class Answer:
         content = "".join(parts)
         choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
                                   "logprobs": self._logprobs(lps)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": content}
+        if self.output is not None:
+            choice["message"] = self.output.message(content)
+            choice["finish_reason"] = self.output.finish_reason(self.finish_reason)
         else:
             choice["text"] = content
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
@@ -78,27 +81,10 @@ class Answer:
                 "usage": self.usage()}
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
-        first = True
         try:
-            async for delta in self._deltas():
-                text = self._take(delta)
-                if not text and not delta.token_ids and not first:
-                    continue  # only the finish reason (sent below)
-                lps = list(zip(delta.token_ids, delta.logprobs, strict=False))
-                choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(lps),
-                                          "finish_reason": None}
-                if self.chat:
-                    choice["delta"] = {"content": text, **({"role": "assistant"} if first
-                                                           else {})}
-                else:
-                    choice["text"] = self.echo + text if first else text
-                first = False
-                yield self._event([choice])
-            self._finished()
-            end: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
-                                   "logprobs": None, ("delta" if self.chat else "text"):
-                                   {} if self.chat else ""}
-            yield self._event([end])
+            async for event in (self._chat_events() if self.output is not None
+                                else self._text_events()):
+                yield event
             if include_usage:
                 yield self._event([], usage=self.usage())
         except MeshError as e:
@@ -106,6 +92,43 @@ class Answer:
             yield _sse({"error": {"message": str(e), "type": error_type(e.status),
                                   "param": None, "code": e.status}})
         yield "data: [DONE]\n\n"
+
+    async def _text_events(self) -> AsyncIterator[str]:
+        """A completion's chunks: each delta's text (the echo before the first)."""
+        first = True
+        async for delta in self._deltas():
+            text = self._take(delta)
+            if not text and not delta.token_ids and not first:
+                continue  # only the finish reason (sent below)
+            lps = list(zip(delta.token_ids, delta.logprobs, strict=False))
+            yield self._event([{"index": 0, "text": self.echo + text if first else text,
+                                "logprobs": self._logprobs(lps), "finish_reason": None}])
+            first = False
+        self._finished()
+        yield self._event([{"index": 0, "text": "", "logprobs": None,
+                            "finish_reason": self.finish_reason}])
+
+    async def _chat_events(self) -> AsyncIterator[str]:
+        """A chat's chunks: the role alone first (as vLLM sends it), then what the
+        output's parsers make of each delta's text (reasoning, content, tool calls),
+        the logprobs of tokens held back riding with the next chunk sent."""
+        output = self.output
+        assert output is not None
+        yield self._event([_chat_chunk({"role": "assistant", "content": ""}, None)])
+        pending: list[tuple[int, dict[int, Logprob]]] = []
+        async for delta in self._deltas():
+            text = self._take(delta)
+            pending += zip(delta.token_ids, delta.logprobs, strict=False)
+            for part in output.feed(text) if text else []:
+                yield self._event([_chat_chunk(part, self._logprobs(pending))])
+                pending = []
+        for part in output.finish():
+            yield self._event([_chat_chunk(part, self._logprobs(pending))])
+            pending = []
+        self._finished()
+        end = _chat_chunk({}, self._logprobs(pending))
+        end["finish_reason"] = output.finish_reason(self.finish_reason)
+        yield self._event([end])
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         return _sse({"id": self.rid, "object": "chat.completion.chunk" if self.chat
@@ -212,6 +235,10 @@ class Answer:
                 "top_logprobs": [{word([k]): v.logprob for k, v in d.items()
                                   if v.rank <= n} for _, d in lps],
                 "text_offset": []}
+
+
+def _chat_chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -34,8 +34,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from pdmesh.services.gateway.answer import Answer
+from pdmesh.services.gateway.chat_output import ChatOutput, OutputSettings
 from pdmesh.services.gateway.clients import GrpcClients
-from pdmesh.services.gateway.constraints import grammar_for, logit_bias_for, wants_grammar
+from pdmesh.services.gateway.constraints import (
+    grammar_for,
+    logit_bias_for,
+    tool_grammar,
+    wants_grammar,
+)
 from pdmesh.services.gateway.errors import MeshError, error_type
 from pdmesh.services.gateway.guard import BodyGuard
 from pdmesh.services.gateway.journey import (
@@ -72,6 +78,7 @@ class GatewayState:
     max_body_bytes: int = 8 << 20  # --max-request-body-bytes
     body_timeout_s: float = 30.0  # --request-body-timeout
     stall_timeout_s: float = 10.0  # --stall-timeout
+    output: OutputSettings = OutputSettings()  # the chat output's parsers
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -153,6 +160,10 @@ class Gateway:
         refused = self._check_model(body)
         if refused is not None:
             return refused
+        try:
+            output = ChatOutput(body, self.state.output)
+        except ValueError as e:
+            return error(400, str(e), "tool_choice")
         tok = self.state.tokenizer
         messages = [m.for_template() for m in body.messages]
         try:
@@ -165,7 +176,7 @@ class Gateway:
                                       add_special_tokens=bool(body.add_special_tokens))
         if isinstance(prompt, JSONResponse):
             return prompt
-        return await self.serve(body, prompt, True, request)
+        return await self.serve(body, prompt, True, request, output=output)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
         if body.model in self.names:
@@ -203,10 +214,11 @@ class Gateway:
         return await asyncio.to_thread(self.state.tokenizer.encode, text, add_special_tokens)
 
     async def serve(self, body: _Base, prompt: list[int], chat: bool, request: Request,
-                    echo: str = "") -> Response:
+                    echo: str = "", output: ChatOutput | None = None) -> Response:
         state = self.state
         try:
-            params = await self._params(body, prompt, "messages" if chat else "prompt")
+            params = await self._params(body, prompt, "messages" if chat else "prompt",
+                                        output)
         except ValueError as e:  # "field: why"
             return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -214,7 +226,8 @@ class Gateway:
         journey = Journey(self.mesh, MeshRequest(rid, prompt, params, body.priority),
                           JourneyTrace(self.tracing, span) if span is not None else None)
         answer = Answer(rid, body.model, chat, prompt, params, body.stop_strings(),
-                        state.tokenizer, self.metrics, span, state.log_requests, echo)
+                        state.tokenizer, self.metrics, span, state.log_requests, echo,
+                        output)
         try:  # the first token before any answer: a failure here gets its status code
             await answer.start(journey.run())
             if not body.stream:
@@ -226,7 +239,8 @@ class Gateway:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(answer.sse(include_usage), media_type="text/event-stream")
 
-    async def _params(self, body: _Base, prompt: list[int], field: str) -> SamplingParams:
+    async def _params(self, body: _Base, prompt: list[int], field: str,
+                      output: ChatOutput | None) -> SamplingParams:
         """The engine's parameters for ``body`` on ``prompt``; ValueError "field: why" for
         what cannot be served: no room in the context, a token id past the vocabulary, a
         grammar that does not compile, a value out of range."""
@@ -250,10 +264,16 @@ class Gateway:
         grammar = None
         if wants_grammar(body):  # compiled off the event loop: a schema can be large
             grammar = await asyncio.to_thread(grammar_for, body)
+        forced = await asyncio.to_thread(tool_grammar, output, body) if output else None
+        if forced is not None and grammar is not None:
+            raise ValueError("tool_choice: a forced tool call is itself structured output; "
+                             "it cannot take response_format or guided_* as well")
         bias = logit_bias_for(body, self.vocab_size)
-        if grammar is None and not bias:
+        keep = output is not None and output.keeps_special_tokens
+        if grammar is None and forced is None and not bias and not keep:
             return params
-        return dataclasses.replace(params, grammar=grammar, logit_bias=bias)
+        return dataclasses.replace(params, grammar=grammar or forced, logit_bias=bias,
+                                   skip_special_tokens=params.skip_special_tokens and not keep)
 
     @staticmethod
     async def _whole(answer: Answer, request: Request) -> Response:

@@ -104,3 +104,15 @@ def logit_bias_for(body: _Base, vocab_size: int) -> dict[int, float]:
                              f"[0, {vocab_size})")
         out[token] = bias
     return out
+
+
+def tool_grammar(output: Any, body: Any) -> str | None:
+    """The grammar a forced tool choice needs (``ChatOutput.grammar``), checked: a tool's
+    parameters that are not a usable schema are a 400 naming the tools."""
+    try:
+        grammar = output.grammar(body)
+        if grammar is not None:
+            check_grammar(grammar)
+    except ValueError as e:
+        raise ValueError(f"tools: {e}") from None
+    return grammar

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from pdmesh.services.gateway.app import GatewayState, create_app
+from pdmesh.services.gateway.chat_output import OutputSettings
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.infra.registry import Registry
@@ -40,6 +41,9 @@ def run(a: ServeConfig) -> int:
         raise ValueError(f"--stall-timeout: must be > 0, got {a.stall_timeout}")
     if not a.request_body_timeout > 0:
         raise ValueError(f"--request-body-timeout: must be > 0, got {a.request_body_timeout}")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (how the "
+                         "model's tool calls are read)")
     key = api_key(a)
     cfg = ModelConfig.from_folder(a.model)
     name = a.model_name
@@ -53,7 +57,11 @@ def run(a: ServeConfig) -> int:
         router.start()
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered
-        state = GatewayState(tokenizer=Tokenizer(a.model), router=router, model_name=name,
+        output = OutputSettings(tool_call_parser=a.tool_call_parser,
+                                auto_tool_choice=a.enable_auto_tool_choice,
+                                reasoning_parser=a.reasoning_parser)
+        state = GatewayState(tokenizer=Tokenizer(a.model, a.tokenizer_mode), router=router,
+                             model_name=name, output=output,
                              model_names=a.served_model_name or (name,),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
                              api_key=key, max_queued_requests=a.max_queued_requests,

@@ -262,8 +262,36 @@ def _as_mapping(arguments: str | dict[str, Any]) -> Any:
         return arguments  # not JSON: the template gets the text as it came
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no parameters)
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Base):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: the first call only
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -272,6 +300,25 @@ class ChatCompletionRequest(_Base):
     add_special_tokens: bool = False  # the chat template puts them where they go
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # to the chat template, which may read it
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice: needs tools to choose from")
+        names = [t.function.name for t in self.tools]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: {choice.function.name!r} is not one of the "
+                             f"tools ({', '.join(names)})")
+        return self
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """As given; not given: "auto" when there are tools, else "none" (vLLM)."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @model_validator(mode="after")
     def _one_way_to_end(self) -> ChatCompletionRequest:
@@ -289,6 +336,8 @@ class ChatCompletionRequest(_Base):
         """What the chat template is rendered with besides the messages: the request's
         chat_template_kwargs and reasoning_effort (as vLLM passes them)."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         if self.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         kwargs["add_generation_prompt"] = (self.add_generation_prompt

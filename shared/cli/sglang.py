@@ -35,6 +35,12 @@ SPECULATIVE = ("--speculative-algorithm", "--speculative-num-draft-tokens",
                "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
                "--speculative-attention-mode", "--speculative-ngram-min-match-window-size",
                "--speculative-ngram-max-match-window-size")
+# SGLang's parser names -> vLLM's, which the gateway takes (others: named as refused)
+PARSER_NAMES = {
+    "--reasoning-parser": {"deepseek-r1": "deepseek_r1", "deepseek-v3": "deepseek_v3",
+                           "qwen3-thinking": "qwen3"},
+    "--tool-call-parser": {"qwen": "hermes", "qwen25": "hermes", "llama3": "llama3_json",
+                           "deepseekv3": "deepseek_v3", "deepseekv31": "deepseek_v31"}}
 SPECULATIVE_METHODS = {"NGRAM": "ngram", "NEXTN": "deepseek_mtp", "EAGLE": "eagle",
                        "EAGLE3": "eagle3", "STANDALONE": "draft_model"}
 
@@ -49,6 +55,14 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     while i < len(words):
         word = words[i]
         name, eq, value = word.partition("=")
+        if name in PARSER_NAMES and i + 1 < len(words) and not eq:
+            rest += [name, PARSER_NAMES[name].get(words[i + 1], words[i + 1])]
+            i += 2
+            continue
+        if name in PARSER_NAMES and eq:
+            rest.append(f"{name}={PARSER_NAMES[name].get(value, value)}")
+            i += 1
+            continue
         if name in ("--disaggregation-mode", "--disaggregation-transfer-backend",
                     "--disaggregation-bootstrap-port") or (speculating and name in SPECULATIVE):
             if not eq:

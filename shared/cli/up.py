@@ -43,6 +43,9 @@ from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
 
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
+# what the gateway makes of the model's chats and output (vLLM's flags of these names)
+SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+                 "--tokenizer-mode")
 
 
 def _listening(host: str, port: int) -> bool:
@@ -88,7 +91,7 @@ NOT_FOR_THE_ENGINE = {"--model", "--port", "--api-key", "--api-key-file",
                       "--redis-url", "--registry-prefix", "--log-dir", "--engine-args",
                       "--prefill-args", "--decode-args", "--prefill-offload-threshold",
                       "--enable-trace", "--otlp-traces-endpoint", "--log-level",
-                      "--log-format"}
+                      "--log-format", *SERVING_FLAGS}
 
 
 @dataclass
@@ -171,7 +174,8 @@ def run(cfg: ServeConfig) -> int:
                                  *to_words(cfg.flags, ["--port", "--max-model-len",
                                                        "--max-request-body-bytes",
                                                        "--request-body-timeout",
-                                                       "--stall-timeout"]),
+                                                       "--stall-timeout",
+                                                       *SERVING_FLAGS]),
                                  "--prefill-offload-threshold",
                                  str(cfg.prefill_offload_threshold),
                                  "--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms)],

@@ -82,6 +82,12 @@ def _compat(*specs: tuple) -> list[Flag]:
 
 
 POOLED = {"effect": frozenset({"prefill", "decode", "config check"})}  # mixed has no pool
+AT_THE_GATEWAY = frozenset({"gateway", "up", "serve", "config check"})
+# the gateway's output parsers and chat encodings (services/gateway/parsers)
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31",
+                     "deepseek_v4")
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "deepseek_v4")
+TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v4")  # (hf, slow: as auto)
 MODEL_COMMANDS = ENGINES | {"gateway"} | LAUNCHERS | ENGINE_TOOLS | CHECK
 REGISTRY = SERVICES | LAUNCHERS
 TRACED = ENGINES | {"gateway"} | LAUNCHERS
@@ -236,6 +242,21 @@ FLAGS: list[Flag] = [
          "read the API key from this file (its first line)",
          effect=frozenset({"gateway", "up", "serve", "config check"})),
     # -- the gateway --------------------------------------------------------------------
+    # (vLLM's serving flags: on an engine line they are accepted for the gateway, which
+    # serves the API; `up` and `serve` hand them to it)
+    Flag("--enable-auto-tool-choice", "bool", ENGINE_LINE | {"gateway", "up"}, False,
+         "tool_choice \"auto\": the model decides when to call a tool, its calls read by "
+         "--tool-call-parser", effect=AT_THE_GATEWAY),
+    Flag("--tool-call-parser", "str", ENGINE_LINE | {"gateway", "up"}, None,
+         "how the model writes tool calls (vLLM's parser of the same name)",
+         choices=TOOL_CALL_PARSERS, effect=AT_THE_GATEWAY),
+    Flag("--reasoning-parser", "str", ENGINE_LINE | {"gateway", "up"}, None,
+         "split the model's reasoning into reasoning_content (vLLM's parser of the same "
+         "name)", choices=REASONING_PARSERS, effect=AT_THE_GATEWAY),
+    Flag("--tokenizer-mode", "str", ENGINE_LINE | {"gateway", "up"}, "auto",
+         "auto: chats rendered by the checkpoint's chat template; deepseek_v4: by "
+         "DeepSeek-V4's own message encoding (it ships no template)",
+         choices=TOKENIZER_MODES, effect=AT_THE_GATEWAY),
     Flag("--prefill-offload-threshold", "int", {"gateway", "up", "serve"},
          {"gateway": 0, "*": 2048},
          "while every prefill instance has this many prompt tokens queued, a decode instance "
@@ -317,8 +338,6 @@ FLAGS: list[Flag] = [
     *_compat(("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
              ("--compilation-config", "json"), ("--async-scheduling", "bool"),
              ("--trust-remote-code", "bool"), ("--api-server-count", "int"),
-             ("--tokenizer-mode", "str"), ("--tool-call-parser", "str"),
-             ("--enable-auto-tool-choice", "bool"), ("--reasoning-parser", "str"),
              ("--safetensors-load-strategy", "str"), ("--model-loader-extra-config", "json"),
              ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),
              ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),

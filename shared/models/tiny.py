@@ -26,11 +26,41 @@ ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "deepseek_v4": "DeepseekV4ForCausalLM"}
 MOE_ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+# Qwen3's chat format, compactly: tools in the system turn, calls as <tool_call> JSON,
+# results as <tool_response> user turns, reasoning in <think>, enable_thinking=False as
+# an empty <think> block opening the answer
 CHAT_TEMPLATE = (
+    "{% set ns = namespace(system='') %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set ns.system = messages[0]['content'] %}{% endif %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}{% if ns.system %}{{ ns.system + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% elif ns.system %}{{ '<|im_start|>system\n' + ns.system + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + "
+    "(call['function']['arguments'] | tojson) + '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
 )
 
 

@@ -1,5 +1,7 @@
 """A model folder's tokenizer: tokenizer.json via the `tokenizers` library, and the chat
-template from tokenizer_config.json rendered with jinja2 (as transformers renders it).
+template from tokenizer_config.json rendered with jinja2 (as transformers renders it) -
+or, with ``mode="deepseek_v4"`` (vLLM's ``--tokenizer-mode deepseek_v4``), chats encoded
+by DeepSeek-V4's own message encoding (encoding_dsv4.py; V4 ships no template).
 """
 
 from __future__ import annotations
@@ -18,8 +20,15 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+# (hf, slow: as auto - one tokenizer here, tokenizer.json through `tokenizers`)
+MODES = ("auto", "hf", "slow", "deepseek_v4")
+
+
 class Tokenizer:
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"tokenizer mode: must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
         folder = Path(folder)
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
@@ -77,6 +86,9 @@ class Tokenizer:
         """The chat rendered as the model's template says. ``continue_final_message``:
         the text ends where the last (assistant) message's content ends, so the answer
         continues it (transformers' cut: what the template puts after it is dropped)."""
+        if self.mode == "deepseek_v4":
+            return self._encode_dsv4(messages, add_generation_prompt, continue_final_message,
+                                     kwargs)
         text = self._render(messages, add_generation_prompt and not continue_final_message,
                             **kwargs)
         if not continue_final_message:
@@ -87,6 +99,24 @@ class Tokenizer:
                              "message's text, so it cannot be continued")
         final = final if final in text else final.strip()
         return text[:text.rindex(final) + len(final)]
+
+    @staticmethod
+    def _encode_dsv4(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     continue_final_message: bool, kwargs: dict[str, Any]) -> str:
+        """DeepSeek-V4's encoding, read with vLLM's keys: thinking on by the template
+        kwargs ``thinking`` / ``enable_thinking`` (off unless asked), tools and
+        reasoning_effort as the request gives them."""
+        from pdmesh.shared.models.encoding_dsv4 import encode_messages
+
+        said = [kwargs[k] for k in ("thinking", "enable_thinking") if k in kwargs]
+        try:
+            return encode_messages(
+                messages, tools=kwargs.get("tools"), thinking=bool(said and any(said)),
+                reasoning_effort=kwargs.get("reasoning_effort"),
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message)
+        except ValueError as e:
+            raise ValueError(f"messages: {e}") from None
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 **kwargs: Any) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from pdmesh.cli import parse_args
@@ -47,3 +50,15 @@ def test_version_is_the_installed_package_version():
     run = subprocess.run([sys.executable, "-m", "pdmesh", "--version"], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0 and run.stdout == version("pdmesh") + "\n", run.stderr
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call-parser"),
+    (["--tool-call-parser", "bogus"], "--tool-call-parser: must be one of"),
+    (["--reasoning-parser", "bogus"], "--reasoning-parser: must be one of"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode: must be one of"),
+])
+def test_the_gateway_refuses_parsers_it_does_not_have(qwen3_path, flags, needle):
+    r = subprocess.run([sys.executable, "-m", "pdmesh", "gateway", str(qwen3_path), "--port",
+                        "0", *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr

@@ -221,3 +221,13 @@ def test_sglang_pd_shape_serves(qwen3_path, tmp_path, registry_prefix):
     finally:
         for s in reversed(started):
             s.stop()
+
+
+def test_sglang_parser_names_become_the_gateway_parsers():
+    line, _ = translate(["--model-path", "/m", "--reasoning-parser", "deepseek-r1",
+                         "--tool-call-parser=qwen"])
+    assert line[line.index("--reasoning-parser") + 1] == "deepseek_r1"
+    assert "--tool-call-parser=hermes" in line
+    _, _, flags = parse_args(_sglang_line(["sglang", "--model-path", "/m",
+                                           "--tool-call-parser", "llama3"]), resolve=False)
+    assert flags.tool_call_parser == "llama3_json"

@@ -1,0 +1,183 @@
+"""What a chat answer's text becomes: ``reasoning_content``, ``content`` and ``tool_calls``,
+whole or as the deltas of a stream, as vLLM's chat server shapes them.
+
+    text ──reasoning parser (--reasoning-parser)──▶ reasoning_content
+                    └──▶ the rest ──tool_choice──▶ auto: the tool-call parser's content and
+                                                   calls (--tool-call-parser)
+                                                   required: a JSON list of {name,
+                                                   parameters} (forced by a grammar)
+                                                   a named function: its arguments (forced)
+                                                   none: content
+
+In a stream a call arrives as vLLM sends one: its index, id, type and name first, then
+its arguments as JSON fragments; a ``required`` list is sent call by call once complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdmesh.services.gateway.parsers import (
+    ReasoningParser,
+    ToolCall,
+    ToolParser,
+    reasoning_parser,
+    thinking_enabled,
+    tool_parser,
+)
+from pdmesh.services.gateway.parsers.tools import call_id
+from pdmesh.services.gateway.protocol import ChatCompletionRequest, NamedToolChoice
+from pdmesh.shared.engine.structured import json_schema_grammar
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """The gateway's flags for what it reads out of a chat answer."""
+
+    tool_call_parser: str | None = None
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None
+
+
+class ChatOutput:
+    """One chat request's answer shaping (it holds the stream's parser state)."""
+
+    def __init__(self, body: ChatCompletionRequest, settings: OutputSettings):
+        choice = body.effective_tool_choice()
+        if choice == "auto" and body.tools and not (settings.auto_tool_choice
+                                                    and settings.tool_call_parser):
+            raise ValueError('tool_choice: "auto" tool choice requires '
+                             '--enable-auto-tool-choice and --tool-call-parser to be set')
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        self.mode = (choice.function.name if isinstance(choice, NamedToolChoice)
+                     else choice if body.tools else "none")
+        self.parallel = body.parallel_tool_calls
+        self.tools: ToolParser | None = None
+        if self.mode == "auto":
+            assert settings.tool_call_parser is not None
+            self.tools = tool_parser(settings.tool_call_parser, tools)
+        self.reasoning: ReasoningParser | None = None
+        if settings.reasoning_parser:
+            self.reasoning = reasoning_parser(settings.reasoning_parser, thinking_enabled(
+                settings.reasoning_parser, body.chat_template_kwargs))
+        self._buf = ""  # a forced answer's text so far
+        self._calls: list[ToolCall] = []  # forced calls made
+        self._named_started = False
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The parser's markers are special tokens: the text must keep them (vLLM's
+        adjust_request)."""
+        return self.tools is not None and self.tools.needs_special_tokens
+
+    def grammar(self, body: ChatCompletionRequest) -> str | None:
+        """The grammar a forced choice needs (None: auto or none)."""
+        by_name = {t.function.name: t.function.parameters or {"type": "object"}
+                   for t in body.tools or ()}
+        if self.mode in ("auto", "none"):
+            return None
+        if self.mode != "required":
+            return json_schema_grammar(by_name[self.mode])
+        items = {"anyOf": [{"type": "object", "required": ["name", "parameters"],
+                            "additionalProperties": False,
+                            "properties": {"name": {"type": "string", "enum": [name]},
+                                           "parameters": schema}}
+                           for name, schema in by_name.items()]}
+        schema = {"type": "array", "minItems": 1, "items": items}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return json_schema_grammar(schema)
+
+    def called(self) -> bool:
+        return bool(self._calls or (self.tools is not None and self.tools.calls))
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """vLLM's: "tool_calls" when auto or required made calls (a named call: as is)."""
+        if self.mode in ("auto", "required") and self.called() and reason in ("stop", None):
+            return "tool_calls"
+        return reason
+
+    # -- whole ---------------------------------------------------------------------------
+    def message(self, text: str) -> dict[str, Any]:
+        reasoning, content = (None, text) if self.reasoning is None else \
+            self.reasoning.extract(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content,
+                               "reasoning_content": reasoning, "tool_calls": []}
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            msg["content"], calls = self.tools.extract(content or "")
+        elif self.mode == "required":
+            calls = _listed_calls(content or "")
+            msg["content"] = None if calls else content
+        elif self.mode != "none":
+            calls = [ToolCall(call_id(), self.mode, content or "{}")]
+            msg["content"] = None
+        calls = calls if self.parallel else calls[:1]
+        self._calls = calls
+        msg["tool_calls"] = [_call_json(c) for c in calls]
+        return msg
+
+    # -- a stream ------------------------------------------------------------------------
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return self._route(*self._split(text, final=False), final=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._route(*self._split("", final=True), final=True)
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.finish() if final else self.reasoning.feed(text)
+
+    def _route(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        if self.tools is not None:
+            parts = self.tools.feed(content) if content else []
+            out += parts + (self.tools.finish() if final else [])
+        elif self.mode == "none":
+            out += [{"content": content}] if content else []
+        elif self.mode == "required":
+            self._buf += content
+            if final:
+                self._calls = _listed_calls(self._buf)[:None if self.parallel else 1]
+                out += [{"tool_calls": [{"index": i, **_call_json(c)}]}
+                        for i, c in enumerate(self._calls)]
+                if not self._calls and self._buf:
+                    out.append({"content": self._buf})
+        else:
+            out += self._named(content)
+        return [d for d in out if d.get("content") != "" or len(d) > 1]
+
+    def _named(self, fragment: str) -> list[dict[str, Any]]:
+        out = []
+        if not self._named_started:
+            self._named_started = True
+            call = ToolCall(call_id(), self.mode, "")
+            self._calls = [call]
+            out.append({"tool_calls": [{"index": 0, "id": call.id, "type": "function",
+                                        "function": {"name": call.name, "arguments": ""}}]})
+        if fragment:
+            self._calls[0].arguments += fragment
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
+        return out
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _listed_calls(text: str) -> list[ToolCall]:
+    """A ``required`` answer: the JSON list of {name, parameters} its grammar forced
+    (none when it was cut short)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    return [ToolCall(call_id(), it["name"], json.dumps(it.get("parameters", {}),
+                                                          ensure_ascii=False))
+            for it in items if isinstance(it, dict) and isinstance(it.get("name"), str)]

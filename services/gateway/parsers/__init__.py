@@ -1,0 +1,67 @@
+"""Output parsers of the gateway, chosen by name as vLLM's --tool-call-parser and
+--reasoning-parser are: tool-call parsers turn call markup in the model's text into
+OpenAI ``tool_calls``; reasoning parsers split ``reasoning_content`` from ``content``.
+Both work on a whole output (``extract``) and on a stream (``feed`` then ``finish``), and
+a parser instance serves one request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdmesh.services.gateway.parsers.reasoning import (
+    DeepSeekR1ReasoningParser,
+    DeepSeekV4ReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningParser,
+)
+from pdmesh.services.gateway.parsers.tools import (
+    DeepSeekV3ToolParser,
+    DeepSeekV4ToolParser,
+    DeepSeekV31ToolParser,
+    HermesToolParser,
+    Qwen3CoderToolParser,
+    ToolCall,
+    ToolParser,
+)
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
+    DeepSeekV4ToolParser)}
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
+    DeepSeekR1ReasoningParser, Qwen3ReasoningParser, DeepSeekV4ReasoningParser)}
+
+# Whether thinking is on when chat_template_kwargs say nothing, as vLLM's parsers take it:
+# Qwen3 thinks unless told not to; vLLM's deepseek_v4 parser thinks only when told to.
+_THINKING_DEFAULT = {"deepseek_r1": True, "qwen3": True, "deepseek_v4": False}
+
+
+def _known(kind: str, name: str, registry: dict[str, Any]) -> None:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} parser {name!r}; known: {', '.join(sorted(registry))}")
+
+
+def tool_parser(name: str, tools: list[dict] | None) -> ToolParser:
+    _known("tool-call", name, TOOL_PARSERS)
+    return TOOL_PARSERS[name](tools)
+
+
+def reasoning_parser(name: str, thinking: bool = True) -> ReasoningParser:
+    _known("reasoning", name, REASONING_PARSERS)
+    return REASONING_PARSERS[name](thinking)
+
+
+def thinking_enabled(name: str, chat_template_kwargs: dict[str, Any] | None) -> bool:
+    """Whether a request thinks: an explicit "thinking" or "enable_thinking" decides,
+    else the parser's default (see ``_THINKING_DEFAULT``)."""
+    kwargs = chat_template_kwargs or {}
+    said = [bool(kwargs[k]) for k in ("thinking", "enable_thinking") if k in kwargs]
+    if said:
+        return any(said)
+    return _THINKING_DEFAULT.get(name, True)
+
+
+__all__ = [
+    "REASONING_PARSERS", "TOOL_PARSERS", "ReasoningParser", "ToolCall", "ToolParser",
+    "reasoning_parser", "thinking_enabled", "tool_parser",
+]

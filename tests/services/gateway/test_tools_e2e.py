@@ -1,0 +1,226 @@
+"""Tool calling and reasoning through the PD mesh, with the official openai client: one
+prefill and one decode instance behind gateways that read the model's output with each
+tool-call and reasoning parser. A tiny random model writes no tool calls by itself, so
+its output is forced: through a parser's format with guided_choice (the exact text of
+a golden case), and for tool_choice "required" / a named function by the grammar the
+gateway itself derives from the tools' schemas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pdmesh.shared.infra.launcher import Service
+from tests.mesh import MODEL, pd_mesh
+
+GOLDEN = Path(__file__).parent / "golden" / "parsers"
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10},
+                          "unit": {"enum": ["c", "f"]}}}
+CLOCK = {"type": "object", "additionalProperties": False, "required": ["zone"],
+         "properties": {"zone": {"enum": ["utc", "cet", "jst"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                           "description": "the weather in a city"}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+# gateway -> its flags (they share the engines)
+GATEWAYS = {
+    "plain": [],
+    "hermes": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    "qwen3_coder": ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+                    "--reasoning-parser", "qwen3"],
+    "deepseek_v3": ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3",
+                    "--reasoning-parser", "deepseek_r1"],
+    "deepseek_v31": ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31"],
+    "deepseek_v4": ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v4",
+                    "--reasoning-parser", "deepseek_v4"],
+}
+ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def gateways(qwen3_path, tmp_path_factory, registry_prefix):
+    prefix = registry_prefix + "-tools"
+    logs = tmp_path_factory.mktemp("tools-logs")
+    with pd_mesh(qwen3_path, logs, prefix, gateway_args=GATEWAYS["hermes"]) as mesh:
+        started: list[Service] = []
+        try:
+            urls = {"hermes": mesh["gateway"].info["http"]}
+            for name, flags in GATEWAYS.items():
+                if name not in urls:
+                    gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
+                                             "--served-model-name", MODEL, *flags,
+                                             "--registry-prefix", prefix], logs)
+                    started.append(gw)
+                    urls[name] = gw.info["http"]
+            yield urls
+        finally:
+            for gw in started:
+                gw.stop()
+
+
+def client(gateways, name: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateways[name] + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def golden(parser: str) -> list[dict]:
+    return [c for c in json.loads((GOLDEN / f"{parser}.json").read_text())
+            if c.get("calls")]
+
+
+def streamed(stream) -> tuple[str, dict[int, dict], str | None, str]:
+    """(content, calls by index {id, name, arguments}, finish_reason, reasoning) of a
+    chat stream, checking vLLM's delta shapes on the way."""
+    content, reasoning, calls, reason = "", "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            if tc.index not in calls:  # the first delta of a call: id, type and name
+                assert tc.id and tc.type == "function" and tc.function.name, tc
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name,
+                                   "arguments": tc.function.arguments or ""}
+            else:  # then its arguments, as fragments
+                assert tc.id is None and not tc.function.name, tc
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content, calls, reason, reasoning
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31",
+                                    "deepseek_v4"])
+def test_auto_tool_calls_are_parsed_whole_and_streamed(gateways, parser):
+    c = client(gateways, parser)
+    off = {"chat_template_kwargs": {"enable_thinking": False, "thinking": False}}
+    for case in golden(parser)[:2]:
+        force = {"guided_choice": [case["text"]], **off}
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=case.get("tools") or TOOLS,
+                                      max_tokens=400, temperature=0, extra_body=force)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", msg
+        got = [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls]
+        assert got == [(k["name"], k["arguments"]) for k in case["calls"]], case["name"]
+        assert (msg.content or None) == case["content"]
+        assert len({t.id for t in msg.tool_calls}) == len(msg.tool_calls)
+        content, calls, reason, _ = streamed(c.chat.completions.create(
+            model=MODEL, messages=ASK, tools=case.get("tools") or TOOLS, max_tokens=400,
+            temperature=0, stream=True, extra_body=force))
+        assert reason == "tool_calls"
+        assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] \
+            == got
+        assert (content or None) == case["content"]
+
+
+def test_tool_choice_none_leaves_call_markup_as_content(gateways):
+    text = golden("hermes")[0]["text"]
+    r = client(gateways, "hermes").chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=300,
+        temperature=0, extra_body={"guided_choice": [text]})
+    assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_always_calls_a_tool_with_valid_arguments(gateways, parallel, qwen3_path):
+    """No parser needed: the gateway's own grammar (a JSON list of {name, parameters})
+    forces the calls, on a gateway without --enable-auto-tool-choice too. (A random model
+    would list calls forever: a bias towards "]" lets it end the list.)"""
+    from pdmesh.shared.models.tokenizer import Tokenizer
+
+    vocab = Tokenizer(qwen3_path)._tok.get_vocab()
+    ends = {str(i): 6.0 for t, i in vocab.items() if t.endswith("]")}
+    c = client(gateways, "plain")
+    for seed in (1, 2, 3):
+        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=300, temperature=1.0, seed=seed, parallel_tool_calls=parallel,
+                  logit_bias=ends)
+        r = c.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls
+        assert parallel or len(calls) == 1
+        for t in calls:
+            jsonschema.validate(json.loads(t.function.arguments), SCHEMAS[t.function.name])
+        _, streamed_calls, reason, _ = streamed(c.chat.completions.create(**kw, stream=True))
+        assert reason == "tool_calls"
+        assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(
+            streamed_calls.items())] == [(t.function.name, json.loads(t.function.arguments))
+                                         for t in calls]
+
+
+def test_a_named_tool_choice_calls_that_tool(gateways):
+    c = client(gateways, "plain")
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    for seed in (4, 5):
+        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60,
+                  temperature=1.0, seed=seed)
+        r = c.chat.completions.create(**kw)
+        [call] = r.choices[0].message.tool_calls
+        assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), CLOCK)
+        _, calls, _, _ = streamed(c.chat.completions.create(**kw, stream=True))
+        assert calls[0]["name"] == "get_time"
+        assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
+
+
+def test_auto_without_the_flags_is_refused_as_vllm_does(gateways):
+    r = httpx.post(gateways["plain"] + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": ASK, "tools": TOOLS})
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "tool_choice"
+    r = httpx.post(gateways["plain"] + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": ASK, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+
+
+def test_tools_and_their_results_reach_the_chat_template(gateways):
+    """The tools are rendered into the prompt; an assistant's earlier calls and the
+    tool's answer go back into the history."""
+    c = client(gateways, "hermes")
+    bare = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                     tool_choice="none")
+    with_tools = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                           tool_choice="none", max_tokens=1)
+    assert with_tools.usage.prompt_tokens > bare.usage.prompt_tokens + 50
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=2,
+                                  tool_choice="none")
+    assert r.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10
+
+
+@pytest.mark.parametrize("gateway,parser", [("qwen3_coder", "qwen3"),
+                                            ("deepseek_v3", "deepseek_r1"),
+                                            ("deepseek_v4", "deepseek_v4")])
+def test_reasoning_is_split_from_the_answer(gateways, gateway, parser):
+    cases = [k for k in json.loads((GOLDEN / f"reasoning_{parser}.json").read_text())
+             if k.get("thinking", True) and k.get("reasoning") and k.get("content")]
+    c = client(gateways, gateway)
+    on = {"chat_template_kwargs": {"thinking": True, "enable_thinking": True}}
+    for case in cases[:2]:
+        force = {"guided_choice": [case["text"]], **on}
+        r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=300,
+                                      temperature=0, extra_body=force)
+        msg = r.choices[0].message
+        assert (msg.reasoning_content, msg.content) == (case["reasoning"], case["content"])
+        content, _, _, reasoning = streamed(c.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=300, temperature=0, stream=True,
+            extra_body=force))
+        assert (reasoning, content) == (case["reasoning"], case["content"])
+    off = {"guided_choice": [cases[0]["text"]],
+           "chat_template_kwargs": {"thinking": False, "enable_thinking": False}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=300, temperature=0,
+                                  extra_body=off)
+    assert r.choices[0].message.content == cases[0]["text"]  # thinking off: all content
+    assert not r.choices[0].message.reasoning_content
