@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -43,6 +43,24 @@ def run_ranks(body: Callable[..., Any], world: int, *args: Any,
 def barrier(world: int):
     """A barrier the ranks of ``run_ranks`` can share (pass it in ``args``)."""
     return mp.get_context("spawn").Barrier(world)
+
+
+def lockstep(engine: Any, group: Any = None) -> Iterator[int]:
+    """The step numbers of a DP instance's lockstep: while any rank of ``group`` (the
+    default group: all) has work, each rank steps, an idle one too (its MoE layers take
+    part in the others' all-to-alls). The caller steps the engine in the loop body."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.zeros(1, dtype=torch.int64)
+    step = 0
+    while True:
+        flag[0] = int(engine.has_unfinished())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not flag[0]:
+            return
+        yield step
+        step += 1
 
 
 def _rank(body: Callable[..., Any], rank: int, world: int, address: str,

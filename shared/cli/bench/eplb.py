@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pdmesh.shared.parallel.ranks import run_ranks
+from pdmesh.shared.parallel.ranks import lockstep, run_ranks
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -99,15 +99,10 @@ def _rank_body(rank: int, world: int, address: str, model: str, opts: dict[str, 
         recorder._window.zero_()  # this pass's load only
         for p in prompts:
             eng.add_request(p, params)
-        flag = torch.zeros(1, dtype=torch.int64)
         steps: list[float] = []
         generated = 0
         decode_time = 0.0
-        while True:
-            flag[0] = int(eng.has_unfinished())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if not flag[0]:
-                break
+        for _ in lockstep(eng):
             t0 = time.perf_counter()
             outs = eng.step()
             took = time.perf_counter() - t0

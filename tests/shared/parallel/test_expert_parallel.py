@@ -8,7 +8,7 @@ import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.parallel.expert_parallel import LayerPlacement, identity_placement
-from pdmesh.shared.parallel.ranks import barrier, run_ranks
+from pdmesh.shared.parallel.ranks import barrier, lockstep, run_ranks
 
 PROMPTS = [list(range(40, 75)), [5, 9, 200, 14], list(range(300, 330)), [77] * 20,
            list(range(1000, 1012))]
@@ -39,20 +39,13 @@ def rank_main(rank: int, world: int, address: str, model: str,
                                              ignore_eos=True)).request_id
            for p in shares[rank]]
     tokens = {rid: [] for rid in ids}
-    flag = torch.zeros(1, dtype=torch.int64)
-    step = 0
     moved = 0
-    while True:
-        flag[0] = int(eng.has_unfinished())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag[0]:
-            break
+    for step in lockstep(eng):
         for at, layer, phy2log in moves:
             if at == step:
                 moved += eng.ep.move_experts(layer, torch.tensor(phy2log))
         for o in eng.step():
             tokens[o.request.request_id] += o.new_token_ids
-        step += 1
     load = eng.model.load_recorder.load()
     dist.destroy_process_group()
     return [tokens[r] for r in ids], moved, load.sum().item(), eng.spec_stats.num_drafts

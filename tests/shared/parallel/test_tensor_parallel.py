@@ -17,7 +17,7 @@ import torch
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.transformer import weight_bytes
-from pdmesh.shared.parallel.ranks import run_ranks
+from pdmesh.shared.parallel.ranks import lockstep, run_ranks
 from pdmesh.shared.parallel.tensor_parallel import Shard, local_config
 from pdmesh.shared.parallel.tp_ranks import TensorParallelRanks
 
@@ -209,7 +209,6 @@ def dp_tp_rank(dp_rank: int, world: int, address: str, model: str,
     prompts, stepped in lockstep with the other DP rank (over the engines' group); after
     ``moves[i][0]`` steps every rank moves MoE layer moves[i][1] to moves[i][2]."""
     torch.set_num_threads(1)
-    import torch.distributed as dist
 
     from pdmesh.shared.engine.config import EngineConfig
     from pdmesh.shared.engine.engine import EngineCore
@@ -224,18 +223,12 @@ def dp_tp_rank(dp_rank: int, world: int, address: str, model: str,
         shapes = {"w13": list(eng.ep.w13[0].shape), "shared": None if moe.shared is None
                   else list(moe.shared.gate_up.shape)}
         reqs = [eng.add_request(p, GREEDY) for p in shares[dp_rank]]
-        flag = torch.zeros(1, dtype=torch.int64)
-        step = moved = 0
-        while True:
-            flag[0] = int(eng.has_unfinished())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=eng.dp_group)
-            if not flag[0]:
-                break
+        moved = 0
+        for step in lockstep(eng, eng.dp_group):
             for at, layer, phy2log in moves:
                 if at == step:
                     moved += eng.ep.move_experts(layer, torch.tensor(phy2log))
             eng.step()
-            step += 1
         return [r.output_token_ids for r in reqs], moved, shapes
     finally:
         eng.close()
@@ -287,12 +280,7 @@ def fine_rank(dp_rank: int, world: int, address: str, model: str,
               "oproj": w.layers[0].attn.o.shape[0],
               "mlp": w.layers[dense].mlp.gate_up.shape[1]}
     reqs = [eng.add_request(p, GREEDY) for p in shares[dp_rank]]
-    flag = torch.zeros(1, dtype=torch.int64)
-    while True:  # the instance's lockstep: an idle rank still steps
-        flag[0] = int(eng.has_unfinished())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag[0]:
-            break
+    for _ in lockstep(eng):  # an idle rank still steps
         eng.step()
     dist.destroy_process_group()
     return [r.output_token_ids for r in reqs], shapes
