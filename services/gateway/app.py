@@ -1,13 +1,14 @@
 """The gateway's HTTP edge: the OpenAI API over the PD mesh.
 
     POST /v1/completions, /v1/chat/completions  (SSE when "stream": true)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health, /metrics; vLLM's others: endpoints.py
 
 A request: validated and tokenized here -> a ``Journey`` through the mesh (journey.py)
--> its TokenDeltas written as the OpenAI answer (answer.py). Every failure answers in
+-> its TokenDeltas written as the OpenAI answer (answer.py; a chat's reasoning and tool
+calls by chat_output.py, its grammar by constraints.py). Every failure answers in
 OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
-field for a malformed request, 401 without the API key (every path but /health when
-one is set), 404 for an unknown model or path, 408 / 413 for a body sent too slowly or
+field for a malformed request, 401 without the API key (every path but /health and
+/ping when one is set), 404 for an unknown model or path, 408 / 413 for a body sent too slowly or
 too large (guard.py), 429 with ``Retry-After`` when the gateway already has
 ``--max-queued-requests`` requests in flight or every instance refused the request at
 its own queue limit, 503 when the mesh cannot serve, 500 (still JSON) for a fault of
@@ -42,7 +43,8 @@ from pdmesh.services.gateway.constraints import (
     tool_grammar,
     wants_grammar,
 )
-from pdmesh.services.gateway.errors import MeshError, error_type
+from pdmesh.services.gateway.endpoints import add_routes
+from pdmesh.services.gateway.errors import RETRY_AFTER_S, MeshError, error
 from pdmesh.services.gateway.guard import BodyGuard
 from pdmesh.services.gateway.journey import (
     Journey,
@@ -60,8 +62,7 @@ from pdmesh.shared.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait
-OPEN_PATHS = ("/health",)  # answered without the API key
+OPEN_PATHS = ("/health", "/ping")  # answered without the API key (the probes)
 
 
 @dataclass
@@ -81,12 +82,6 @@ class GatewayState:
     output: OutputSettings = OutputSettings()  # the chat output's parsers
 
 
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return JSONResponse(status_code=status, headers=headers, content={"error": {
-        "message": message, "type": error_type(status), "param": param, "code": status}})
-
-
 class Gateway:
     """The routes, over one mesh (router, gRPC clients, metrics)."""
 
@@ -98,6 +93,7 @@ class Gateway:
                          RetryPolicy(stall_timeout_s=state.stall_timeout_s),
                          events=self.metrics)
         self.tracing = state.tracing or Tracing("pdmesh-gateway", None)
+        self.in_flight = InFlight()  # generation requests being answered (/load)
         self.vocab_size = state.tokenizer.vocab_size
         # a text longer than this holds more than max_model_len tokens, whatever they are
         # (None: the tokenizer's tokens are not bounded in length); 4x for normalizers
@@ -179,9 +175,10 @@ class Gateway:
         return await self.serve(body, prompt, True, request, output=output)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
-        if body.model in self.names:
-            return None
-        return error(404, f"model: {body.model!r} is not served here (serving "
+        return None if body.model in self.names else self.refuse_model(body.model)
+
+    def refuse_model(self, name: str) -> JSONResponse:
+        return error(404, f"model: {name!r} is not served here (serving "
                           f"{', '.join(repr(n) for n in self.names)})", "model")
 
     async def _completion_prompt(self, body: CompletionRequest) -> list[int] | JSONResponse:
@@ -317,9 +314,8 @@ def create_app(state: GatewayState) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _fault)
     # middlewares run last-added first: the key, then the body read whole, then a slot
-    if state.max_queued_requests is not None:
-        app.add_middleware(_InFlightLimit, limit=state.max_queued_requests,
-                           rejected=gw.metrics.rejected)
+    app.add_middleware(_InFlightLimit, limit=state.max_queued_requests,
+                       rejected=gw.metrics.rejected, counter=gw.in_flight)
     app.add_middleware(BodyGuard, max_bytes=state.max_body_bytes,
                        timeout_s=state.body_timeout_s, error=error)
     if state.api_key:  # a refused key takes no slot and sends no body
@@ -330,6 +326,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.get("/v1/models")(gw.models)
     app.post("/v1/completions")(gw.completions)
     app.post("/v1/chat/completions")(gw.chat)
+    add_routes(app, gw)
     return app
 
 
@@ -367,7 +364,7 @@ async def _fault(request: Request, exc: Exception) -> JSONResponse:
 
 
 class _ApiKey:
-    """``Authorization: Bearer KEY`` on every path but /health (the API, /metrics and
+    """``Authorization: Bearer KEY`` on every path but /health and /ping (the API, /metrics and
     the API docs alike). A plain ASGI middleware: Starlette's BaseHTTPMiddleware would
     pass every streamed chunk through an extra task and queue."""
 
@@ -385,34 +382,42 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+class InFlight:
+    """How many generation requests are being answered (the event loop's thread only)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class _InFlightLimit:
     """At most ``limit`` generation requests in flight (from arrival until the last byte
-    of the answer, streamed or not); one more is answered 429 with Retry-After at once,
-    never queued. A plain ASGI middleware, so the slot is given back however the request
-    ends (finished, failed, or the client went away)."""
+    of the answer, streamed or not; None: no limit, only counted); one more is answered
+    429 with Retry-After at once, never queued. A plain ASGI middleware, so the slot is
+    given back however the request ends (finished, failed, or the client went away)."""
 
     PATHS = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app: Any, limit: int, rejected: Any = None):
+    def __init__(self, app: Any, limit: int | None, rejected: Any = None,
+                 counter: InFlight | None = None):
         self.app = app
         self.limit = limit
         self.rejected = rejected  # a counter
-        self.in_flight = 0  # the event loop's thread only
+        self.in_flight = counter or InFlight()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] not in self.PATHS:
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.limit:
+        if self.limit is not None and self.in_flight.count >= self.limit:
             if self.rejected is not None:
                 self.rejected.inc()
-            response = error(429, f"the gateway has {self.in_flight} requests in flight, its "
-                                  f"--max-queued-requests limit; retry after "
+            response = error(429, f"the gateway has {self.in_flight.count} requests in "
+                                  f"flight, its --max-queued-requests limit; retry after "
                                   f"{RETRY_AFTER_S} s")
             await response(scope, receive, send)
             return
-        self.in_flight += 1
+        self.in_flight.count += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            self.in_flight.count -= 1

@@ -8,6 +8,9 @@
 from __future__ import annotations
 
 import grpc
+from fastapi.responses import JSONResponse
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 # Worth trying another instance: the instance could not serve it, whoever's fault
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -59,3 +62,10 @@ def error_type(status: int) -> str:
     if status in (401, 403):
         return "authentication_error"
     return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """The answer to a refused request, in OpenAI's error shape (429 with Retry-After)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(status_code=status, headers=headers, content={"error": {
+        "message": message, "type": error_type(status), "param": param, "code": status}})

@@ -9,31 +9,43 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdmesh.services.gateway.parsers.deepseek import (
+    DeepSeekV3ToolParser,
+    DeepSeekV4ToolParser,
+    DeepSeekV31ToolParser,
+    coerce_to_schema,
+    schema_types,
+)
+from pdmesh.services.gateway.parsers.llama3 import Llama3JsonToolParser
+from pdmesh.services.gateway.parsers.qwen3_coder import Qwen3CoderToolParser, qwen3_coder_value
 from pdmesh.services.gateway.parsers.reasoning import (
     DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser,
     DeepSeekV4ReasoningParser,
     Qwen3ReasoningParser,
     ReasoningParser,
 )
 from pdmesh.services.gateway.parsers.tools import (
-    DeepSeekV3ToolParser,
-    DeepSeekV4ToolParser,
-    DeepSeekV31ToolParser,
+    CanonicalJSON,
     HermesToolParser,
-    Qwen3CoderToolParser,
     ToolCall,
     ToolParser,
+    call_id,
+    overlap,
 )
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
-    DeepSeekV4ToolParser)}
+    DeepSeekV4ToolParser, Llama3JsonToolParser)}
+TOOL_PARSERS["llama3"] = Llama3JsonToolParser  # SGLang's name for llama3_json
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
-    DeepSeekR1ReasoningParser, Qwen3ReasoningParser, DeepSeekV4ReasoningParser)}
+    DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser,
+    DeepSeekV4ReasoningParser)}
 
 # Whether thinking is on when chat_template_kwargs say nothing, as vLLM's parsers take it:
 # Qwen3 thinks unless told not to; vLLM's deepseek_v4 parser thinks only when told to.
-_THINKING_DEFAULT = {"deepseek_r1": True, "qwen3": True, "deepseek_v4": False}
+_THINKING_DEFAULT = {"deepseek_r1": True, "qwen3": True, "deepseek_v3": False,
+                     "deepseek_v4": False}
 
 
 def _known(kind: str, name: str, registry: dict[str, Any]) -> None:
@@ -62,6 +74,10 @@ def thinking_enabled(name: str, chat_template_kwargs: dict[str, Any] | None) -> 
 
 
 __all__ = [
-    "REASONING_PARSERS", "TOOL_PARSERS", "ReasoningParser", "ToolCall", "ToolParser",
-    "reasoning_parser", "thinking_enabled", "tool_parser",
+    "REASONING_PARSERS", "TOOL_PARSERS", "CanonicalJSON", "DeepSeekR1ReasoningParser",
+    "DeepSeekV3ToolParser", "DeepSeekV4ReasoningParser", "DeepSeekV4ToolParser",
+    "DeepSeekV31ToolParser", "HermesToolParser", "Llama3JsonToolParser",
+    "Qwen3CoderToolParser", "Qwen3ReasoningParser", "ReasoningParser", "ToolCall",
+    "ToolParser", "call_id", "coerce_to_schema", "overlap", "qwen3_coder_value",
+    "reasoning_parser", "schema_types", "thinking_enabled", "tool_parser",
 ]

@@ -135,6 +135,13 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
 
+class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
+    """DeepSeek-V3.1 / V3.2 (hybrid thinking): R1's rules when the request switches
+    thinking on (``chat_template_kwargs``), else all content - vLLM's deepseek_v3."""
+
+    name = "deepseek_v3"
+
+
 class Qwen3ReasoningParser(ReasoningParser):
     """Qwen3 / Qwen3.5 (vLLM's current parser): ``<think>`` optional, and a
     ``<tool_call>`` followed by ``<function=`` (Qwen3-Coder's call syntax) ends the

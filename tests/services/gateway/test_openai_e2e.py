@@ -343,3 +343,38 @@ def test_logit_bias_steers_greedy_tokens(client, offline):
                                   logit_bias={str(target): 100},
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == offline.tokenizer.decode([target] * 4)
+
+
+def test_vllm_endpoints(mesh, client, offline):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == ENGINE_LEN
+    r = httpx.get(mesh + "/v1/models/other", headers=auth, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert httpx.get(mesh + "/version", headers=auth, timeout=10).json()["version"]
+    assert httpx.get(mesh + "/ping", timeout=10).status_code == 200  # a probe: no key
+    assert httpx.post(mesh + "/ping", timeout=10).status_code == 200
+    assert httpx.get(mesh + "/load", headers=auth, timeout=10).json() == {"server_load": 0}
+    text = "def add(a, b):"
+    r = httpx.post(mesh + "/tokenize", headers=auth, timeout=10,
+                   json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == offline.tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == ENGINE_LEN and len(r["token_strs"]) == r["count"]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(mesh + "/tokenize", headers=auth, timeout=10,
+                      json={"messages": messages}).json()["tokens"]
+    assert chat == offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages),
+                                            add_special_tokens=False)
+    back = httpx.post(mesh + "/detokenize", headers=auth, timeout=10,
+                      json={"model": MODEL, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}
+    for path, body, needle in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                               ("/tokenize", {"prompt": 5}, "prompt"),
+                               ("/detokenize", {"tokens": [99_999]}, "tokens"),
+                               ("/detokenize", {"tokens": "x"}, "tokens"),
+                               ("/detokenize", b"{", "JSON"),
+                               ("/tokenize", {"model": "other", "prompt": "x"}, "model")):
+        kw = {"content": body, "headers": {**auth, "Content-Type": "application/json"}} \
+            if isinstance(body, bytes) else {"json": body, "headers": auth}
+        r = httpx.post(mesh + path, timeout=10, **kw)
+        assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], r.text

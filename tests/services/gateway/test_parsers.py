@@ -121,6 +121,20 @@ def test_arguments_stream_before_the_call_ends() -> None:
     assert len(fragments) > 10
 
 
+def test_llama3_streams_the_name_then_argument_fragments() -> None:
+    text = '<|python_tag|>{"name": "f", "parameters": {"a": "' + "x" * 50 + '"}}'
+    parser = tool_parser("llama3_json", None)
+    deltas = [d for ch in text[:-5] for d in parser.feed(ch)]
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert len(deltas) > 10 and all("tool_calls" in d for d in deltas)
+
+
+def test_llama3_braces_in_prose_stream_on() -> None:
+    parser = tool_parser("llama3_json", None)
+    assert parser.feed("A set: {1, ") == [{"content": "A set: "}, {"content": "{1, "}]
+    assert parser.feed('2}; {"a"') == [{"content": '2}; {"a"'}]
+
+
 def test_partial_marker_is_held_then_released() -> None:
     parser = tool_parser("hermes", None)
     assert parser.feed("Hello <tool_") == [{"content": "Hello "}]
@@ -137,15 +151,16 @@ def test_unknown_parser_names_the_known_ones() -> None:
 
 def test_registries_and_special_tokens() -> None:
     assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31",
-                                 "deepseek_v4"}
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v4"}
+                                 "deepseek_v4", "llama3_json", "llama3"}
+    assert TOOL_PARSERS["llama3"] is TOOL_PARSERS["llama3_json"]  # SGLang's name for it
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "deepseek_v3", "qwen3", "deepseek_v4"}
     assert {n for n, p in TOOL_PARSERS.items() if p.needs_special_tokens} == \
         {"hermes", "deepseek_v4"}
 
 
 def test_every_parser_has_four_golden_cases() -> None:
-    for name in TOOL_PARSERS:
-        assert sum(c["parser"] == name for c in TOOL_CASES) >= 4, name
+    for name, parser in TOOL_PARSERS.items():  # an alias counts its format's cases
+        assert sum(TOOL_PARSERS[c["parser"]] is parser for c in TOOL_CASES) >= 4, name
     for name in REASONING_PARSERS:
         assert sum(c["parser"] == name for c in REASONING_CASES) >= 4, name
 

@@ -140,7 +140,7 @@ def test_an_sglang_line_serves(qwen3_path, tmp_path, registry_prefix):
         text = "".join(out)
         assert "--enable-dp-attention" in text and "--disable-cuda-graph" in text
         r = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": qwen3_path.name, "prompt": [5, 6, 7, 8], "max_tokens": 4,
+            "model": str(qwen3_path), "prompt": [5, 6, 7, 8], "max_tokens": 4,
             "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:

@@ -1,0 +1,115 @@
+"""The vLLM server's smaller endpoints, in its shapes:
+
+    GET  /v1/models/{id}   one model card (404 in OpenAI's error shape for another id)
+    GET  /version          {"version"}
+    GET|POST /ping         as /health (SageMaker's probe)
+    GET  /load             {"server_load": generation requests in flight here}
+    POST /tokenize         a prompt, or chat messages through the chat template, as tokens
+    POST /detokenize       tokens as text
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+import pdmesh
+from pdmesh.services.gateway.errors import error
+from pdmesh.services.gateway.protocol import ChatMessage, TokenId, ToolSpec
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's: ``prompt``, or ``messages`` with the chat fields."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for chats
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ToolSpec] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def add_routes(app: FastAPI, gw: Any) -> None:
+    """The routes onto ``app``, answered from ``gw`` (app.Gateway: its models, names,
+    tokenizer, context length and in-flight count)."""
+    async def model_card(model_id: str) -> Any:
+        cards = [c for c in (await gw.models())["data"] if c["id"] == model_id]
+        if not cards:
+            return gw.refuse_model(model_id)
+        return cards[0]
+
+    async def version() -> dict[str, str]:
+        return {"version": pdmesh.__version__}
+
+    async def load() -> dict[str, int]:
+        return {"server_load": gw.in_flight.count}
+
+    async def tokenize(body: TokenizeRequest) -> Any:
+        refused = _check(gw, body.model)
+        if refused is not None:
+            return refused
+        try:
+            tokens = await asyncio.to_thread(_tokens, gw, body)
+        except ValueError as e:
+            return error(400, str(e), str(e).split(":", 1)[0])
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": gw.context_len(),
+                               "tokens": tokens}
+        if body.return_token_strs:
+            out["token_strs"] = [gw.state.tokenizer.id_to_token(t) for t in tokens]
+        return out
+
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        refused = _check(gw, body.model)
+        if refused is not None:
+            return refused
+        bad = next((t for t in body.tokens if t >= gw.vocab_size), None)
+        if bad is not None:
+            return error(400, f"tokens: token id {bad} is outside the vocabulary "
+                                 f"[0, {gw.vocab_size})", "tokens")
+        return {"prompt": gw.state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    app.get("/v1/models/{model_id:path}")(model_card)
+    app.get("/version")(version)
+    app.get("/ping")(gw.health)
+    app.post("/ping")(gw.health)
+    app.get("/load")(load)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
+
+
+def _check(gw: Any, model: str | None) -> JSONResponse | None:
+    """A named model must be served here (none named: the served one)."""
+    return None if model is None or model in gw.names else gw.refuse_model(model)
+
+
+def _tokens(gw: Any, body: TokenizeRequest) -> list[int]:
+    tok = gw.state.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise ValueError("prompt: give a prompt or messages (one of them)")
+    if body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return tok.encode(body.prompt, special)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    text = tok.apply_chat_template(
+        [m.for_template() for m in body.messages or ()],
+        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+        continue_final_message=body.continue_final_message, **kwargs)
+    return tok.encode(text, bool(body.add_special_tokens))
