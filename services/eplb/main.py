@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def run(a: ServeConfig) -> int:
     controller = EplbController(a.num_groups, a.num_nodes, a.improvement_threshold)
     settings = HostSettings("eplb", a.host, a.port, a.advertise_host, a.redis_url,
-                            a.registry_prefix, a.metrics_port)
+                            a.registry_prefix, a.metrics_port, metrics_names=a.metrics_names)
     with ServiceHost(settings) as host:
         host.aio_grpc_server(lambda server, aio: eplb_pb2_grpc.add_EplbServicer_to_server(
             EplbServicer(controller, aio), server), options=SERVER_OPTIONS)

@@ -193,9 +193,15 @@ class Answer:
 
     # -- what the answer reports ---------------------------------------------------------
     def _finished(self) -> None:
-        self.metrics.prompt_tokens.inc(len(self.prompt))
-        self.metrics.success(self.finish_reason or "stop")
-        self.metrics.e2e.observe(time.perf_counter() - self.t0)
+        m = self.metrics
+        m.prompt_tokens.inc(len(self.prompt))
+        m.success(self.finish_reason or "stop")
+        e2e = time.perf_counter() - self.t0
+        m.e2e.observe(e2e)
+        m.request_prompt_tokens.observe(len(self.prompt))
+        m.request_generation_tokens.observe(self.completion_tokens)
+        if self.ttft is not None and self.completion_tokens > 1:  # (vLLM's TPOT)
+            m.tpot.observe((e2e - self.ttft) / (self.completion_tokens - 1))
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,

@@ -57,6 +57,7 @@ from pdmesh.services.gateway.metrics import GatewayMetrics
 from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.infra.metrics import VllmNames
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.tokenizer import Tokenizer
 
@@ -80,6 +81,7 @@ class GatewayState:
     body_timeout_s: float = 30.0  # --request-body-timeout
     stall_timeout_s: float = 10.0  # --stall-timeout
     output: OutputSettings = OutputSettings()  # the chat output's parsers
+    metrics_names: str = "pdmesh"  # --metrics-names (vllm: /metrics as vllm:X)
 
 
 class Gateway:
@@ -88,7 +90,7 @@ class Gateway:
     def __init__(self, state: GatewayState):
         self.state = state
         self.clients = GrpcClients()
-        self.metrics = GatewayMetrics(state.model_name, state.router)
+        self.metrics = GatewayMetrics(state.model_name, state.router, state.max_model_len)
         self.mesh = Mesh(state.router, self.clients, self.clients,
                          RetryPolicy(stall_timeout_s=state.stall_timeout_s),
                          events=self.metrics)
@@ -113,7 +115,9 @@ class Gateway:
                                      "mixed": n_mix})
 
     async def prometheus(self) -> Response:
-        return PlainTextResponse(generate_latest(self.metrics.registry),
+        registry = self.metrics.registry
+        served = VllmNames(registry) if self.state.metrics_names == "vllm" else registry
+        return PlainTextResponse(generate_latest(served),  # type: ignore[arg-type]
                                  media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:

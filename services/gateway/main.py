@@ -48,7 +48,8 @@ def run(a: ServeConfig) -> int:
     cfg = ModelConfig.from_folder(a.model)
     name = a.model_name
     settings = HostSettings("gateway", a.host, a.port, a.advertise_host, a.redis_url,
-                            a.registry_prefix, model_name=name)
+                            a.registry_prefix, model_name=name,
+                            metrics_names=a.metrics_names)
     with ServiceHost(settings) as host:
         router = Router(Registry(a.redis_url, a.registry_prefix), name,
                         offload_threshold=a.prefill_offload_threshold,
@@ -69,7 +70,8 @@ def run(a: ServeConfig) -> int:
                              log_requests=a.log_requests_level if a.log_requests else None,
                              max_body_bytes=a.max_request_body_bytes,
                              body_timeout_s=a.request_body_timeout,
-                             stall_timeout_s=a.stall_timeout)
+                             stall_timeout_s=a.stall_timeout,
+                             metrics_names=a.metrics_names)
         sock = host.http_socket()
         server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
                                          lifespan="on", http=HTTP_IMPL))

@@ -12,7 +12,8 @@ class GatewayMetrics:
     """The gateway's /metrics: requests as clients see them (vLLM's names, pdmesh_), what
     the mesh had to do for them, and which instances the router sees."""
 
-    def __init__(self, model: str, router: Router | None = None) -> None:
+    def __init__(self, model: str, router: Router | None = None,
+                 max_model_len: int = 1 << 20) -> None:
         from pdmesh.shared.infra.metrics import LATENCY_BUCKETS  # (turns off _created too)
 
         self.registry = CollectorRegistry()
@@ -36,6 +37,16 @@ class GatewayMetrics:
         self.e2e = Histogram("pdmesh_e2e_request_latency_seconds", "Arrival to the last "
                              "token", list(m), buckets=LATENCY_BUCKETS,
                              registry=reg).labels(**m)
+        self.tpot = Histogram("pdmesh_request_time_per_output_token_seconds", "A "
+                              "request's mean time per output token after the first",
+                              list(m), buckets=LATENCY_BUCKETS, registry=reg).labels(**m)
+        lengths = _one_two_five(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "pdmesh_request_prompt_tokens", "Prompt tokens per finished request", list(m),
+            buckets=lengths, registry=reg).labels(**m)
+        self.request_generation_tokens = Histogram(
+            "pdmesh_request_generation_tokens", "Generated tokens per finished request",
+            list(m), buckets=lengths, registry=reg).labels(**m)
         self._retries = Counter("pdmesh_gateway_retries", "Calls retried on another "
                                 "instance", ["model_name", "role"], registry=reg)
         for role in ("prefill", "decode"):  # exported at 0 from the start
@@ -61,6 +72,17 @@ class GatewayMetrics:
     # what a journey reports (services/gateway/journey.py: MeshEvents)
     def retried(self, role: str) -> None:
         self._retries.labels(model_name=self.model, role=role).inc()
+
+
+def _one_two_five(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return [float(b) for b in out]
+            out.append(m * scale)
+        scale *= 10
 
 
 class InstancesUp:

@@ -175,6 +175,7 @@ def run(cfg: ServeConfig) -> int:
                                                        "--max-request-body-bytes",
                                                        "--request-body-timeout",
                                                        "--stall-timeout",
+                                                       "--metrics-names",
                                                        *SERVING_FLAGS]),
                                  "--prefill-offload-threshold",
                                  str(cfg.prefill_offload_threshold),

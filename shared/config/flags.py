@@ -127,6 +127,9 @@ FLAGS: list[Flag] = [
     Flag("--metrics-port", "int", ENGINES | {"kvstore", "eplb"}, 0,
          "HTTP port of /metrics (0: any free one; -1: none); kvstore: the Mooncake "
          "master's"),
+    Flag("--metrics-names", "str", ENGINES | {"gateway", "eplb"} | LAUNCHERS, "pdmesh",
+         "pdmesh: /metrics families as pdmesh_X; vllm: as vLLM names them (vllm:X), so "
+         "dashboards built for vLLM read them unchanged", choices=("pdmesh", "vllm")),
     Flag("--enable-trace", "bool", TRACED, False,
          "trace requests (OTLP to --otlp-traces-endpoint, default http://127.0.0.1:4317)"),
     Flag("--otlp-traces-endpoint", "str", TRACED, None,

@@ -40,6 +40,9 @@ METRIC_NAMES: dict[str, str] = {
     "pdmesh_time_to_first_token_seconds": "gateway",
     "pdmesh_inter_token_latency_seconds": "gateway",
     "pdmesh_e2e_request_latency_seconds": "gateway",
+    "pdmesh_request_time_per_output_token_seconds": "gateway",
+    "pdmesh_request_prompt_tokens": "gateway",
+    "pdmesh_request_generation_tokens": "gateway",
     "pdmesh_gateway_retries_total": "gateway",
     "pdmesh_requests_migrated_total": "gateway",
     "pdmesh_requests_handed_back_total": "gateway",
@@ -80,12 +83,36 @@ METRIC_NAMES: dict[str, str] = {
 }
 
 
+NAMINGS = ("pdmesh", "vllm")  # --metrics-names
+
+
+class VllmNames:
+    """The families of ``sources`` (registries, collectors) under vLLM's own names,
+    ``pdmesh_X`` as ``vllm:X`` (pdmesh's names are vLLM's, prefixed): a Grafana
+    dashboard built for vLLM reads a pdmesh mesh unchanged (--metrics-names vllm)."""
+
+    def __init__(self, *sources: Any):
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for family in source.collect():
+                renamed = Metric(_vllm(family.name), family.documentation, family.type,
+                                 family.unit)
+                renamed.samples = [s._replace(name=_vllm(s.name)) for s in family.samples]
+                yield renamed
+
+
+def _vllm(name: str) -> str:
+    return "vllm:" + name[len("pdmesh_"):] if name.startswith("pdmesh_") else name
+
+
 def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int,
-                  registry: CollectorRegistry | None = None
+                  registry: CollectorRegistry | None = None, names: str = "pdmesh"
                   ) -> tuple[int, Callable[[], None]]:
     """Serve ``collect``'s metrics (and ``registry``'s, if given) at
-    http://host:port/metrics from a daemon thread; returns the port (0: a free one) and
-    what stops the server."""
+    http://host:port/metrics from a daemon thread, under ``names`` (NAMINGS); returns
+    the port (0: a free one) and what stops the server."""
 
     class _Collector:
         def collect(self) -> Iterator[Metric]:
@@ -96,6 +123,10 @@ def serve_metrics(collect: Callable[[], Iterator[Metric]], host: str, port: int,
 
     registry = registry or CollectorRegistry(auto_describe=False)
     registry.register(_Collector())  # type: ignore[arg-type]
+    if names == "vllm":
+        served = CollectorRegistry(auto_describe=False)
+        served.register(VllmNames(registry))  # type: ignore[arg-type]
+        registry = served
     server, _ = start_http_server(port, addr=host, registry=registry)
 
     def close() -> None:

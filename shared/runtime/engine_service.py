@@ -76,7 +76,7 @@ def host_settings(cfg: ServeConfig, role: str) -> HostSettings:
     """Where the service listens and registers, from its flags."""
     return HostSettings(role, cfg.host, cfg.port, cfg.advertise_host, cfg.redis_url,
                         cfg.registry_prefix, getattr(cfg, "metrics_port", -1),
-                        cfg.model_name)
+                        cfg.model_name, cfg.metrics_names)
 
 
 def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,

@@ -43,6 +43,7 @@ class HostSettings:
     registry_prefix: str = "pdmesh"
     metrics_port: int = -1  # 0: any free one, -1: none
     model_name: str = ""
+    metrics_names: str = "pdmesh"  # or "vllm": the families as vllm:X (--metrics-names)
 
     @property
     def reach(self) -> str:
@@ -174,7 +175,8 @@ class ServiceHost:
         from pdmesh.shared.infra.metrics import serve_metrics
 
         self.metrics_port, close = serve_metrics(collect, self.settings.host,
-                                                 self.settings.metrics_port, registry)
+                                                 self.settings.metrics_port, registry,
+                                                 self.settings.metrics_names)
         self._closers.append(close)
         return self.metrics_port
 

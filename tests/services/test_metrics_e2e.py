@@ -62,6 +62,11 @@ def test_counters_move_by_exactly_what_was_sent(mesh):
     assert total(gw, "pdmesh_time_to_first_token_seconds_count") == n
     assert total(gw, "pdmesh_inter_token_latency_seconds_count") == n * (NEW - 1)
     assert total(gw, "pdmesh_e2e_request_latency_seconds_count") == n
+    assert total(gw, "pdmesh_request_time_per_output_token_seconds_count") == n  # TPOT
+    assert total(gw, "pdmesh_request_prompt_tokens_sum") == prompt_tokens
+    assert total(gw, "pdmesh_request_generation_tokens_sum") == n * NEW
+    assert gw['pdmesh_request_generation_tokens_bucket{le="10.0",model_name="tiny"}'] == 0
+    assert gw['pdmesh_request_generation_tokens_bucket{le="20.0",model_name="tiny"}'] == n
     assert total(gw, "pdmesh_instance_up") == 2  # one prefill, one decode
     pre = scrape(mesh["prefill"].info["metrics"])
     assert total(pre, "pdmesh_prompt_tokens_total") == prompt_tokens
@@ -91,3 +96,28 @@ def _key(samples: dict[str, float], name: str, label: str) -> str:
     found = [k for k in samples if k.startswith(name + "{") and label in k]
     assert found, f"no {name} sample with {label}"
     return found[0]
+
+
+def test_vllm_names_for_vllm_dashboards(qwen3_path, tmp_path, registry_prefix):
+    """--metrics-names vllm: the same families as vLLM names them (vllm:X), gateway and
+    engines alike."""
+    flag = ["--metrics-names", "vllm"]
+    with pd_mesh(qwen3_path, tmp_path, registry_prefix + "-vllm-names", gateway_args=flag,
+                 prefill_args=flag, decode_args=flag) as services:
+        url = services["gateway"].info["http"]
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        gw = scrape(url + "/metrics")
+        dec = scrape(services["decode"].info["metrics"])
+    for samples, names in ((gw, ("vllm:time_to_first_token_seconds_count",
+                                 "vllm:request_time_per_output_token_seconds_count",
+                                 "vllm:e2e_request_latency_seconds_count",
+                                 "vllm:request_success_total", "vllm:prompt_tokens_total",
+                                 "vllm:request_prompt_tokens_count")),
+                           (dec, ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                                  "vllm:generation_tokens_total"))):
+        for name in names:  # each there; what counts, counted
+            value = total(samples, name)
+            assert value > 0 or not name.endswith(("_total", "_count")), name
+        assert not [k for k in samples if "pdmesh_" in k]
