@@ -30,8 +30,11 @@ class Answer:
     def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
                  params: SamplingParams, stops: list[str], tok: Tokenizer,
                  metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
-                 echo: str = "", output: ChatOutput | None = None):
+                 echo: str = "", output: ChatOutput | None = None, index: int = 0):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        self.index = index  # its choice's index (n > 1: one Answer per choice)
+        self.journey: Any = None  # the Journey it answers (set by the gateway)
+        self.cumulative_logprob = 0.0  # of its sampled tokens, when they come with them
         self.echo = echo  # a completion's prompt text, put before its answer (echo)
         self.output = output  # a chat's reasoning and tool calls (None: a completion)
         self.params, self.tok, self.metrics = params, tok, metrics
@@ -69,7 +72,7 @@ class Answer:
             lps += zip(delta.token_ids, delta.logprobs, strict=False)
         self._finished()
         content = "".join(parts)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason,
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
                                   "logprobs": self._logprobs(lps)}
         if self.output is not None:
             choice["message"] = self.output.message(content)
@@ -101,11 +104,12 @@ class Answer:
             if not text and not delta.token_ids and not first:
                 continue  # only the finish reason (sent below)
             lps = list(zip(delta.token_ids, delta.logprobs, strict=False))
-            yield self._event([{"index": 0, "text": self.echo + text if first else text,
+            yield self._event([{"index": self.index,
+                                "text": self.echo + text if first else text,
                                 "logprobs": self._logprobs(lps), "finish_reason": None}])
             first = False
         self._finished()
-        yield self._event([{"index": 0, "text": "", "logprobs": None,
+        yield self._event([{"index": self.index, "text": "", "logprobs": None,
                             "finish_reason": self.finish_reason}])
 
     async def _chat_events(self) -> AsyncIterator[str]:
@@ -114,19 +118,19 @@ class Answer:
         the logprobs of tokens held back riding with the next chunk sent."""
         output = self.output
         assert output is not None
-        yield self._event([_chat_chunk({"role": "assistant", "content": ""}, None)])
+        yield self._event([_chat_chunk({"role": "assistant", "content": ""}, None, self.index)])
         pending: list[tuple[int, dict[int, Logprob]]] = []
         async for delta in self._deltas():
             text = self._take(delta)
             pending += zip(delta.token_ids, delta.logprobs, strict=False)
             for part in output.feed(text) if text else []:
-                yield self._event([_chat_chunk(part, self._logprobs(pending))])
+                yield self._event([_chat_chunk(part, self._logprobs(pending), self.index)])
                 pending = []
         for part in output.finish():
-            yield self._event([_chat_chunk(part, self._logprobs(pending))])
+            yield self._event([_chat_chunk(part, self._logprobs(pending), self.index)])
             pending = []
         self._finished()
-        end = _chat_chunk({}, self._logprobs(pending))
+        end = _chat_chunk({}, self._logprobs(pending), self.index)
         end["finish_reason"] = output.finish_reason(self.finish_reason)
         yield self._event([end])
 
@@ -152,6 +156,8 @@ class Answer:
     def _take(self, delta: TokenDelta) -> str:
         """The text ``delta`` makes final; sets ``done`` at a stop string or the end."""
         self.completion_tokens += len(delta.token_ids)
+        for t, lp in zip(delta.token_ids, delta.logprobs, strict=False):
+            self.cumulative_logprob += lp[t].logprob if t in lp else 0.0
         self._timing(len(delta.token_ids))
         text = self.text.add(delta.token_ids)
         if self.text.stopped:
@@ -243,8 +249,9 @@ class Answer:
                 "text_offset": []}
 
 
-def _chat_chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+def _chat_chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None, index: int
+                ) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -53,6 +53,7 @@ from pdmesh.services.gateway.journey import (
     MeshRequest,
     RetryPolicy,
 )
+from pdmesh.services.gateway.many import merge_whole, merged_sse
 from pdmesh.services.gateway.metrics import GatewayMetrics
 from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
 from pdmesh.services.gateway.router import Router
@@ -216,7 +217,6 @@ class Gateway:
 
     async def serve(self, body: _Base, prompt: list[int], chat: bool, request: Request,
                     echo: str = "", output: ChatOutput | None = None) -> Response:
-        state = self.state
         try:
             params = await self._params(body, prompt, "messages" if chat else "prompt",
                                         output)
@@ -224,21 +224,47 @@ class Gateway:
             return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         span = self._span(rid, chat, prompt, body, request.headers)
-        journey = Journey(self.mesh, MeshRequest(rid, prompt, params, body.priority),
-                          JourneyTrace(self.tracing, span) if span is not None else None)
-        answer = Answer(rid, body.model, chat, prompt, params, body.stop_strings(),
-                        state.tokenizer, self.metrics, span, state.log_requests, echo,
-                        output)
+        answers = [self._answer(rid, i, body, prompt, params, span, echo, output)
+                   for i in range(body.choices_generated())]
         try:  # the first token before any answer: a failure here gets its status code
-            await answer.start(journey.run())
+            await answers[0].start(answers[0].journey.run())
+            # (the others after the first: its prompt's KV is in the pool for them)
+            await asyncio.gather(*(a.start(a.journey.run()) for a in answers[1:]))
             if not body.stream:
-                return await self._whole(answer, request)
+                return await self._whole(answers, body.n, request)
         except MeshError as e:
-            await answer.close()
+            for a in answers:
+                await a.close()
             (self.metrics.rejected if e.status == 429 else self.metrics.failures).inc()
             return error(e.status, str(e))
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(answer.sse(include_usage), media_type="text/event-stream")
+        events = answers[0].sse(include_usage) if len(answers) == 1 else \
+            merged_sse(answers, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    def _answer(self, rid: str, i: int, body: _Base, prompt: list[int],
+                params: SamplingParams, span: Any, echo: str, output: ChatOutput | None
+                ) -> Answer:
+        """Choice ``i``'s answer and its journey (``answer.journey``): a seeded request's
+        choices draw from seed + i; best_of's candidates bring their sampled tokens'
+        logprobs (to be ranked by), shown only when asked for."""
+        state = self.state
+        engine = params
+        if i:
+            rid = f"{rid}-{i}"
+            if params.seed is not None:
+                engine = dataclasses.replace(engine, seed=(params.seed + i) % (1 << 63))
+            if output is not None:
+                output = ChatOutput(body, state.output)  # type: ignore[arg-type]
+        if body.choices_generated() > body.n and params.logprobs is None:
+            engine = dataclasses.replace(engine, logprobs=0)
+        answer = Answer(rid, body.model, output is not None, prompt, params,
+                        body.stop_strings(), state.tokenizer, self.metrics, span,
+                        state.log_requests, echo, output, i)
+        answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority),
+                                 JourneyTrace(self.tracing, span) if span is not None
+                                 else None)
+        return answer
 
     async def _params(self, body: _Base, prompt: list[int], field: str,
                       output: ChatOutput | None) -> SamplingParams:
@@ -277,19 +303,20 @@ class Gateway:
                                    skip_special_tokens=params.skip_special_tokens and not keep)
 
     @staticmethod
-    async def _whole(answer: Answer, request: Request) -> Response:
+    async def _whole(answers: list[Answer], n: int, request: Request) -> Response:
         """The whole answer; a client that leaves before it is ready aborts the request
-        (its journey closed: the instances stop and free its KV), as a stream's does."""
-        whole = asyncio.ensure_future(answer.whole())
+        (its journeys closed: the instances stop and free its KV), as a stream's does."""
+        whole = asyncio.ensure_future(asyncio.gather(*(a.whole() for a in answers)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if whole.done():
-            return JSONResponse(whole.result())
+            return JSONResponse(merge_whole(answers, whole.result(), n))
         whole.cancel()
         await asyncio.gather(whole, return_exceptions=True)
-        await answer.close()
-        log.info("request %s: the client left before its answer; aborted", answer.rid)
+        for a in answers:
+            await a.close()
+        log.info("request %s: the client left before its answer; aborted", answers[0].rid)
         return Response(status_code=499)  # (nobody reads it)
 
     def _span(self, rid: str, chat: bool, prompt: list[int], body: _Base, headers: Any

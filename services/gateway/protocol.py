@@ -25,6 +25,7 @@ INT64 = 2**63
 Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX)]  # not a bool
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # a number of tokens
+MAX_CHOICES = 128  # n, best_of: at most (each choice is a request in the mesh)
 COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when none is given (vLLM's, OpenAI's)
 
 # accepted as OpenAI's clients send them, without effect here (one warning per name)
@@ -91,7 +92,7 @@ class _Base(BaseModel):
     max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -123,7 +124,20 @@ class _Base(BaseModel):
     guided_decoding_backend: str | None = None  # (one grammar engine here: llguidance)
     guided_whitespace_pattern: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    best_of: int | None = Field(default=None, ge=1, le=1)  # (several: not served yet)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    @model_validator(mode="after")
+    def _best_of_n(self) -> _Base:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of: more candidates than n cannot be streamed (which "
+                             "are answered is known only at the end)")
+        return self
+
+    def choices_generated(self) -> int:
+        """How many answers are generated: best_of's candidates, else n."""
+        return self.best_of or self.n
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -121,3 +121,22 @@ def test_vllm_names_for_vllm_dashboards(qwen3_path, tmp_path, registry_prefix):
             value = total(samples, name)
             assert value > 0 or not name.endswith(("_total", "_count")), name
         assert not [k for k in samples if "pdmesh_" in k]
+
+
+def test_n_choices_compute_the_prompt_once(mesh):
+    """n=4: four choices, the prompt's full blocks computed for the first only (the
+    other three find them cached)."""
+    prompt = list(range(1500, 1570))  # 4 full blocks of 16, and 6 more
+    before = scrape(mesh["prefill"].info["metrics"])
+    client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
+                           timeout=60)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, n=4,
+                                  temperature=1.0, seed=1)
+    assert len(r.choices) == 4
+    after = scrape(mesh["prefill"].info["metrics"])
+
+    def moved(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert moved("pdmesh_prefix_cache_queries_total") == 4 * len(prompt)
+    assert moved("pdmesh_prefix_cache_hits_total") >= 3 * 64

@@ -60,7 +60,9 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("response-format-bad-schema", CHAT, m(response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}), 400,
          "response_format"),
-        ("best-of-unsupported", CMPL, c(best_of=2), 400, "best_of"),
+        ("best-of-below-n", CMPL, c(best_of=2, n=3), 400, "best_of"),
+        ("best-of-streamed", CMPL, c(best_of=3, n=1, stream=True), 400, "best_of"),
+        ("n-too-many", CMPL, c(n=129), 400, "n"),
         # -- model --------------------------------------------------------------------------
         ("model-missing", CMPL, {"prompt": "x"}, 400, "model"),
         ("model-int", CMPL, c(model=5), 400, "model"),
@@ -135,7 +137,6 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("presence-penalty-3", CMPL, c(presence_penalty=3), 400, "presence_penalty"),
         ("frequency-penalty-minus-3", CMPL, c(frequency_penalty=-3), 400,
          "frequency_penalty"),
-        ("n-two", CMPL, c(n=2), 400, "n"),
         ("n-zero", CMPL, c(n=0), 400, "n"),
         ("seed-2-64", CMPL, c(seed=2**64), 400, "seed"),
         ("seed-minus-2-64", CMPL, c(seed=-(2**64)), 400, "seed"),

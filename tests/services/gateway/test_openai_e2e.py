@@ -135,7 +135,7 @@ def test_logprobs(client):
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "priority": 2**31}, 400, "priority"),  # int32
     ({"model": MODEL, "prompt": "x", "priority": "high"}, 400, "priority"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
@@ -378,3 +378,36 @@ def test_vllm_endpoints(mesh, client, offline):
             if isinstance(body, bytes) else {"json": body, "headers": auth}
         r = httpx.post(mesh + path, timeout=10, **kw)
         assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], r.text
+
+
+def test_n_choices_whole_and_streamed(client):
+    kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=8, temperature=1.0, seed=5,
+              n=4, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in r.choices}) > 1  # each choice draws its own
+    assert r.usage.completion_tokens == 32 and r.usage.prompt_tokens < 32
+    again = client.completions.create(**kw)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded
+    texts = {i: "" for i in range(4)}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[i] for i in range(4)] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=3,
+        temperature=1.0, seed=9, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(c.message.content for c in chat.choices)
+
+
+def test_best_of_answers_the_most_likely_candidate(client):
+    """best_of=3: the candidates are n=3's choices (same seed), the answer the one whose
+    sampled tokens are the most likely together."""
+    kw = dict(model=MODEL, prompt=[70, 71, 72], max_tokens=6, temperature=1.0, seed=21,
+              extra_body={"ignore_eos": True})
+    three = client.completions.create(n=3, logprobs=0, **kw)
+    best = max(three.choices, key=lambda c: sum(c.logprobs.token_logprobs))
+    r = client.completions.create(n=1, best_of=3, **kw)
+    assert [c.text for c in r.choices] == [best.text] and r.choices[0].logprobs is None
+    assert r.usage.completion_tokens == 18  # every candidate's tokens
