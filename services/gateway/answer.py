@@ -16,6 +16,7 @@ from pdmesh.services.gateway.chat_output import ChatOutput
 from pdmesh.services.gateway.detokenize import IncrementalText
 from pdmesh.services.gateway.errors import MeshError, error_type
 from pdmesh.services.gateway.metrics import GatewayMetrics
+from pdmesh.services.gateway.protocol import Shape
 from pdmesh.shared.engine.request import Logprob
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra.logs import REQUEST_LOG, request_record
@@ -30,7 +31,8 @@ class Answer:
     def __init__(self, rid: str, model: str, chat: bool, prompt: list[int],
                  params: SamplingParams, stops: list[str], tok: Tokenizer,
                  metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
-                 echo: str = "", output: ChatOutput | None = None, index: int = 0):
+                 echo: str = "", output: ChatOutput | None = None, index: int = 0,
+                 shape: Shape | None = None):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
         self.index = index  # its choice's index (n > 1: one Answer per choice)
         self.journey: Any = None  # the Journey it answers (set by the gateway)
@@ -40,7 +42,10 @@ class Answer:
         self.params, self.tok, self.metrics = params, tok, metrics
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
-        self.text = IncrementalText(tok, stops, params.skip_special_tokens)
+        self.shape = shape or Shape()
+        self.text = IncrementalText(tok, stops, params.skip_special_tokens,
+                                    self.shape.include_stop_str)
+        self.stop_reason: str | int | None = None  # the stop string or stop token id
         self.created = int(time.time())
         self.t0 = time.perf_counter()
         self.ttft: float | None = None
@@ -73,6 +78,7 @@ class Answer:
         self._finished()
         content = "".join(parts)
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
+                                  "stop_reason": self.stop_reason,
                                   "logprobs": self._logprobs(lps)}
         if self.output is not None:
             choice["message"] = self.output.message(content)
@@ -80,8 +86,8 @@ class Answer:
         else:
             choice["text"] = content
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": self.usage()}
+                "created": self.created, "model": self.model, "system_fingerprint": None,
+                "choices": [choice], "usage": self.usage()}
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
@@ -135,9 +141,14 @@ class Answer:
         yield self._event([end])
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        if choices and self.shape.continuous_usage and "usage" not in extra:
+            extra["usage"] = self.usage()  # (vLLM's continuous_usage_stats: so far)
+        for c in choices:
+            if c.get("finish_reason"):
+                c["stop_reason"] = self.stop_reason
         return _sse({"id": self.rid, "object": "chat.completion.chunk" if self.chat
                      else "text_completion", "created": self.created, "model": self.model,
-                     "choices": choices, **extra})
+                     "system_fingerprint": None, "choices": choices, **extra})
 
     # -- deltas in -----------------------------------------------------------------------
     async def _deltas(self) -> AsyncIterator[TokenDelta]:
@@ -162,9 +173,15 @@ class Answer:
         text = self.text.add(delta.token_ids)
         if self.text.stopped:
             self.finish_reason, self.done = "stop", True
+            self.stop_reason = self.text.stop_string
         elif delta.finish_reason:
             self.finish_reason, self.done = delta.finish_reason, True
             text += self.text.flush()
+            if self.text.stopped:
+                self.stop_reason = self.text.stop_string
+            elif delta.finish_reason == "stop" and delta.token_ids and \
+                    delta.token_ids[-1] in self.params.stop_token_ids:
+                self.stop_reason = delta.token_ids[-1]  # (an end of sequence: None)
         return text
 
     def _timing(self, n: int) -> None:
@@ -234,6 +251,9 @@ class Answer:
         if n is None or not lps:
             return None
         word = self.tok.decode
+        if self.shape.token_ids_as_text:
+            def word(ids: list[int]) -> str:
+                return f"token_id:{ids[0]}"
         if self.chat:
             return {"content": [{
                 "token": word([t]), "logprob": d[t].logprob,

@@ -217,6 +217,7 @@ class Gateway:
 
     async def serve(self, body: _Base, prompt: list[int], chat: bool, request: Request,
                     echo: str = "", output: ChatOutput | None = None) -> Response:
+        prompt = body.truncated(prompt, self.context_len() - 1)
         try:
             params = await self._params(body, prompt, "messages" if chat else "prompt",
                                         output)
@@ -260,7 +261,7 @@ class Gateway:
             engine = dataclasses.replace(engine, logprobs=0)
         answer = Answer(rid, body.model, output is not None, prompt, params,
                         body.stop_strings(), state.tokenizer, self.metrics, span,
-                        state.log_requests, echo, output, i)
+                        state.log_requests, echo, output, i, body.shape())
         answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)

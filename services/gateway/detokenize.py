@@ -16,10 +16,13 @@ from pdmesh.shared.models.tokenizer import Tokenizer
 
 
 class IncrementalText:
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], skip_special_tokens: bool):
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], skip_special_tokens: bool,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stops = stops
         self.skip = skip_special_tokens
+        self.include_stop = include_stop  # the stop string ends the text, not cut off
+        self.stop_string: str | None = None  # the one that ended it
         self.token_ids: list[int] = []
         self.text = ""  # everything decoded so far (complete characters)
         self.sent = 0  # characters of text already released
@@ -51,11 +54,12 @@ class IncrementalText:
         return new
 
     def _release(self, end: int) -> str:
-        for stop in self.stops:
-            at = self.text.find(stop, max(0, self.sent - len(stop)))
-            if at != -1:
-                self.stopped = True
-                end = min(end, at)
+        found = [(at, stop) for stop in self.stops
+                 if (at := self.text.find(stop, max(0, self.sent - len(stop)))) != -1]
+        if found:
+            at, stop = min(found)  # the first to occur
+            self.stopped, self.stop_string = True, stop
+            end = min(end, at + (len(stop) if self.include_stop else 0))
         if not self.stopped and self.stops:
             hold = max((k for s in self.stops for k in range(1, len(s))
                         if self.text[:end].endswith(s[:k])), default=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -41,6 +42,15 @@ def warn_once(names: list[str], why: str) -> None:
     if new:
         _warned.update(new)
         log.warning("request fields %s: %s", ", ".join(new), why)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How the request asked its answer written (vLLM's extensions)."""
+
+    include_stop_str: bool = False  # include_stop_str_in_output
+    token_ids_as_text: bool = False  # return_tokens_as_token_ids: "token_id:N" tokens
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
 
 
 class ResponseFormat(BaseModel):
@@ -111,6 +121,9 @@ class _Base(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     # None: the engine's --default-priority-value (0 unless set); int32 on the wire
     priority: Int32 | None = None
 
@@ -134,6 +147,20 @@ class _Base(BaseModel):
             raise ValueError("best_of: more candidates than n cannot be streamed (which "
                              "are answered is known only at the end)")
         return self
+
+    def shape(self) -> Shape:
+        usage = self.stream_options or {}
+        return Shape(self.include_stop_str_in_output, self.return_tokens_as_token_ids,
+                     bool(usage.get("include_usage") and usage.get("continuous_usage_stats")))
+
+    def truncated(self, prompt: list[int], context: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: as many as the context
+        holds), as vLLM cuts it; the prompt itself when none is asked."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or keep == 0:
+            return prompt
+        keep = context if keep == -1 else keep
+        return prompt[-keep:]
 
     def choices_generated(self) -> int:
         """How many answers are generated: best_of's candidates, else n."""

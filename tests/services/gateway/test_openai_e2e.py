@@ -411,3 +411,47 @@ def test_best_of_answers_the_most_likely_candidate(client):
     r = client.completions.create(n=1, best_of=3, **kw)
     assert [c.text for c in r.choices] == [best.text] and r.choices[0].logprobs is None
     assert r.usage.completion_tokens == 18  # every candidate's tokens
+
+
+def test_stop_reason_and_include_stop_str(client, offline):
+    prompt = list(range(700, 740))
+    full = greedy(offline, prompt, 24)
+    stop = full[5:8]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\x00"],
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    kept = client.completions.create(**{**kw, "extra_body": {
+        "ignore_eos": True, "include_stop_str_in_output": True}})
+    assert kept.choices[0].text == full[:full.index(stop) + len(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **{**kw, "stream": True, "extra_body": {"ignore_eos": True,
+                                                "include_stop_str_in_output": True}})
+        if c.choices)
+    assert streamed == kept.choices[0].text
+    ids = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                    ignore_eos=True))[0].outputs[0].token_ids
+    by_token = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                         temperature=0, extra_body={"stop_token_ids": [ids[3]]})
+    assert by_token.choices[0].model_extra["stop_reason"] == ids[3]
+    length = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert length.choices[0].model_extra["stop_reason"] is None
+
+
+def test_continuous_usage_token_ids_and_truncation(client, offline):
+    chunks = [c for c in client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})]
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0,
+                                  logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in r.choices[0].logprobs.tokens)
+    long = list(range(100, 160))
+    cut = client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 10})
+    assert cut.usage.prompt_tokens == 10
+    assert cut.choices[0].text == greedy(offline, long[-10:], 4)
