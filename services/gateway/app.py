@@ -143,18 +143,22 @@ class Gateway:
         refused = self._check_model(body)
         if refused is not None:
             return refused
-        prompt = await self._completion_prompt(body)
-        if isinstance(prompt, JSONResponse):
-            return prompt
-        echo = self._echo(body, prompt) if body.echo else ""
-        return await self.serve(body, prompt, False, request, echo)
+        given = _prompts(body.prompt)
+        if not given:
+            return error(400, "prompt: must not be empty", "prompt")
+        prompts = []
+        for one in given:  # a batch: each prompt its own choices (vLLM's order)
+            prompt = await self._completion_prompt(body, one)
+            if isinstance(prompt, JSONResponse):
+                return prompt
+            prompts.append(prompt)
+        echoes = [self._echo(one, prompt) if body.echo else ""
+                  for one, prompt in zip(given, prompts, strict=True)]
+        return await self.serve(body, prompts, False, request, echoes)
 
-    def _echo(self, body: CompletionRequest, prompt: list[int]) -> str:
+    def _echo(self, given: str | list[int], prompt: list[int]) -> str:
         """The prompt as given, token ids as their text (echo puts it before the answer)."""
-        p = body.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        return p if isinstance(p, str) else self.state.tokenizer.decode(
+        return given if isinstance(given, str) else self.state.tokenizer.decode(
             prompt, skip_special_tokens=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -177,7 +181,7 @@ class Gateway:
                                       add_special_tokens=bool(body.add_special_tokens))
         if isinstance(prompt, JSONResponse):
             return prompt
-        return await self.serve(body, prompt, True, request, output=output)
+        return await self.serve(body, [prompt], True, request, output=output)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
         return None if body.model in self.names else self.refuse_model(body.model)
@@ -186,22 +190,18 @@ class Gateway:
         return error(404, f"model: {name!r} is not served here (serving "
                           f"{', '.join(repr(n) for n in self.names)})", "model")
 
-    async def _completion_prompt(self, body: CompletionRequest) -> list[int] | JSONResponse:
-        p = body.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]  # one prompt, in a list
+    async def _completion_prompt(self, body: CompletionRequest, p: str | list[int]
+                                 ) -> list[int] | JSONResponse:
+        """One prompt of the request as token ids (a 400 naming ``prompt``)."""
         if isinstance(p, str):
             return await self._tokenize(p, "prompt", add_special_tokens=body.add_special_tokens)
-        if p and all(isinstance(t, int) for t in p):
-            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                return error(400, f"prompt: token id {bad} is outside the vocabulary "
-                                  f"[0, {self.vocab_size})", "prompt")
-            return list(p)  # type: ignore[arg-type]
         if not p:
             return error(400, "prompt: must not be empty", "prompt")
-        return error(400, "prompt: one prompt per request (a string or a list of token "
-                          "ids)", "prompt")
+        bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return error(400, f"prompt: token id {bad} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", "prompt")
+        return list(p)
 
     async def _tokenize(self, text: str, field: str, add_special_tokens: bool = True
                         ) -> list[int] | JSONResponse:
@@ -215,24 +215,33 @@ class Gateway:
                               f"hold", field)
         return await asyncio.to_thread(self.state.tokenizer.encode, text, add_special_tokens)
 
-    async def serve(self, body: _Base, prompt: list[int], chat: bool, request: Request,
-                    echo: str = "", output: ChatOutput | None = None) -> Response:
-        prompt = body.truncated(prompt, self.context_len() - 1)
-        try:
-            params = await self._params(body, prompt, "messages" if chat else "prompt",
-                                        output)
-        except ValueError as e:  # "field: why"
-            return error(400, str(e), str(e).split(":", 1)[0])
+    async def serve(self, body: _Base, prompts: list[list[int]], chat: bool, request: Request,
+                    echoes: list[str] | None = None, output: ChatOutput | None = None
+                    ) -> Response:
+        """Answer ``body`` on ``prompts`` (a completion's batch; one for a chat): each
+        prompt's choices (n, or best_of's candidates) in the order vLLM numbers them."""
+        field = "messages" if chat else "prompt"
+        runs = []
+        for prompt in prompts:
+            prompt = body.truncated(prompt, self.context_len() - 1)
+            try:
+                runs.append((prompt, await self._params(body, prompt, field, output)))
+            except ValueError as e:  # "field: why"
+                return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        span = self._span(rid, chat, prompt, body, request.headers)
-        answers = [self._answer(rid, i, body, prompt, params, span, echo, output)
-                   for i in range(body.choices_generated())]
+        span = self._span(rid, chat, runs[0][0], body, request.headers)
+        k = body.choices_generated()
+        answers = [self._answer(rid, g * k + j, body, prompt, params, span,
+                                (echoes or [""] * len(runs))[g], output)
+                   for g, (prompt, params) in enumerate(runs) for j in range(k)]
         try:  # the first token before any answer: a failure here gets its status code
-            await answers[0].start(answers[0].journey.run())
-            # (the others after the first: its prompt's KV is in the pool for them)
-            await asyncio.gather(*(a.start(a.journey.run()) for a in answers[1:]))
+            firsts = answers[::k]
+            await asyncio.gather(*(a.start(a.journey.run()) for a in firsts))
+            # (the other choices after each prompt's first: its KV is in the pool for them)
+            await asyncio.gather(*(a.start(a.journey.run()) for a in answers if a not in
+                                   firsts))
             if not body.stream:
-                return await self._whole(answers, body.n, request)
+                return await self._whole(answers, body.n, k, request)
         except MeshError as e:
             for a in answers:
                 await a.close()
@@ -240,23 +249,25 @@ class Gateway:
             return error(e.status, str(e))
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         events = answers[0].sse(include_usage) if len(answers) == 1 else \
-            merged_sse(answers, include_usage)
+            merged_sse(answers, k, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def _answer(self, rid: str, i: int, body: _Base, prompt: list[int],
                 params: SamplingParams, span: Any, echo: str, output: ChatOutput | None
                 ) -> Answer:
-        """Choice ``i``'s answer and its journey (``answer.journey``): a seeded request's
-        choices draw from seed + i; best_of's candidates bring their sampled tokens'
-        logprobs (to be ranked by), shown only when asked for."""
+        """Answer ``i`` (prompt i // k's choice i % k, k choices generated per prompt)
+        and its journey (``answer.journey``): a seeded request's choice j draws from
+        seed + j; best_of's candidates bring their sampled tokens' logprobs (to be
+        ranked by), shown only when asked for."""
         state = self.state
         engine = params
+        j = i % body.choices_generated()
         if i:
             rid = f"{rid}-{i}"
-            if params.seed is not None:
-                engine = dataclasses.replace(engine, seed=(params.seed + i) % (1 << 63))
             if output is not None:
                 output = ChatOutput(body, state.output)  # type: ignore[arg-type]
+        if j and params.seed is not None:
+            engine = dataclasses.replace(engine, seed=(params.seed + j) % (1 << 63))
         if body.choices_generated() > body.n and params.logprobs is None:
             engine = dataclasses.replace(engine, logprobs=0)
         answer = Answer(rid, body.model, output is not None, prompt, params,
@@ -304,7 +315,7 @@ class Gateway:
                                    skip_special_tokens=params.skip_special_tokens and not keep)
 
     @staticmethod
-    async def _whole(answers: list[Answer], n: int, request: Request) -> Response:
+    async def _whole(answers: list[Answer], n: int, k: int, request: Request) -> Response:
         """The whole answer; a client that leaves before it is ready aborts the request
         (its journeys closed: the instances stop and free its KV), as a stream's does."""
         whole = asyncio.ensure_future(asyncio.gather(*(a.whole() for a in answers)))
@@ -312,7 +323,7 @@ class Gateway:
         await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if whole.done():
-            return JSONResponse(merge_whole(answers, whole.result(), n))
+            return JSONResponse(merge_whole(answers, whole.result(), n, k))
         whole.cancel()
         await asyncio.gather(whole, return_exceptions=True)
         for a in answers:
@@ -330,6 +341,13 @@ class Gateway:
                                   attributes={"pdmesh.request_id": rid,
                                               "pdmesh.prompt_tokens": len(prompt),
                                               "pdmesh.stream": bool(body.stream)})
+
+
+def _prompts(p: Any) -> list[str | list[int]]:
+    """A completion's prompts: a string, token ids, or a list of either (a batch)."""
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        return [p]
+    return list(p)
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,7 +1,7 @@
-"""Several answers to one prompt (``n`` > 1, ``best_of``): one Answer per choice, their
-journeys started once the first one's prompt is computed, so the others find its KV in
-the pool (and the prefill instance's prefix cache) and compute it no more; merged here
-into one answer, whole or streamed.
+"""Several answers in one (``n`` > 1, ``best_of``, a completion's batch of prompts): one
+Answer per choice, each prompt's other choices started once its first one's prompt is
+computed, so they find its KV in the pool (and the prefill instance's prefix cache) and
+compute it no more; merged here into one answer, whole or streamed.
 
 ``best_of`` > ``n`` (completions): every candidate is generated, the ``n`` with the
 highest cumulative logprob of their sampled tokens are answered (OpenAI's rule).
@@ -17,30 +17,37 @@ from typing import Any
 from pdmesh.services.gateway.answer import Answer
 
 
-def merge_whole(answers: list[Answer], wholes: list[dict[str, Any]], n: int
+def merge_whole(answers: list[Answer], wholes: list[dict[str, Any]], n: int, k: int
                 ) -> dict[str, Any]:
-    """One answer of the ``n`` best choices (all of them unless best_of asked more)."""
+    """One answer: per prompt (``k`` answers each), its ``n`` best choices (all of them
+    unless best_of asked more), numbered prompt by prompt as vLLM numbers them."""
     if len(wholes) == 1:
         return wholes[0]
-    order = list(range(len(wholes)))
-    if len(wholes) > n:  # best_of: the n most likely
-        order = sorted(order, key=lambda i: -answers[i].cumulative_logprob)[:n]
-    choices = [{**wholes[i]["choices"][0], "index": k} for k, i in enumerate(order)]
+    choices = []
+    for start in range(0, len(wholes), k):
+        order = list(range(start, start + k))
+        if k > n:  # best_of: the n most likely
+            order = sorted(order, key=lambda i: -answers[i].cumulative_logprob)[:n]
+        choices += [{**wholes[i]["choices"][0], "index": len(choices) + rank}
+                    for rank, i in enumerate(order)]
     out = dict(wholes[0])
     out["choices"] = choices
-    out["usage"] = usage(answers)
+    out["usage"] = usage(answers, k)
     return out
 
 
-def usage(answers: list[Answer]) -> dict[str, Any]:
-    """The prompt once; the tokens generated for every choice (best_of's too)."""
-    one = answers[0].usage()
+def usage(answers: list[Answer], k: int) -> dict[str, Any]:
+    """Each prompt once; the tokens generated for every choice (best_of's too)."""
+    prompt = sum(len(a.prompt) for a in answers[::k])
     generated = sum(a.completion_tokens for a in answers)
-    return {**one, "completion_tokens": generated,
-            "total_tokens": one["prompt_tokens"] + generated}
+    cached = sum(a.cached_tokens for a in answers[::k])
+    return {"prompt_tokens": prompt, "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def merged_sse(answers: list[Answer], include_usage: bool) -> AsyncIterator[str]:
+async def merged_sse(answers: list[Answer], k: int, include_usage: bool
+                     ) -> AsyncIterator[str]:
     """The choices' streams interleaved as their events come (each chunk names its
     choice's index), one usage chunk after the last, one ``[DONE]``."""
     queue: asyncio.Queue[str | None] = asyncio.Queue()
@@ -67,7 +74,7 @@ async def merged_sse(answers: list[Answer], include_usage: bool) -> AsyncIterato
             yield "data: " + json.dumps({
                 "id": first.rid, "object": "chat.completion.chunk" if first.chat
                 else "text_completion", "created": first.created, "model": first.model,
-                "choices": [], "usage": usage(answers)}) + "\n\n"
+                "choices": [], "usage": usage(answers, k)}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for t in tasks:

@@ -455,3 +455,24 @@ def test_continuous_usage_token_ids_and_truncation(client, offline):
                                     extra_body={"truncate_prompt_tokens": 10})
     assert cut.usage.prompt_tokens == 10
     assert cut.choices[0].text == greedy(offline, long[-10:], 4)
+
+
+def test_a_batch_of_prompts(client, offline):
+    """A list of prompts: each its n choices, numbered prompt by prompt (vLLM's order);
+    the prompts' tokens counted once each."""
+    prompts = [[40, 41, 42, 43], [900, 901, 902]]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0,
+                                  n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    want = [greedy(offline, p, 5) for p in prompts]
+    assert [c.text for c in r.choices] == [want[0], want[0], want[1], want[1]]
+    assert r.usage.prompt_tokens == 7 and r.usage.completion_tokens == 20
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=["def f(x):", "import"],
+                                           max_tokens=4, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts[:2] == [client.completions.create(
+        model=MODEL, prompt=p, max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True}).choices[0].text for p in ("def f(x):", "import")]

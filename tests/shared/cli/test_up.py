@@ -405,3 +405,34 @@ def test_up_starts_its_own_redis_again_on_its_port(tmp_path):
     finally:
         own.stop()
     assert not alive(own.proc.pid)
+
+
+def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registry_prefix):
+    """`pdmesh up --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser
+    qwen3`: the gateway reads the model's calls and reasoning (the engines accept the
+    flags for it), with the official openai client."""
+    import openai
+
+    prefix = f"{registry_prefix}-up-tools"
+    proc, url, out = launch("up", str(qwen3_path), "--port", "0", "--registry-prefix",
+                            prefix, "--log-dir", str(tmp_path), "--enable-auto-tool-choice",
+                            "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                            "--engine-args", "--device cpu --block-size 16 "
+                            "--pool-segment-mb 64")
+    try:
+        assert url, "".join(out)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        text = ('<think>\nthe user asks for the weather\n</think>\n\n<tool_call>\n'
+                '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        r = client.chat.completions.create(
+            model=str(qwen3_path), messages=[{"role": "user", "content": "weather?"}],
+            tools=tools, max_tokens=200, temperature=0, extra_body={"guided_choice": [text]})
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", msg
+        assert msg.reasoning_content == "\nthe user asks for the weather\n"
+        assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [
+            ("get_weather", '{"city": "Oslo"}')]
+    finally:
+        shut(proc, prefix)
