@@ -445,7 +445,7 @@ class _InFlightLimit:
     429 with Retry-After at once, never queued. A plain ASGI middleware, so the slot is
     given back however the request ends (finished, failed, or the client went away)."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
     def __init__(self, app: Any, limit: int | None, rejected: Any = None,
                  counter: InFlight | None = None):

@@ -59,7 +59,9 @@ class ChatOutput:
             assert settings.tool_call_parser is not None
             self.tools = tool_parser(settings.tool_call_parser, tools)
         self.reasoning: ReasoningParser | None = None
-        if settings.reasoning_parser:
+        # (a forced call's grammar holds from the first token: its output is the call,
+        # never reasoning)
+        if settings.reasoning_parser and self.mode in ("auto", "none"):
             self.reasoning = reasoning_parser(settings.reasoning_parser, thinking_enabled(
                 settings.reasoning_parser, body.chat_template_kwargs))
         self._buf = ""  # a forced answer's text so far

@@ -6,20 +6,28 @@
     GET  /load             {"server_load": generation requests in flight here}
     POST /tokenize         a prompt, or chat messages through the chat template, as tokens
     POST /detokenize       tokens as text
+    POST /v1/responses     OpenAI's Responses API, over the chat path (responses.py)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import pdmesh
 from pdmesh.services.gateway.errors import error
-from pdmesh.services.gateway.protocol import ChatMessage, TokenId, ToolSpec
+from pdmesh.services.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    TokenId,
+    ToolSpec,
+)
+from pdmesh.services.gateway.responses import ResponsesRequest, events, response, to_chat
 
 
 class TokenizeRequest(BaseModel):
@@ -84,6 +92,27 @@ def add_routes(app: FastAPI, gw: Any) -> None:
                                  f"[0, {gw.vocab_size})", "tokens")
         return {"prompt": gw.state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        try:
+            chat = to_chat(body)
+            if body.stream:
+                chat["stream_options"] = {"include_usage": True}
+            chat_body = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "input"
+            return error(400, f"{where}: {err['msg']}", where)
+        except ValueError as e:
+            return error(400, str(e), str(e).split(":", 1)[0])
+        answer = await gw.chat(chat_body, request)
+        if answer.status_code != 200:
+            return answer
+        if not body.stream:
+            return response(json.loads(answer.body), body)
+        return StreamingResponse(events(answer.body_iterator, body),
+                                 media_type="text/event-stream")
+
+    app.post("/v1/responses")(responses)
     app.get("/v1/models/{model_id:path}")(model_card)
     app.get("/version")(version)
     app.get("/ping")(gw.health)

@@ -17,7 +17,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # the POSTs whose JSON bodies are read here first
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                    "/detokenize")
 PARSE_OFF_LOOP_BYTES = 256 << 10  # bodies past this are parsed on a worker thread
 
 ErrorResponse = Callable[[int, str, "str | None"], Any]  # (status, message, param)

@@ -224,3 +224,54 @@ def test_reasoning_is_split_from_the_answer(gateways, gateway, parser):
                                   extra_body=off)
     assert r.choices[0].message.content == cases[0]["text"]  # thinking off: all content
     assert not r.choices[0].message.reasoning_content
+
+
+def test_responses_api_text_reasoning_and_function_calls(gateways):
+    """/v1/responses with the official client: a reasoning item and a message, whole and
+    streamed as the Responses events; a forced function call as a function_call item;
+    earlier calls and their outputs as input items."""
+    c = client(gateways, "qwen3_coder")  # (--reasoning-parser qwen3)
+    text = "<think>\nshort\n</think>\n\nHello there"
+    force = {"guided_choice": [text], "chat_template_kwargs": {"enable_thinking": True}}
+    r = c.responses.create(model=MODEL, input="hi", instructions="be brief",
+                           max_output_tokens=200, temperature=0, extra_body=force)
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "\nshort\n" and r.output_text == "\n\nHello there"
+    assert r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+    kinds, deltas, done = [], "", None
+    for event in c.responses.create(model=MODEL, input="hi", max_output_tokens=200,
+                                    temperature=0, stream=True, extra_body=force):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas += event.delta
+        if event.type == "response.completed":
+            done = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and "response.output_item.done" in kinds
+    assert deltas == "\n\nHello there" and done.output_text == deltas
+    assert [e for e in kinds if e.startswith("response.reasoning_text")]
+    tools = [{"type": "function", "name": "get_time", "parameters": CLOCK}]
+    r = c.responses.create(model=MODEL, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "time?"}]},
+        {"type": "function_call", "call_id": "c0", "name": "get_time",
+         "arguments": '{"zone": "utc"}'},
+        {"type": "function_call_output", "call_id": "c0", "output": "12:00"}],
+        tools=tools, tool_choice={"type": "function", "name": "get_time"},
+        max_output_tokens=40, temperature=1.0)
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_time" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), CLOCK)
+
+
+def test_responses_api_refuses_what_it_cannot_serve(gateways):
+    url = gateways["plain"] + "/v1/responses"
+    for body, needle in (({"model": MODEL, "input": "x", "previous_response_id": "r1"},
+                          "previous_response_id"),
+                         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]},
+                          "tools.0.type"),
+                         ({"model": MODEL, "input": [{"type": "image_generation_call"}]},
+                          "input.0.type"),
+                         ({"model": MODEL}, "input"),
+                         ({"model": "nope", "input": "x"}, "model")):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], r.text
