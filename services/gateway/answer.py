@@ -170,7 +170,10 @@ class Answer:
         for t, lp in zip(delta.token_ids, delta.logprobs, strict=False):
             self.cumulative_logprob += lp[t].logprob if t in lp else 0.0
         self._timing(len(delta.token_ids))
-        text = self.text.add(delta.token_ids)
+        ids = delta.token_ids
+        if ids and not self.shape.include_stop_str and self._stops_on(ids[-1]):
+            ids = ids[:-1]  # the stop token is not text (kept specials would show it)
+        text = self.text.add(ids)
         if self.text.stopped:
             self.finish_reason, self.done = "stop", True
             self.stop_reason = self.text.stop_string
@@ -183,6 +186,15 @@ class Answer:
                     delta.token_ids[-1] in self.params.stop_token_ids:
                 self.stop_reason = delta.token_ids[-1]  # (an end of sequence: None)
         return text
+
+    def _stops_on(self, token: int) -> bool:
+        """Whether ``token``, just generated, ends the request as the engine ends it (so
+        it is the last): a stop token id once min_tokens are out, or the end of sequence."""
+        p = self.params
+        if self.completion_tokens < p.min_tokens:
+            return False
+        return token in p.stop_token_ids or (token == self.tok.eos_token_id
+                                             and not p.ignore_eos)
 
     def _timing(self, n: int) -> None:
         """TTFT for the first token; for later ones, the wait shared over the tokens
@@ -250,6 +262,9 @@ class Answer:
         n = self.params.logprobs
         if n is None or not lps:
             return None
+        # a token a grammar forbids has logprob -inf, which JSON cannot hold: vLLM's floor
+        lps = [(t, {k: Logprob(max(v.logprob, -9999.0), v.rank) for k, v in d.items()})
+               for t, d in lps]
         word = self.tok.decode
         if self.shape.token_ids_as_text:
             def word(ids: list[int]) -> str:

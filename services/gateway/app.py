@@ -55,7 +55,12 @@ from pdmesh.services.gateway.journey import (
 )
 from pdmesh.services.gateway.many import merge_whole, merged_sse
 from pdmesh.services.gateway.metrics import GatewayMetrics
-from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Base
+from pdmesh.services.gateway.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Base,
+)
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra.metrics import VllmNames
@@ -146,6 +151,10 @@ class Gateway:
         given = _prompts(body.prompt)
         if not given:
             return error(400, "prompt: must not be empty", "prompt")
+        if len(given) * body.choices_generated() > MAX_CHOICES:
+            return error(400, f"prompt: {len(given)} prompts x {body.choices_generated()} "
+                              f"choices is more than the {MAX_CHOICES} answers one request "
+                              f"may ask for", "prompt")
         prompts = []
         for one in given:  # a batch: each prompt its own choices (vLLM's order)
             prompt = await self._completion_prompt(body, one)
@@ -235,11 +244,9 @@ class Gateway:
                                 (echoes or [""] * len(runs))[g], output)
                    for g, (prompt, params) in enumerate(runs) for j in range(k)]
         try:  # the first token before any answer: a failure here gets its status code
-            firsts = answers[::k]
-            await asyncio.gather(*(a.start(a.journey.run()) for a in firsts))
-            # (the other choices after each prompt's first: its KV is in the pool for them)
-            await asyncio.gather(*(a.start(a.journey.run()) for a in answers if a not in
-                                   firsts))
+            # (each prompt's other choices after its first: its KV is in the pool for them)
+            await _all(a.start(a.journey.run()) for a in answers[::k])
+            await _all(a.start(a.journey.run()) for i, a in enumerate(answers) if i % k)
             if not body.stream:
                 return await self._whole(answers, body.n, k, request)
         except MeshError as e:
@@ -264,8 +271,9 @@ class Gateway:
         j = i % body.choices_generated()
         if i:
             rid = f"{rid}-{i}"
-            if output is not None:
-                output = ChatOutput(body, state.output)  # type: ignore[arg-type]
+            if output is not None:  # (each choice parses its own text)
+                first, output = output, ChatOutput(body, state.output)  # type: ignore[arg-type]
+                output.constrained = first.constrained
         if j and params.seed is not None:
             engine = dataclasses.replace(engine, seed=(params.seed + j) % (1 << 63))
         if body.choices_generated() > body.n and params.logprobs is None:
@@ -304,6 +312,8 @@ class Gateway:
         if wants_grammar(body):  # compiled off the event loop: a schema can be large
             grammar = await asyncio.to_thread(grammar_for, body)
         forced = await asyncio.to_thread(tool_grammar, output, body) if output else None
+        if output is not None and grammar is not None:
+            output.constrained = True
         if forced is not None and grammar is not None:
             raise ValueError("tool_choice: a forced tool call is itself structured output; "
                              "it cannot take response_format or guided_* as well")
@@ -318,11 +328,11 @@ class Gateway:
     async def _whole(answers: list[Answer], n: int, k: int, request: Request) -> Response:
         """The whole answer; a client that leaves before it is ready aborts the request
         (its journeys closed: the instances stop and free its KV), as a stream's does."""
-        whole = asyncio.ensure_future(asyncio.gather(*(a.whole() for a in answers)))
+        whole = asyncio.ensure_future(_all(a.whole() for a in answers))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
-        if whole.done():
+        if whole.done():  # (a MeshError of any choice: raised here, the others stopped)
             return JSONResponse(merge_whole(answers, whole.result(), n, k))
         whole.cancel()
         await asyncio.gather(whole, return_exceptions=True)
@@ -341,6 +351,18 @@ class Gateway:
                                   attributes={"pdmesh.request_id": rid,
                                               "pdmesh.prompt_tokens": len(prompt),
                                               "pdmesh.stream": bool(body.stream)})
+
+
+async def _all(coros: Any) -> list[Any]:
+    """Every coroutine's result; when one fails (or this is cancelled), the others are
+    cancelled and waited for before the error goes on - no choice runs on unanswered."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _prompts(p: Any) -> list[str | list[int]]:

@@ -64,6 +64,10 @@ class ChatOutput:
         if settings.reasoning_parser and self.mode in ("auto", "none"):
             self.reasoning = reasoning_parser(settings.reasoning_parser, thinking_enabled(
                 settings.reasoning_parser, body.chat_template_kwargs))
+        # a grammar from the request (response_format, guided_*) holds from the first
+        # token: the output is reasoning only if it closes it itself (set by the gateway)
+        self.constrained = False
+        self._held = ""  # a constrained stream's text, split at its end
         self._buf = ""  # a forced answer's text so far
         self._calls: list[ToolCall] = []  # forced calls made
         self._named_started = False
@@ -102,9 +106,15 @@ class ChatOutput:
         return reason
 
     # -- whole ---------------------------------------------------------------------------
+    def _split_whole(self, text: str) -> tuple[str | None, str | None]:
+        r = self.reasoning
+        if r is None or (self.constrained and not any(
+                m and m in text for m in (r.end, r.implicit_end))):
+            return None, text
+        return r.extract(text)
+
     def message(self, text: str) -> dict[str, Any]:
-        reasoning, content = (None, text) if self.reasoning is None else \
-            self.reasoning.extract(text)
+        reasoning, content = self._split_whole(text)
         msg: dict[str, Any] = {"role": "assistant", "content": content,
                                "reasoning_content": reasoning, "tool_calls": []}
         calls: list[ToolCall] = []
@@ -131,6 +141,12 @@ class ChatOutput:
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         if self.reasoning is None:
             return "", text
+        if self.constrained:  # held whole: whether it reasons is known at its end
+            self._held += text
+            if not final:
+                return "", ""
+            reasoning, content = self._split_whole(self._held)
+            return reasoning or "", content or ""
         return self.reasoning.finish() if final else self.reasoning.feed(text)
 
     def _route(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:

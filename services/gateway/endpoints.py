@@ -26,6 +26,7 @@ from pdmesh.services.gateway.protocol import (
     ChatMessage,
     TokenId,
     ToolSpec,
+    template_kwargs,
 )
 from pdmesh.services.gateway.responses import ResponsesRequest, events, response, to_chat
 
@@ -134,7 +135,7 @@ def _tokens(gw: Any, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return tok.encode(body.prompt, special)
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs = template_kwargs(body.chat_template_kwargs)
     if body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     text = tok.apply_chat_template(

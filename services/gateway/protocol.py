@@ -294,6 +294,16 @@ class ChatMessage(BaseModel):
         return out
 
 
+# what the request's own fields decide, never its chat_template_kwargs
+_RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message",
+                              "bos_token", "eos_token"})
+
+
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, less the names its own fields set."""
+    return {k: v for k, v in (given or {}).items() if k not in _RESERVED_KWARGS}
+
+
 def _as_mapping(arguments: str | dict[str, Any]) -> Any:
     if isinstance(arguments, dict):
         return arguments
@@ -376,7 +386,7 @@ class ChatCompletionRequest(_Base):
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages: the request's
         chat_template_kwargs and reasoning_effort (as vLLM passes them)."""
-        kwargs = dict(self.chat_template_kwargs or {})
+        kwargs = template_kwargs(self.chat_template_kwargs)
         if self.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         if self.reasoning_effort is not None:

@@ -141,7 +141,10 @@ def lark_grammar(grammar: str) -> str:
     if "::=" in grammar:
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
-        grammar = gbnf_to_lark(grammar)
+        try:
+            grammar = gbnf_to_lark(grammar)
+        except Exception as e:  # noqa: BLE001 (its errors are plain Exceptions)
+            raise ValueError(f"not a valid GBNF grammar: {e}") from None
     return llg.LLMatcher.grammar_from_lark(grammar)
 
 

@@ -140,7 +140,8 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as e:  # raise_exception(...), or a template fault
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError,
+                IndexError) as e:  # raise_exception(...), or what the template could not use
             raise ValueError(f"messages: the chat template refused them: {e}") from None
 
 

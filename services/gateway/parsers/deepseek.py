@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from pdmesh.services.gateway.parsers.tools import ToolParser, overlap
+from pdmesh.services.gateway.parsers.tools import ToolParser, json_text, overlap
 
 
 def _object_text(text: str) -> str | None:
@@ -273,7 +273,7 @@ class DeepSeekV4ToolParser(ToolParser):
         self._value += piece
         name, string = self._param
         if string == "true":
-            self._args(json.dumps(piece, ensure_ascii=False)[1:-1])
+            self._args(json_text(piece)[1:-1])
         if at == -1:
             return False
         self._buf, self._where = self._buf[len(self._PARAM_END):], "invoke"
@@ -282,12 +282,12 @@ class DeepSeekV4ToolParser(ToolParser):
             self._args('"')
         else:
             self._key_prefix()
-            self._args(json.dumps(self._convert(name, self._value, string), ensure_ascii=False))
+            self._args(json_text(self._convert(name, self._value, string)))
         return True
 
     def _key_prefix(self) -> None:
         first = not self._calls[-1].arguments
-        self._args(("{" if first else ", ") + json.dumps(self._param[0], ensure_ascii=False)
+        self._args(("{" if first else ", ") + json_text(self._param[0])
                    + ": ")
 
     def _args(self, fragment: str) -> None:
@@ -321,4 +321,4 @@ class DeepSeekV4ToolParser(ToolParser):
                     break
             if isinstance(inner, dict) and set(inner) <= set(props):
                 values = inner
-        return json.dumps(values, ensure_ascii=False)
+        return json_text(values)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 
-from pdmesh.services.gateway.parsers.tools import CanonicalJSON, ToolParser
+from pdmesh.services.gateway.parsers.tools import CanonicalJSON, ToolParser, json_text
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -157,4 +157,4 @@ class Llama3JsonToolParser(ToolParser):
         key = "arguments" if "arguments" in call else "parameters"
         if not isinstance(name, str) or key not in call:
             return None
-        return name, json.dumps(call[key], ensure_ascii=False)
+        return name, json_text(call[key])

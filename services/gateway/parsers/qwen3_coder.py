@@ -8,7 +8,7 @@ import json
 import math
 from typing import Any
 
-from pdmesh.services.gateway.parsers.tools import ToolParser, overlap
+from pdmesh.services.gateway.parsers.tools import ToolParser, json_text, overlap
 
 
 def qwen3_coder_value(value: str, param: str, props: dict[str, Any]) -> Any:
@@ -34,7 +34,9 @@ def qwen3_coder_value(value: str, param: str, props: dict[str, Any]) -> Any:
             number = float(value)
         except ValueError:
             return value
-        return number if not math.isfinite(number) or number != int(number) else int(number)
+        if not math.isfinite(number):
+            return value  # (JSON has no infinities: the text as written)
+        return number if number != int(number) else int(number)
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
@@ -43,9 +45,11 @@ def qwen3_coder_value(value: str, param: str, props: dict[str, Any]) -> Any:
         except ValueError:
             pass
     try:
-        return ast.literal_eval(value)
+        parsed = ast.literal_eval(value)
+        json.dumps(parsed, allow_nan=False)  # a set, bytes, complex, inf: not JSON
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return value
+    return parsed
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -125,12 +129,12 @@ class Qwen3CoderToolParser(ToolParser):
         converted = qwen3_coder_value(value, key, self._props)
         first = not self._values
         self._values[key] = converted
-        self._args(("{" if first else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-                   + json.dumps(converted, ensure_ascii=False))
+        self._args(("{" if first else ", ") + json_text(key) + ": "
+                   + json_text(converted))
         return True
 
     def _close(self) -> bool:
         """End the function: what is left of its JSON ("}", or "{}") goes out."""
         self._in_fn = False
-        self._end(json.dumps(self._values, ensure_ascii=False))
+        self._end(json_text(self._values))
         return True

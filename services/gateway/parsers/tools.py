@@ -18,7 +18,7 @@ dropped, as vLLM's non-streaming parsers do. When no call parses, or any call fa
 (bad JSON, unclosed block), ``extract`` gives the whole output back as content; a stream
 cannot take back a header it already sent, so there the bad call keeps what it streamed.
 
-Arguments are JSON text in ``json.dumps(..., ensure_ascii=False)``'s form for the formats
+Arguments are JSON text in ``json_text(...)``'s form for the formats
 whose arguments vLLM re-serializes (hermes, qwen3_coder, deepseek_v4, llama3_json), and the
 model's own text for those vLLM passes through (deepseek_v3, deepseek_v31).
 """
@@ -41,6 +41,17 @@ class ToolCall:
 
 def call_id() -> str:
     return f"chatcmpl-tool-{uuid4().hex}"
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text, non-ASCII characters as they are (vLLM's form); with a
+    lone surrogate in it (not text: UTF-8 cannot hold one), escaped as \\uXXXX."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def overlap(text: str, tag: str) -> int:
@@ -175,7 +186,7 @@ class ToolParser:
 
 # -- hermes ------------------------------------------------------------------------------
 class CanonicalJSON:
-    """Rewrites a JSON object fed in pieces into ``json.dumps(..., ensure_ascii=False)``'s
+    """Rewrites a JSON object fed in pieces into ``json_text(...)``'s
     text, as far as that text is final: whitespace dropped, ", " and ": " separators,
     string escapes decoded and re-escaped, numbers re-printed once they end. ``broken``
     when the input is not an object or not JSON; ``done`` once the object closed."""
@@ -251,7 +262,11 @@ class CanonicalJSON:
             return True
         if len(esc) < 6:
             return False
-        if not 0xD800 <= int(esc[2:6], 16) <= 0xDBFF:  # not a surrogate pair's first half
+        try:
+            unit = int(esc[2:6], 16)
+        except ValueError:  # not hex: the JSON is broken (its parse says so)
+            return True
+        if not 0xD800 <= unit <= 0xDBFF:  # not a surrogate pair's first half
             return True
         if len(esc) == 7 and esc[6] != "\\" or len(esc) == 8 and esc[7] != "u":
             self._escape, rest = esc[:6], esc[6:]  # a lone first half, then other text
@@ -266,7 +281,7 @@ class CanonicalJSON:
             self._string_char(ch)
 
     def _emit(self, decoded: str) -> None:
-        self.text += json.dumps(decoded, ensure_ascii=False)[1:-1]
+        self.text += json_text(decoded)[1:-1]
 
 
 class HermesToolParser(ToolParser):
@@ -339,4 +354,4 @@ class HermesToolParser(ToolParser):
             return None
         if not isinstance(call.get("name"), str) or not isinstance(args, dict):
             return None
-        return call["name"], json.dumps(args, ensure_ascii=False)
+        return call["name"], json_text(args)

@@ -476,3 +476,21 @@ def test_a_batch_of_prompts(client, offline):
     assert texts[:2] == [client.completions.create(
         model=MODEL, prompt=p, max_tokens=4, temperature=0,
         extra_body={"ignore_eos": True}).choices[0].text for p in ("def f(x):", "import")]
+
+
+def test_logprobs_under_a_grammar_are_json(mesh, client):
+    """Tokens a grammar forbids have logprob -inf: answered at vLLM's floor (-9999), so
+    the answer stays JSON, whole and streamed."""
+    kw = dict(model=MODEL, prompt="ok?", max_tokens=5, temperature=0, logprobs=5,
+              extra_body={"guided_choice": ["yes", "no"]})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text in ("yes", "no")
+    tops = [v for d in r.choices[0].logprobs.top_logprobs for v in d.values()]
+    assert tops and all(-9999.0 <= v <= 0 for v in tops)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    ok = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        extra_body={"chat_template_kwargs": {"continue_final_message": True,
+                                             "add_generation_prompt": False}})
+    assert ok.choices[0].message.content is not None  # the request's own fields decide

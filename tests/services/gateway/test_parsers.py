@@ -193,3 +193,26 @@ def test_thinking_switch_from_chat_template_kwargs() -> None:
     assert not thinking_enabled("deepseek_v4", {})  # vLLM's deepseek_v4 default
     assert reasoning_parser("deepseek_v4", thinking=False).extract("a</think>b") == \
         (None, "a</think>b")
+
+
+@pytest.mark.parametrize(("parser", "tools", "text"), [
+    ("qwen3_coder", [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "any"}, "y": {"type": "number"}}}}}],
+     "<tool_call>\n<function=f>\n<parameter=x>\n{1, 2}\n</parameter>\n<parameter=y>\n1e999\n"
+     "</parameter>\n</function>\n</tool_call>"),
+    ("hermes", None, '<tool_call>\n{"name": "f", "arguments": {"s": "\\uZZZZ"}}\n</tool_call>'),
+    ("hermes", None, '<tool_call>\n{"name": "f", "arguments": {"s": "a\\ud800b"}}\n</tool_call>'),
+])
+def test_odd_model_output_never_breaks_the_answer(parser, tools, text):
+    """Values JSON cannot hold stay text, broken escapes stay content, lone surrogates
+    stay escaped: whatever the model writes, the answer is valid UTF-8 JSON."""
+    import json
+
+    content, calls = tool_parser(parser, tools).extract(text)
+    for call in calls:
+        json.loads(call.arguments)
+        call.arguments.encode("utf-8")
+    streaming = tool_parser(parser, tools)
+    parts = [d for ch in text for d in streaming.feed(ch)] + streaming.finish()
+    json.dumps(parts, allow_nan=False).encode("utf-8")
+    assert calls or content == text

@@ -275,3 +275,32 @@ def test_responses_api_refuses_what_it_cannot_serve(gateways):
                          ({"model": "nope", "input": "x"}, "model")):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], r.text
+
+
+def test_a_grammar_with_a_reasoning_parser_answers_content(gateways, qwen3_path):
+    """The grammar holds from the first token, so an output that never closes a
+    reasoning block is the answer, not reasoning (Qwen3 thinks by default)."""
+    from pdmesh.shared.models.tokenizer import Tokenizer
+
+    close = Tokenizer(qwen3_path).encode("}", add_special_tokens=False)
+    c = client(gateways, "qwen3_coder")  # (--reasoning-parser qwen3)
+    kw = dict(model=MODEL, messages=ASK, max_tokens=30, temperature=0,
+              response_format={"type": "json_object"}, logit_bias={str(close[0]): 50})
+    r = c.chat.completions.create(**kw)
+    assert json.loads(r.choices[0].message.content) == {}
+    assert not r.choices[0].message.reasoning_content
+    content, _, _, reasoning = streamed(c.chat.completions.create(**kw, stream=True))
+    assert content == r.choices[0].message.content and not reasoning
+
+
+def test_the_end_of_sequence_is_not_text_with_kept_special_tokens(gateways, qwen3_path):
+    """hermes keeps special tokens in the text (its markers): the stop token itself is
+    still not part of the answer."""
+    from pdmesh.shared.models.tokenizer import Tokenizer
+
+    eos = Tokenizer(qwen3_path).eos_token_id
+    r = client(gateways, "hermes").chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=5, temperature=0,
+        logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop"
+    assert not r.choices[0].message.content and not r.choices[0].message.tool_calls
