@@ -62,8 +62,10 @@ class ChatOutput:
         # (a forced call's grammar holds from the first token: its output is the call,
         # never reasoning)
         if settings.reasoning_parser and self.mode in ("auto", "none"):
-            self.reasoning = reasoning_parser(settings.reasoning_parser, thinking_enabled(
-                settings.reasoning_parser, body.chat_template_kwargs))
+            # (reasoning_effort "none" switches thinking off, as the V4 encoding reads it)
+            thinking = body.reasoning_effort != "none" and thinking_enabled(
+                settings.reasoning_parser, body.chat_template_kwargs)
+            self.reasoning = reasoning_parser(settings.reasoning_parser, thinking)
         # a grammar from the request (response_format, guided_*) holds from the first
         # token: the output is reasoning only if it closes it itself (set by the gateway)
         self.constrained = False

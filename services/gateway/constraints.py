@@ -49,9 +49,10 @@ def _asked(body: _Base) -> list[tuple[str, Any]]:
         out.append(("response_format", lambda: json_schema_grammar({"type": "object"})))
     elif fmt is not None and fmt.type == "json_schema":
         spec = fmt.json_schema or {}
-        if not isinstance(spec.get("schema", {}), dict | bool):
-            raise ValueError("response_format.json_schema.schema: must be a JSON schema")
-        out.append(("response_format", lambda: json_schema_grammar(spec.get("schema", {}))))
+        if not isinstance(spec.get("schema"), dict):  # (OpenAI's shape: json_schema.schema)
+            raise ValueError("response_format.json_schema.schema: must be a JSON schema "
+                             "(an object)")
+        out.append(("response_format", lambda: json_schema_grammar(spec["schema"])))
     so = body.structured_outputs
     if so is not None:
         given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),

@@ -395,6 +395,13 @@ class ChatCompletionRequest(_Base):
                                            and not self.continue_final_message)
         return kwargs
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true (as OpenAI and vLLM "
+                             "read it)")
+        return self
+
     def top_logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 

@@ -60,6 +60,11 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("prompt-batch-too-large", CMPL, c(prompt=[[1]] * 65, n=2), 400, "prompt"),
         ("chat-template-kwargs-break-the-template", CHAT,
          m(chat_template_kwargs={"tools": 5}), 400, "messages"),
+        ("response-format-schema-missing", CHAT, m(response_format={
+            "type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format"),
+        ("response-format-schema-at-the-top", CHAT, m(response_format={
+            "type": "json_schema", "schema": {"type": "object"}}), 400, "response_format"),
+        ("chat-top-logprobs-without-logprobs", CHAT, m(top_logprobs=3), 400, "top_logprobs"),
         ("two-kinds-of-structure", CMPL, c(guided_regex="a", guided_choice=["b"]), 400,
          "one kind"),
         ("structured-outputs-unknown-key", CMPL, c(structured_outputs={"yaml": "x"}), 400,
