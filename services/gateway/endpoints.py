@@ -93,6 +93,20 @@ def add_routes(app: FastAPI, gw: Any) -> None:
                                  f"[0, {gw.vocab_size})", "tokens")
         return {"prompt": gw.state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    app.post("/v1/responses")(_responses(gw))
+    app.get("/v1/models/{model_id:path}")(model_card)
+    app.get("/version")(version)
+    app.get("/ping")(gw.health)
+    app.post("/ping")(gw.health)
+    app.get("/load")(load)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
+
+
+def _responses(gw: Any) -> Any:
+    """POST /v1/responses: the request read into a chat completion, served by ``gw``'s
+    chat route, its answer written back as a Response (responses.py)."""
+
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         try:
             chat = to_chat(body)
@@ -113,14 +127,7 @@ def add_routes(app: FastAPI, gw: Any) -> None:
         return StreamingResponse(events(answer.body_iterator, body),
                                  media_type="text/event-stream")
 
-    app.post("/v1/responses")(responses)
-    app.get("/v1/models/{model_id:path}")(model_card)
-    app.get("/version")(version)
-    app.get("/ping")(gw.health)
-    app.post("/ping")(gw.health)
-    app.get("/load")(load)
-    app.post("/tokenize")(tokenize)
-    app.post("/detokenize")(detokenize)
+    return responses
 
 
 def _check(gw: Any, model: str | None) -> JSONResponse | None:
