@@ -51,7 +51,8 @@ def main() -> None:
     a = p.parse_args()
     llm = LLM(a.model, device="cpu", dtype="float32", block_size=16)
     prompts = [[(7 * i + j) % 4000 + 10 for j in range(a.input_len)] for i in range(a.batch)]
-    run(llm, prompts[:2], ARMS["json_schema"], 8)  # warm up (the tokenizer for llguidance)
+    for grammar in ARMS.values():  # warm up: llguidance's tokenizer, the prompts' KV
+        run(llm, prompts, grammar, 8)
     order = list(ARMS) + list(reversed(ARMS))
     rows: dict[str, list[float]] = {k: [] for k in ARMS}
     lengths: dict[str, float] = {}
