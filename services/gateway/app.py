@@ -60,6 +60,7 @@ from pdmesh.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _Base,
+    render_chat,
 )
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.engine.sampling_params import SamplingParams
@@ -178,12 +179,8 @@ class Gateway:
             output = ChatOutput(body, self.state.output)
         except ValueError as e:
             return error(400, str(e), "tool_choice")
-        tok = self.state.tokenizer
-        messages = [m.for_template() for m in body.messages]
         try:
-            text = tok.apply_chat_template(
-                messages, continue_final_message=body.continue_final_message,
-                **body.template_kwargs())
+            text = render_chat(self.state.tokenizer, body)
         except ValueError as e:
             return error(400, str(e), "messages")
         prompt = await self._tokenize(text, "messages",

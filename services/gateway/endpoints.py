@@ -26,7 +26,7 @@ from pdmesh.services.gateway.protocol import (
     ChatMessage,
     TokenId,
     ToolSpec,
-    template_kwargs,
+    render_chat,
 )
 from pdmesh.services.gateway.responses import ResponsesRequest, events, response, to_chat
 
@@ -142,11 +142,4 @@ def _tokens(gw: Any, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return tok.encode(body.prompt, special)
-    kwargs = template_kwargs(body.chat_template_kwargs)
-    if body.tools:
-        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-    text = tok.apply_chat_template(
-        [m.for_template() for m in body.messages or ()],
-        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-        continue_final_message=body.continue_final_message, **kwargs)
-    return tok.encode(text, bool(body.add_special_tokens))
+    return tok.encode(render_chat(tok, body), bool(body.add_special_tokens))

@@ -304,6 +304,22 @@ def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (given or {}).items() if k not in _RESERVED_KWARGS}
 
 
+def render_chat(tokenizer: Any, body: Any) -> str:
+    """The prompt text of ``body``'s chat (a chat completion or a tokenize request): its
+    messages through the chat template with its tools, chat_template_kwargs and
+    reasoning_effort, as vLLM renders them. ValueError when the template refuses them."""
+    kwargs = template_kwargs(body.chat_template_kwargs)
+    if body.tools:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return tokenizer.apply_chat_template(
+        [m.for_template() for m in body.messages],
+        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+        continue_final_message=body.continue_final_message, **kwargs)
+
+
 def _as_mapping(arguments: str | dict[str, Any]) -> Any:
     if isinstance(arguments, dict):
         return arguments
@@ -382,18 +398,6 @@ class ChatCompletionRequest(_Base):
             raise ValueError("continue_final_message: the last message must be the "
                              "assistant's")
         return self
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template is rendered with besides the messages: the request's
-        chat_template_kwargs and reasoning_effort (as vLLM passes them)."""
-        kwargs = template_kwargs(self.chat_template_kwargs)
-        if self.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
-        if self.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-        kwargs["add_generation_prompt"] = (self.add_generation_prompt
-                                           and not self.continue_final_message)
-        return kwargs
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

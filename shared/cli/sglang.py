@@ -55,13 +55,11 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     while i < len(words):
         word = words[i]
         name, eq, value = word.partition("=")
-        if name in PARSER_NAMES and i + 1 < len(words) and not eq:
-            rest += [name, PARSER_NAMES[name].get(words[i + 1], words[i + 1])]
-            i += 2
-            continue
-        if name in PARSER_NAMES and eq:
-            rest.append(f"{name}={PARSER_NAMES[name].get(value, value)}")
-            i += 1
+        if name in PARSER_NAMES and (eq or i + 1 < len(words)):
+            given = value if eq else words[i + 1]
+            named = PARSER_NAMES[name].get(given, given)
+            rest += [f"{name}={named}"] if eq else [name, named]
+            i += 1 if eq else 2
             continue
         if name in ("--disaggregation-mode", "--disaggregation-transfer-backend",
                     "--disaggregation-bootstrap-port") or (speculating and name in SPECULATIVE):

@@ -5,11 +5,10 @@ its ``string="false"`` values), as vLLM's parsers of those names read them."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
-from pdmesh.services.gateway.parsers.tools import ToolParser, json_text, overlap
+from pdmesh.services.gateway.parsers.tools import ToolParser, as_number, is_json, json_text, overlap
 
 
 def _object_text(text: str) -> str | None:
@@ -132,14 +131,6 @@ def schema_types(schema: Any) -> set[str]:
     return kinds or {"string"}
 
 
-def _finite(value: Any) -> bool:
-    try:
-        json.dumps(value, allow_nan=False)
-        return True
-    except ValueError:
-        return False
-
-
 def coerce_to_schema(value: str, kinds: set[str]) -> Any:
     """A ``string="false"`` DSML value as the first of its schema's types it reads as,
     in vLLM's order null, integer, number, boolean, object/array, string."""
@@ -156,9 +147,9 @@ def coerce_to_schema(value: str, kinds: set[str]) -> Any:
         try:
             if kind == "integer":
                 return int(value)
-            if kind == "number" and math.isfinite(number := float(value)):
-                return number if number != int(number) else int(number)
-            if kind in ("object", "array") and _finite(parsed := json.loads(value)):
+            if kind == "number":
+                return as_number(value)
+            if kind in ("object", "array") and is_json(parsed := json.loads(value)):
                 return parsed
         except ValueError:
             continue
@@ -166,7 +157,7 @@ def coerce_to_schema(value: str, kinds: set[str]) -> Any:
         parsed = json.loads(value)
     except ValueError:
         return value
-    return parsed if _finite(parsed) else value
+    return parsed if is_json(parsed) else value
 
 
 class DeepSeekV4ToolParser(ToolParser):

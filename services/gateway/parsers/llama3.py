@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 
-from pdmesh.services.gateway.parsers.tools import CanonicalJSON, ToolParser, json_text
+from pdmesh.services.gateway.parsers.tools import ToolParser, json_text
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -51,9 +51,7 @@ class Llama3JsonToolParser(ToolParser):
         self._obj: str | None = None  # the open object's text, from its "{"
         self._depth = 0
         self._in_string = self._escape = False
-        self._header = False  # the open object's call went out
-        self._canon: CanonicalJSON | None = None
-        self._fed = 0  # characters of the object given to ``_canon``
+        self._new_json_call()
 
     def _scan(self, final: bool) -> None:
         while True:
@@ -70,7 +68,7 @@ class Llama3JsonToolParser(ToolParser):
             if self._cannot_be_call():
                 self._reject()
                 continue
-            self._progress()
+            self._stream_json_call(self._obj or "")
             if closed:
                 self._close(self._parse(self._obj or ""))
             elif final:  # unclosed at the end: not JSON
@@ -85,8 +83,8 @@ class Llama3JsonToolParser(ToolParser):
             self._buf = ""
             return False
         self._buf, self._obj, self._depth = self._buf[at:], "", 0
-        self._in_string = self._escape = self._header = False
-        self._canon, self._fed = None, 0
+        self._in_string = self._escape = False
+        self._new_json_call()
         return True
 
     def _read(self) -> bool:
@@ -116,20 +114,6 @@ class Llama3JsonToolParser(ToolParser):
         its first key's quote (only whitespace between)."""
         rest = (self._obj or "")[1:].lstrip()
         return not self._header and bool(rest) and rest[0] != '"'
-
-    def _progress(self) -> None:
-        obj = self._obj or ""
-        if not self._header:
-            head = self._HEAD.match(obj)
-            if head is None:
-                return
-            self._begin(json.loads(head.group(1)))
-            self._header, self._canon, self._fed = True, CanonicalJSON(), head.end()
-        if self._canon is not None:
-            self._canon.feed(obj[self._fed:])
-            self._fed = len(obj)
-            if not self._canon.broken:
-                self._args(self._canon.text[len(self._calls[-1].arguments):])
 
     def _close(self, parsed: tuple[str, str] | None) -> None:
         """The open object ended; ``parsed`` is its call (name, arguments) or None."""

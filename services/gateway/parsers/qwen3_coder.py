@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 from typing import Any
 
-from pdmesh.services.gateway.parsers.tools import ToolParser, json_text, overlap
+from pdmesh.services.gateway.parsers.tools import ToolParser, as_number, is_json, json_text, overlap
 
 
 def qwen3_coder_value(value: str, param: str, props: dict[str, Any]) -> Any:
@@ -31,12 +30,9 @@ def qwen3_coder_value(value: str, param: str, props: dict[str, Any]) -> Any:
             return value
     if kind.startswith(("num", "float")):
         try:
-            number = float(value)
+            return as_number(value)
         except ValueError:
             return value
-        if not math.isfinite(number):
-            return value  # (JSON has no infinities: the text as written)
-        return number if number != int(number) else int(number)
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
@@ -46,10 +42,9 @@ def qwen3_coder_value(value: str, param: str, props: dict[str, Any]) -> Any:
             pass
     try:
         parsed = ast.literal_eval(value)
-        json.dumps(parsed, allow_nan=False)  # a set, bytes, complex, inf: not JSON
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return value
-    return parsed
+    return parsed if is_json(parsed) else value
 
 
 class Qwen3CoderToolParser(ToolParser):

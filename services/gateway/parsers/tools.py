@@ -26,6 +26,7 @@ model's own text for those vLLM passes through (deepseek_v3, deepseek_v31).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,6 +55,25 @@ def json_text(value: Any) -> str:
     return text
 
 
+def as_number(text: str) -> int | float:
+    """``text`` as a JSON number, integral values as ints ("2.0" -> 2), as vLLM's
+    parsers convert "number" parameters; ValueError when it is not one (infinities and
+    NaN included: JSON has none)."""
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text!r} is not a finite number")
+    return number if number != int(number) else int(number)
+
+
+def is_json(value: Any) -> bool:
+    """Whether ``value`` (a parsed literal) is JSON data: no set, bytes or infinity."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def overlap(text: str, tag: str) -> int:
     """Length of the longest proper prefix of ``tag`` that ``text`` ends with."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -69,6 +89,7 @@ class ToolParser:
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool] = False  # markers are special tokens: keep them
     starts: ClassVar[tuple[str, ...]]  # markers that open the calls region
+    _HEAD: ClassVar[re.Pattern[str]]  # a JSON call's start, up to its arguments' value
 
     def __init__(self, tools: list[dict] | None):
         self.tools = tools or []
@@ -171,6 +192,29 @@ class ToolParser:
             return False
         self._buf = self._buf[at + len(marker):]
         return True
+
+    def _new_json_call(self) -> None:
+        """A call written as one JSON object opens (hermes, llama3_json): nothing of it
+        sent yet."""
+        self._header = False  # its call went out
+        self._canon: CanonicalJSON | None = None
+        self._fed = 0  # characters of its text given to ``_canon``
+
+    def _stream_json_call(self, body: str) -> None:
+        """Send what ``body``, the open JSON call's text so far, makes final: the header
+        once ``_HEAD`` (the object's start, up to its arguments' value) matches, then the
+        arguments in ``json_text`` form as they are written."""
+        if not self._header:
+            head = self._HEAD.match(body)
+            if head is None:
+                return
+            self._begin(json.loads(head.group(1)))
+            self._header, self._canon, self._fed = True, CanonicalJSON(), head.end()
+        if self._canon is not None:
+            self._canon.feed(body[self._fed:])
+            self._fed = len(body)
+            if not self._canon.broken:
+                self._args(self._canon.text[len(self._calls[-1].arguments):])
 
     def _properties(self, function: str) -> dict[str, Any]:
         """The JSON-schema properties of the request's tool ``function`` ({} if none)."""
@@ -299,39 +343,24 @@ class HermesToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None):
         super().__init__(tools)
         self._open = False
-        self._header = False  # the open block's call went out
-        self._canon: CanonicalJSON | None = None
-        self._fed = 0  # characters of the body given to ``_canon``
 
     def _scan(self, final: bool) -> None:
         while True:
             if not self._open:
                 if not self._skip_to(self._START, final):
                     return
-                self._open, self._header, self._canon, self._fed = True, False, None, 0
+                self._open = True
+                self._new_json_call()
             at = self._buf.find(self._END)
             if at == -1 and not final:
-                self._progress(self._buf[:len(self._buf) - overlap(self._buf, self._END)])
+                self._stream_json_call(self._buf[:len(self._buf) - overlap(self._buf, self._END)])
                 return
             body = self._buf if at == -1 else self._buf[:at]
             self._buf = "" if at == -1 else self._buf[at + len(self._END):]
-            self._progress(body)
+            self._stream_json_call(body)
             self._close(body)
             if at == -1:
                 return
-
-    def _progress(self, body: str) -> None:
-        if not self._header:
-            head = self._HEAD.match(body)
-            if head is None:
-                return
-            self._begin(json.loads(head.group(1)))
-            self._header, self._canon, self._fed = True, CanonicalJSON(), head.end()
-        if self._canon is not None:
-            self._canon.feed(body[self._fed:])
-            self._fed = len(body)
-            if not self._canon.broken:
-                self._args(self._canon.text[len(self._calls[-1].arguments):])
 
     def _close(self, body: str) -> None:
         self._open = False

@@ -178,8 +178,8 @@ def test_mesh_still_serves_after_bad_requests(client):
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
 
-def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
-    """A client that drops a stream frees the request's KV blocks on decode at once."""
+def decode_load(registry_prefix):
+    """A function that reads the (one) decode instance's load over its Health RPC."""
     import grpc
 
     from pdmesh.shared.infra.registry import Registry
@@ -187,6 +187,24 @@ def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
 
     [dec] = Registry(prefix=registry_prefix + "-gw").instances(role="decode")
     health = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(dec.address)).Health
+    return lambda: health(common_pb2.HealthRequest(), timeout=5).load
+
+
+def decode_freed(load, within_s=10.0) -> bool:
+    """Whether decode runs nothing and holds no KV block within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        now = load()
+        if now.running == 0 and now.free_kv_blocks == now.total_kv_blocks:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
+    """A client that drops a stream frees the request's KV blocks on decode at once."""
+    load = decode_load(registry_prefix)
     body = {"model": MODEL, "prompt": list(range(50, 90)), "max_tokens": 3000,
             "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as c:
@@ -194,14 +212,8 @@ def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
             lines = r.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert health(common_pb2.HealthRequest(), timeout=5).load.running == 1
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = health(common_pb2.HealthRequest(), timeout=5).load
-        if load.running == 0 and load.free_kv_blocks == load.total_kv_blocks:
-            break
-        time.sleep(0.05)
-    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+            assert load().running == 1
+    assert decode_freed(load), load()
 
 
 def test_min_tokens_past_the_prefill_token(client):
@@ -253,25 +265,13 @@ def test_fields_it_does_not_know_are_accepted(client):
 
 def test_a_client_leaving_a_whole_answer_aborts_it_on_decode(mesh, registry_prefix):
     """Not streamed: a client that gives up waiting frees the request on decode too."""
-    import grpc
-
-    from pdmesh.shared.infra.registry import Registry
-    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
-
-    [dec] = Registry(prefix=registry_prefix + "-gw").instances(role="decode")
-    health = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(dec.address)).Health
+    load = decode_load(registry_prefix)
     body = {"model": MODEL, "prompt": list(range(50, 90)), "max_tokens": 3000,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(mesh + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=2),
                    headers={"Authorization": f"Bearer {KEY}"})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = health(common_pb2.HealthRequest(), timeout=5).load
-        if load.running == 0 and load.free_kv_blocks == load.total_kv_blocks:
-            break
-        time.sleep(0.05)
-    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+    assert decode_freed(load), load()
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],

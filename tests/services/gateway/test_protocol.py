@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from pdmesh.services.gateway.protocol import ChatCompletionRequest, CompletionRequest, render_chat
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -99,4 +99,13 @@ def test_continue_final_message_needs_the_assistant_last():
     r = ChatCompletionRequest.model_validate({**CHAT, "continue_final_message": True,
                                               "messages": [*CHAT["messages"], {
                                                   "role": "assistant", "content": "Sure"}]})
-    assert r.template_kwargs()["add_generation_prompt"] is False
+    class Template:  # what render_chat hands the chat template
+        def apply_chat_template(self, messages, **kwargs):
+            self.messages, self.kwargs = messages, kwargs
+            return "text"
+
+    template = Template()
+    assert render_chat(template, r) == "text"
+    assert template.kwargs["add_generation_prompt"] is False
+    assert template.kwargs["continue_final_message"] is True
+    assert template.messages[-1] == {"role": "assistant", "content": "Sure"}
