@@ -94,7 +94,7 @@ def test_pdmesh_up_serves_it_like_the_offline_engine(tiny_models, tmp_path, regi
 
 
 RECOMPUTE = json.dumps({"scheduler_config": {"recompute_scheduler_enable": True}})
-HAND_BACK_PROMPTS = [list(range(200 + 31 * i, 236 + 31 * i)) for i in range(6)]
+HAND_BACK_PROMPTS = [list(range(200 + 31 * i, 236 + 31 * i)) for i in range(4)]
 HAND_BACK_NEW = 64
 
 
