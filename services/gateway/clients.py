@@ -209,8 +209,9 @@ class DecodeSession:
             while not finished:
                 heard = clock()
                 while True:
-                    try:
-                        item = await asyncio.wait_for(q.get(), poll)
+                    try:  # (not wait_for: Python 3.11's loses a cancel that comes
+                        async with asyncio.timeout(poll):  # as the item does)
+                            item = await q.get()
                         break
                     except TimeoutError:
                         silent = clock() - heard
