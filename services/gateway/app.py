@@ -227,11 +227,13 @@ class Gateway:
         """Answer ``body`` on ``prompts`` (a completion's batch; one for a chat): each
         prompt's choices (n, or best_of's candidates) in the order vLLM numbers them."""
         field = "messages" if chat else "prompt"
+        context = self.context_len()  # (once: it reads every registered instance)
         runs = []
         for prompt in prompts:
-            prompt = body.truncated(prompt, self.context_len() - 1)
+            prompt = body.truncated(prompt, context - 1)
             try:
-                runs.append((prompt, await self._params(body, prompt, field, output)))
+                runs.append((prompt, await self._params(body, prompt, field, output,
+                                                        context)))
             except ValueError as e:  # "field: why"
                 return error(400, str(e), str(e).split(":", 1)[0])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -284,13 +286,13 @@ class Gateway:
         return answer
 
     async def _params(self, body: _Base, prompt: list[int], field: str,
-                      output: ChatOutput | None) -> SamplingParams:
-        """The engine's parameters for ``body`` on ``prompt``; ValueError "field: why" for
-        what cannot be served: no room in the context, a token id past the vocabulary, a
-        grammar that does not compile, a value out of range."""
+                      output: ChatOutput | None, context: int) -> SamplingParams:
+        """The engine's parameters for ``body`` on ``prompt`` within ``context`` tokens;
+        ValueError "field: why" for what cannot be served: no room in the context, a
+        token id past the vocabulary, a grammar that does not compile, a value out of
+        range."""
         if not prompt:
             raise ValueError(f"{field}: must not be empty")
-        context = self.context_len()
         if len(prompt) >= context:
             raise ValueError(f"{field}: {len(prompt)} tokens leaves no room to generate "
                              f"within max_model_len ({context})")

@@ -28,7 +28,7 @@ from pdmesh.services.gateway.parsers import (
     tool_parser,
 )
 from pdmesh.services.gateway.parsers.tools import call_id
-from pdmesh.services.gateway.protocol import ChatCompletionRequest, NamedToolChoice
+from pdmesh.services.gateway.protocol import ChatCompletionRequest, NamedToolChoice, chat_kwargs
 from pdmesh.shared.engine.structured import json_schema_grammar
 
 
@@ -62,9 +62,8 @@ class ChatOutput:
         # (a forced call's grammar holds from the first token: its output is the call,
         # never reasoning)
         if settings.reasoning_parser and self.mode in ("auto", "none"):
-            # (reasoning_effort "none" switches thinking off, as the V4 encoding reads it)
-            thinking = body.reasoning_effort != "none" and thinking_enabled(
-                settings.reasoning_parser, body.chat_template_kwargs)
+            # (read as the chat template reads it: see thinking_asked)
+            thinking = thinking_enabled(settings.reasoning_parser, chat_kwargs(body))
             self.reasoning = reasoning_parser(settings.reasoning_parser, thinking)
         # a grammar from the request (response_format, guided_*) holds from the first
         # token: the output is reasoning only if it closes it itself (set by the gateway)

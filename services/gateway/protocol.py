@@ -304,16 +304,23 @@ def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (given or {}).items() if k not in _RESERVED_KWARGS}
 
 
+def chat_kwargs(body: Any) -> dict[str, Any]:
+    """What ``body``'s chat template reads besides its messages and tools: its
+    chat_template_kwargs, and its reasoning_effort unless those name one (vLLM's order)."""
+    kwargs = template_kwargs(body.chat_template_kwargs)
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
 def render_chat(tokenizer: Any, body: Any) -> str:
     """The prompt text of ``body``'s chat (a chat completion or a tokenize request): its
     messages through the chat template with its tools, chat_template_kwargs and
     reasoning_effort, as vLLM renders them. ValueError when the template refuses them."""
-    kwargs = template_kwargs(body.chat_template_kwargs)
+    kwargs = chat_kwargs(body)
     if body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-    effort = getattr(body, "reasoning_effort", None)
-    if effort is not None:
-        kwargs.setdefault("reasoning_effort", effort)
     return tokenizer.apply_chat_template(
         [m.for_template() for m in body.messages],
         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,

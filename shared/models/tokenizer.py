@@ -24,6 +24,18 @@ def _raise(message: str) -> None:
 MODES = ("auto", "hf", "slow", "deepseek_v4")
 
 
+
+def thinking_asked(kwargs: dict[str, Any] | None) -> bool | None:
+    """A chat's thinking switch as its template kwargs give it (vLLM's keys): off with
+    reasoning_effort "none", else "thinking" / "enable_thinking" (either true: on);
+    None when they say nothing (the model's or the reasoning parser's default holds).
+    The one place both the encoding and the gateway's reasoning parser read it from."""
+    kwargs = kwargs or {}
+    if kwargs.get("reasoning_effort") == "none":
+        return False
+    said = [bool(kwargs[k]) for k in ("thinking", "enable_thinking") if k in kwargs]
+    return any(said) if said else None
+
 class Tokenizer:
     def __init__(self, folder: str | Path, mode: str = "auto"):
         if mode not in MODES:
@@ -108,10 +120,9 @@ class Tokenizer:
         reasoning_effort as the request gives them."""
         from pdmesh.shared.models.encoding_dsv4 import encode_messages
 
-        said = [kwargs[k] for k in ("thinking", "enable_thinking") if k in kwargs]
         try:
             return encode_messages(
-                messages, tools=kwargs.get("tools"), thinking=bool(said and any(said)),
+                messages, tools=kwargs.get("tools"), thinking=bool(thinking_asked(kwargs)),
                 reasoning_effort=kwargs.get("reasoning_effort"),
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message)

@@ -319,7 +319,7 @@ class EngineLoop:
         rid = m.request_id
         try:
             self._check_admission(rid)
-            self.engine.validate_request(m.prompt_token_ids, m.sampling, m.output_token_ids)
+            # (add_request validates it, and changes nothing when it raises)
             self._requests[rid] = self.engine.add_request(
                 m.prompt_token_ids, m.sampling, request_id=rid, priority=m.priority,
                 output_token_ids=m.output_token_ids or None)

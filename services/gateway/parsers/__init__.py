@@ -33,6 +33,7 @@ from pdmesh.services.gateway.parsers.tools import (
     call_id,
     overlap,
 )
+from pdmesh.shared.models.tokenizer import thinking_asked
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Qwen3CoderToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
@@ -64,13 +65,10 @@ def reasoning_parser(name: str, thinking: bool = True) -> ReasoningParser:
 
 
 def thinking_enabled(name: str, chat_template_kwargs: dict[str, Any] | None) -> bool:
-    """Whether a request thinks: an explicit "thinking" or "enable_thinking" decides,
+    """Whether a request thinks: what its template kwargs say (``thinking_asked``),
     else the parser's default (see ``_THINKING_DEFAULT``)."""
-    kwargs = chat_template_kwargs or {}
-    said = [bool(kwargs[k]) for k in ("thinking", "enable_thinking") if k in kwargs]
-    if said:
-        return any(said)
-    return _THINKING_DEFAULT.get(name, True)
+    asked = thinking_asked(chat_template_kwargs)
+    return _THINKING_DEFAULT.get(name, True) if asked is None else asked
 
 
 __all__ = [

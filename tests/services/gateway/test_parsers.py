@@ -17,6 +17,7 @@ from pdmesh.services.gateway.parsers import (
     thinking_enabled,
     tool_parser,
 )
+from pdmesh.services.gateway.protocol import ChatCompletionRequest, chat_kwargs
 
 GOLDEN = Path(__file__).parent / "golden" / "parsers"
 
@@ -191,6 +192,15 @@ def test_thinking_switch_from_chat_template_kwargs() -> None:
     assert not thinking_enabled("deepseek_v4", {"thinking": False})
     assert thinking_enabled("deepseek_v4", {"thinking": True})
     assert not thinking_enabled("deepseek_v4", {})  # vLLM's deepseek_v4 default
+    # reasoning_effort "none" is thinking off, as DeepSeek-V4's encoding reads it; the
+    # chat template kwargs' own reasoning_effort wins over the request field's
+    assert not thinking_enabled("qwen3", {"reasoning_effort": "none", "thinking": True})
+    assert thinking_enabled("deepseek_v4", {"reasoning_effort": "high", "thinking": True})
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "none"}})
+    assert chat_kwargs(body)["reasoning_effort"] == "none"
+    assert not thinking_enabled("qwen3", chat_kwargs(body))
     assert reasoning_parser("deepseek_v4", thinking=False).extract("a</think>b") == \
         (None, "a</think>b")
 
