@@ -23,7 +23,7 @@ import torch
 
 from pdmesh.shared.cli.bench.offline import workload
 from pdmesh.shared.engine import LLM, SamplingParams
-from pdmesh.shared.models.tiny import DeepSeekV4Shape, make_tiny_model, train_tokenizer
+from pdmesh.shared.models.tiny import DSV4_TOKENS, DeepSeekV4Shape, make_tiny_model, train_tokenizer
 
 V4_SHAPE = DeepSeekV4Shape(window=128, csa_rate=4, hca_rate=128, index_topk=64)
 
@@ -31,7 +31,8 @@ V4_SHAPE = DeepSeekV4Shape(window=128, csa_rate=4, hca_rate=128, index_topk=64)
 def make_models(root: Path, max_len: int) -> dict[str, Path]:
     tok = train_tokenizer(4096)
     paths = {
-        "DeepSeek-V4 tiny": make_tiny_model(root / "v4", "deepseek_v4", tokenizer=tok,
+        "DeepSeek-V4 tiny": make_tiny_model(root / "v4", "deepseek_v4",
+                                            tokenizer=train_tokenizer(4096, DSV4_TOKENS),
                                             deepseek_v4=V4_SHAPE),
         "Qwen3 tiny (dense)": make_tiny_model(root / "qwen3", "qwen3", tokenizer=tok),
     }

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.shared.models.tiny import ARCHS, SIZES, make_tiny_model, train_tokenizer
+from pdmesh.shared.models.tiny import (
+    ARCHS,
+    DSV4_TOKENS,
+    SIZES,
+    make_tiny_model,
+    tokenizer_spec,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +35,18 @@ def bpe_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, bpe_tokenizer) -> dict[str, Path]:
+def dsv4_tokenizer():
+    """The tiny DeepSeek-V4's: V4's BOS / EOS and chat markup as whole tokens."""
+    return train_tokenizer(SIZES["tiny"].vocab, DSV4_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, bpe_tokenizer, dsv4_tokenizer) -> dict[str, Path]:
     """arch -> folder of a tiny random model (seed 0), for every architecture."""
     root = tmp_path_factory.mktemp("models")
-    return {arch: make_tiny_model(root / arch, arch, seed=0, tokenizer=bpe_tokenizer)
+    tokenizers = {DSV4_TOKENS: dsv4_tokenizer}
+    return {arch: make_tiny_model(root / arch, arch, seed=0,
+                                  tokenizer=tokenizers.get(tokenizer_spec(arch), bpe_tokenizer))
             for arch in ARCHS}
 
 

@@ -58,7 +58,7 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 llg = _llguidance()
-                text = self.tokenizer_json.read_text()
+                text = markup_as_text(self.tokenizer_json.read_text())
                 eos = list(self.eos_token_ids) or None
                 self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
             return self._tokenizer
@@ -69,6 +69,43 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"grammar: not valid: {matcher.get_error()}")
         return Grammar(matcher, self.vocab_size)
+
+
+def markup_as_text(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance should read it. llguidance takes an added token shaped
+    like ``<...>`` for a special one whatever its flag, so a model's markup that decodes
+    as text (DeepSeek's ``</think>`` and ``<｜User｜>``, flagged non-special) could never
+    be matched by a grammar's text: in a byte-level BPE tokenizer such tokens move into
+    the vocabulary, spelled as the bytes they decode to. Other tokenizers as they are."""
+    spec = json.loads(tokenizer_json)
+    vocab = (spec.get("model") or {}).get("vocab")
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel" or not isinstance(vocab, dict):
+        return tokenizer_json
+    chars, kept = _byte_level_chars(), []
+    for token in spec.get("added_tokens") or []:
+        spelled = "".join(chars[b] for b in token["content"].encode())
+        if token.get("special") or vocab.get(spelled, token["id"]) != token["id"]:
+            kept.append(token)  # (a special token; or its text is another token's)
+        else:
+            vocab[spelled] = token["id"]
+    if len(kept) == len(spec.get("added_tokens") or []):
+        return tokenizer_json
+    spec["added_tokens"] = kept
+    return json.dumps(spec)
+
+
+def _byte_level_chars() -> list[str]:
+    """Byte -> the character byte-level BPE spells it with (GPT-2's table: printable
+    Latin-1 bytes as themselves, the rest from U+0100 on)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 class Grammar:

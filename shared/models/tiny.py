@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pdmesh.shared.models import encoding_dsv4 as dsv4
 from pdmesh.shared.models.corpus import corpus_files
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
          "deepseek_v4": "DeepseekV4ForCausalLM"}
 MOE_ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v4")
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 # Qwen3's chat format, compactly: tools in the system turn, calls as <tool_call> JSON,
 # results as <tool_response> user turns, reasoning in <think>, enable_thinking=False as
 # an empty <think> block opening the answer
@@ -62,6 +62,39 @@ CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}"
     "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A model family's tokenizer: the tokens matched whole, and what its config says.
+    ``special`` tokens are dropped from text by skip_special_tokens; ``markup`` tokens
+    are matched whole but stay text (the reasoning and tool-call parsers read them)."""
+
+    special: tuple[str, ...]
+    markup: tuple[str, ...]
+    bos: str
+    eos: str
+    pad: str
+    add_bos: bool
+    chat_template: str | None  # None: the family ships none (DeepSeek-V4's encoding)
+
+
+QWEN_TOKENS = TokenizerSpec(
+    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"), markup=(),
+    bos="<|endoftext|>", eos="<|im_end|>", pad="<|pad|>", add_bos=False,
+    chat_template=CHAT_TEMPLATE)
+# DeepSeek-V4's: BOS / EOS / pad special, the chat and tool-call markup whole tokens that
+# decode as text; no chat template (--tokenizer-mode deepseek_v4 renders chats)
+DSV4_TOKENS = TokenizerSpec(
+    special=(dsv4.BOS, dsv4.EOS, "<｜▁pad▁｜>"),
+    markup=(dsv4.USER, dsv4.ASSISTANT, dsv4.LATEST_REMINDER, dsv4.THINK_START,
+            dsv4.THINK_END, dsv4.DSML, *dsv4.TASK_TOKENS.values()),
+    bos=dsv4.BOS, eos=dsv4.EOS, pad="<｜▁pad▁｜>", add_bos=True, chat_template=None)
+
+
+def tokenizer_spec(arch: str) -> TokenizerSpec:
+    return DSV4_TOKENS if arch == "deepseek_v4" else QWEN_TOKENS
+
 
 
 @dataclass(frozen=True)
@@ -148,24 +181,33 @@ class DeepSeekV4Shape:
                 "heavily_compressed_attention": self.hca_rate}[kind]
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 / Qwen style) trained on standard-library sources."""
+def train_tokenizer(vocab_size: int, spec: TokenizerSpec = QWEN_TOKENS) -> Tokenizer:
+    """Byte-level BPE (GPT-2 / Qwen style) trained on standard-library sources, with
+    ``spec``'s special tokens first and its markup tokens last."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(spec.markup),
         min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(spec.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train(corpus_files(), trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.markup])
     return tok
 
 
-def _config(arch: str, s: Shape, tok: Tokenizer) -> dict:
+def _check_tokenizer(tok: Tokenizer, spec: TokenizerSpec, arch: str) -> None:
+    missing = [t for t in (*spec.special, *spec.markup) if tok.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"tokenizer: lacks {arch}'s tokens {missing} (train one with "
+                         f"train_tokenizer(vocab, tokenizer_spec({arch!r})))")
+
+
+def _config(arch: str, s: Shape, tok: Tokenizer, spec: TokenizerSpec) -> dict:
     cfg = {
         "architectures": [ARCHS[arch]],
         "model_type": arch,
@@ -183,9 +225,9 @@ def _config(arch: str, s: Shape, tok: Tokenizer) -> dict:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "hidden_act": "silu",
-        "bos_token_id": tok.token_to_id("<|endoftext|>"),
-        "eos_token_id": tok.token_to_id("<|im_end|>"),
-        "pad_token_id": tok.token_to_id("<|pad|>"),
+        "bos_token_id": tok.token_to_id(spec.bos),
+        "eos_token_id": tok.token_to_id(spec.eos),
+        "pad_token_id": tok.token_to_id(spec.pad),
         "torch_dtype": "float32",
         "dtype": "float32",
     }
@@ -480,11 +522,13 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     shape = SIZES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer or train_tokenizer(shape.vocab)
+    spec = tokenizer_spec(arch)
+    tok = tokenizer or train_tokenizer(shape.vocab, spec)
     if tok.get_vocab_size() != shape.vocab:
         raise ValueError(f"tokenizer: vocabulary {tok.get_vocab_size()} != {shape.vocab}")
+    _check_tokenizer(tok, spec, arch)
     tok.save(str(out / "tokenizer.json"))
-    cfg = _config(arch, shape, tok)
+    cfg = _config(arch, shape, tok, spec)
     ds = deepseek or DeepSeekShape()
     ds4 = deepseek_v4 or DeepSeekV4Shape()
     if arch == "deepseek_v3":
@@ -495,15 +539,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     _write_json(out / "generation_config.json", {
         "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
         "pad_token_id": cfg["pad_token_id"], "do_sample": False})
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
-        "unk_token": None, "additional_special_tokens": ["<|im_start|>"],
-        "add_bos_token": False, "model_max_length": cfg["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE})
-    _write_json(out / "special_tokens_map.json", {
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
-        "additional_special_tokens": ["<|im_start|>"]})
+    _write_tokenizer_config(out, spec, cfg["max_position_embeddings"])
     if arch == "deepseek_v3":
         weights = _deepseek_weights(shape, ds, seed)
     elif arch == "deepseek_v4":
@@ -519,6 +555,23 @@ def make_tiny_model(out: str | Path, arch: str = "qwen3", seed: int = 0, size: s
     weights = {k: v.contiguous() for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _write_tokenizer_config(out: Path, spec: TokenizerSpec, max_len: int) -> None:
+    """tokenizer_config.json and special_tokens_map.json, as the family's checkpoints
+    write them (the chat template inside the config, when the family has one)."""
+    extra = [t for t in spec.special if t not in (spec.bos, spec.eos, spec.pad)]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec.bos,
+              "eos_token": spec.eos, "pad_token": spec.pad, "unk_token": None,
+              "additional_special_tokens": extra, "add_bos_token": spec.add_bos,
+              "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}
+    if spec.chat_template is not None:
+        config["chat_template"] = spec.chat_template
+    _write_json(out / "tokenizer_config.json", config)
+    _write_json(out / "special_tokens_map.json", {
+        "bos_token": spec.bos, "eos_token": spec.eos, "pad_token": spec.pad,
+        "additional_special_tokens": extra})
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -24,7 +24,6 @@ def _raise(message: str) -> None:
 MODES = ("auto", "hf", "slow", "deepseek_v4")
 
 
-
 def thinking_asked(kwargs: dict[str, Any] | None) -> bool | None:
     """A chat's thinking switch as its template kwargs give it (vLLM's keys): off with
     reasoning_effort "none", else "thinking" / "enable_thinking" (either true: on);
@@ -35,6 +34,7 @@ def thinking_asked(kwargs: dict[str, Any] | None) -> bool | None:
         return False
     said = [bool(kwargs[k]) for k in ("thinking", "enable_thinking") if k in kwargs]
     return any(said) if said else None
+
 
 class Tokenizer:
     def __init__(self, folder: str | Path, mode: str = "auto"):
@@ -132,7 +132,9 @@ class Tokenizer:
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 **kwargs: Any) -> str:
         if not self.chat_template:
-            raise ValueError("messages: this model's tokenizer has no chat template")
+            raise ValueError("messages: this model's tokenizer has no chat template (a "
+                             "DeepSeek-V4 checkpoint's chats need --tokenizer-mode "
+                             "deepseek_v4)")
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]

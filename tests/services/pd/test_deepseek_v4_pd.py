@@ -1,8 +1,9 @@
 """DeepSeek-V4 through the whole mesh. PD: prefill stores the compressed history
 (entries, indexer keys) and the blocks of the sliding window (window K=V, compressor
 inputs) in the real Mooncake pool, decode continues exactly from them; the OpenAI API
-answers what the offline engine does, streaming and not. `pdmesh up` on the same
-checkpoint does too, and so does a decode instance of two DP ranks that runs out of
+answers what the offline engine does, streaming and not. The gateway serves it as the
+seeds' recipes do (V4's encoding, tool-call and reasoning parsers). `pdmesh up` on the
+same checkpoint does too, and so does a decode instance of two DP ranks that runs out of
 blocks and hands requests back."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.models import Tokenizer
+from pdmesh.shared.models import encoding_dsv4 as dsv4
 from tests.mesh import MODEL, pd_mesh
 from tests.prometheus_text import sample
 from tests.shared.cli.test_up import launch, shut
@@ -25,6 +28,16 @@ _g = torch.Generator().manual_seed(9)
 PROMPTS = [torch.randint(10, 4000, (n,), generator=_g).tolist() for n in (101, 3, 47, 200)]
 NEW = 16
 BLOCK = 16  # tests/mesh.py's --block-size
+# the gateway flags every seed recipe starts DeepSeek-V4 with
+RECIPE = ["--tokenizer-mode", "deepseek_v4", "--tool-call-parser", "deepseek_v4",
+          "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_v4"]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    with pd_mesh(tiny_models["deepseek_v4"], tmp_path_factory.mktemp("ds4-pd"),
+                 f"{registry_prefix}-ds4", gateway_args=RECIPE) as mesh:
+        yield mesh
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +67,14 @@ def _counter(url: str, direction: str) -> float:
 
 
 def test_pd_mesh_answers_equal_the_offline_engine_and_the_pool_moves_both_groups(
-        tiny_models, tmp_path_factory, registry_prefix, offline):
+        mesh, offline):
     texts, engine = offline
     spec = engine.cache_spec
     history, window = (g.block_bytes(torch.float32) for g in spec.groups)
-    with pd_mesh(tiny_models["deepseek_v4"], tmp_path_factory.mktemp("ds4-pd"),
-                 f"{registry_prefix}-ds4") as mesh:
-        assert mesh["prefill"].info["kv_bytes_per_token"] == engine.kv_bytes_per_token
-        _ask_both_ways(mesh["gateway"].info["http"], MODEL, texts)
-        put = _counter(mesh["prefill"].info["metrics"], "put")
-        got = _counter(mesh["decode"].info["metrics"], "get")
+    assert mesh["prefill"].info["kv_bytes_per_token"] == engine.kv_bytes_per_token
+    _ask_both_ways(mesh["gateway"].info["http"], MODEL, texts)
+    put = _counter(mesh["prefill"].info["metrics"], "put")
+    got = _counter(mesh["decode"].info["metrics"], "get")
     # per prompt: every history block, and the window blocks where decode continues
     # (from the prompt's end, less the window); the prompts went through twice
     # (whole, streamed), and a block already in the pool is not moved again
@@ -75,6 +86,63 @@ def test_pd_mesh_answers_equal_the_offline_engine_and_the_pool_moves_both_groups
     assert once <= put <= 2 * once
     # decode loaded what prefill stored (it computed nothing of the prompts again)
     assert once <= got <= 2 * once
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+CALL = {"role": "assistant", "content": "", "reasoning_content": "the user asks for it",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]}
+
+
+def test_chats_tools_and_thinking_as_the_recipes_serve_them(mesh, tiny_models):
+    """With the recipes' flags the gateway renders chats with V4's encoding into V4's
+    tokens (tools, history calls and results, thinking on and off), and reads the
+    model's reasoning and DSML tool calls back: what the encoding writes for an
+    assistant turn, forced as the output, comes back as that turn's reasoning and call,
+    whole and streamed."""
+    url = mesh["gateway"].info["http"]
+    tok = Tokenizer(tiny_models["deepseek_v4"], mode="deepseek_v4")
+    history = [*ASK, {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+    for thinking in (True, False):
+        asked = {"model": MODEL, "messages": history, "tools": [WEATHER],
+                 "chat_template_kwargs": {"thinking": thinking}}
+        got = httpx.post(url + "/tokenize", json=asked, timeout=30).json()["tokens"]
+        text = dsv4.encode_messages([*ASK, CALL, history[2]], tools=[WEATHER],
+                                    thinking=thinking)
+        assert got == tok.encode(text, add_special_tokens=False)
+        assert got[0] == tok.bos_token_id and text.endswith(
+            dsv4.ASSISTANT + (dsv4.THINK_START if thinking else dsv4.THINK_END))
+    prompt = dsv4.encode_messages(ASK, tools=[WEATHER], thinking=True)
+    turn = dsv4.encode_messages([*ASK, CALL], tools=[WEATHER], thinking=True,
+                                add_generation_prompt=False)
+    assert turn.startswith(prompt) and turn.endswith(dsv4.EOS)
+    output = turn[len(prompt):-len(dsv4.EOS)]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    ask = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=300, temperature=0,
+               extra_body={"guided_choice": [output],
+                           "chat_template_kwargs": {"thinking": True}})
+    r = client.chat.completions.create(**ask)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", msg
+    assert msg.reasoning_content == CALL["reasoning_content"] and not msg.content
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] \
+        == [("get_weather", {"city": "Paris", "days": 3})]
+    reasoning, args, reason = "", "", None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            args += "".join(t.function.arguments or "" for t in choice.delta.tool_calls or [])
+            reason = choice.finish_reason or reason
+    assert (reasoning, json.loads(args), reason) == (
+        CALL["reasoning_content"], {"city": "Paris", "days": 3}, "tool_calls")
+    off = client.chat.completions.create(**{**ask, "extra_body": {
+        "guided_choice": ["Sunny."], "chat_template_kwargs": {"thinking": False}}})
+    assert (off.choices[0].message.content, off.choices[0].message.reasoning_content) \
+        == ("Sunny.", None)
 
 
 def test_pdmesh_up_serves_it_like_the_offline_engine(tiny_models, tmp_path, registry_prefix,

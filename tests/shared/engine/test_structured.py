@@ -118,6 +118,30 @@ def test_bitmask_masks_only_its_rows(qwen3_path):
         compiler.start(regex_grammar("(("))
 
 
+def test_markup_that_decodes_as_text_is_text_to_a_grammar(tiny_models):
+    """DeepSeek-V4's ``</think>`` / ``<｜User｜>`` are non-special added tokens: text when
+    decoded, so a grammar's text matches them (llguidance alone would read them as
+    special tokens, match "</think>" by other tokens, then refuse the one it offered),
+    and the model's markup token itself is accepted where its text fits."""
+    from pdmesh.shared.models import Tokenizer
+    from pdmesh.shared.models import encoding_dsv4 as dsv4
+
+    path = tiny_models["deepseek_v4"]
+    tok = Tokenizer(path, mode="deepseek_v4")
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=16)
+    want = f"no{dsv4.THINK_END}yes {dsv4.USER}{dsv4.DSML}"
+    out = texts(llm, [[40, 41, 42], [7, 8]], temperature=0, max_tokens=60,
+                grammar=choice_grammar([want]))
+    assert [o.text for o in out] == [want, want]
+    assert all(o.finish_reason == "stop" for o in out)
+    compiler = GrammarCompiler(path / "tokenizer.json", 4096, (tok.eos_token_id,))
+    g = compiler.start(choice_grammar([want]))
+    ids = tok.encode(want, add_special_tokens=False)
+    assert tok.encode(dsv4.THINK_END, add_special_tokens=False)[0] in ids
+    assert g.matcher.consume_tokens(ids) and not g.matcher.is_error()
+    assert compiler.tokenizer.is_special_token(tok.eos_token_id)  # special stays special
+
+
 def test_sampling_params_check_bias_and_grammar():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={5: 101.0})

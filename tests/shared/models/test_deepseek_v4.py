@@ -53,9 +53,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, bpe_tokenizer):
+def models(tmp_path_factory, dsv4_tokenizer):
     root = tmp_path_factory.mktemp("deepseek_v4")
-    return {name: make_tiny_model(root / name, "deepseek_v4", seed=i, tokenizer=bpe_tokenizer,
+    return {name: make_tiny_model(root / name, "deepseek_v4", seed=i, tokenizer=dsv4_tokenizer,
                                   deepseek_v4=shape)
             for i, (name, shape) in enumerate(SHAPES.items())}
 

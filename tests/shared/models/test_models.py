@@ -13,6 +13,7 @@ import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.models import ModelConfig, Tokenizer
+from pdmesh.shared.models import encoding_dsv4 as dsv4
 from pdmesh.shared.models.tiny import make_tiny_model
 
 
@@ -40,6 +41,37 @@ def test_tokenizer_round_trip_and_chat_template(qwen3_path):
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token_id == ModelConfig.from_folder(qwen3_path).eos_token_ids[0]
+
+
+def test_the_tiny_deepseek_v4_ships_v4s_tokens(tiny_models, bpe_tokenizer, tmp_path):
+    """V4's BOS / EOS are its config's, its chat markup encodes as whole tokens through
+    --tokenizer-mode deepseek_v4 (and stays text on decode, for the parsers), no chat
+    template ships (V4 has none), and a tokenizer without V4's tokens is refused."""
+    path = tiny_models["deepseek_v4"]
+    tok = Tokenizer(path, mode="deepseek_v4")
+    cfg = ModelConfig.from_folder(path)
+    assert (tok.bos_token_id, tok.eos_token_id) == (cfg.bos_token_id, cfg.eos_token_ids[0])
+    assert tok.vocab_size == cfg.vocab_size == 4096 and tok.chat_template is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "reasoning_content": "r",
+             "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                               "arguments": {"x": 1}}}]},
+            {"role": "tool", "content": "42"}]
+    text = tok.apply_chat_template(chat, tools=tools, thinking=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    markup = {t: tok.encode(t, add_special_tokens=False) for t in
+              (dsv4.USER, dsv4.ASSISTANT, dsv4.THINK_START, dsv4.THINK_END, dsv4.DSML)}
+    assert all(len(one) == 1 for one in markup.values()), markup
+    assert ids[0] == tok.bos_token_id and ids.count(tok.eos_token_id) == 1
+    for t, [one] in markup.items():
+        assert ids.count(one) == text.count(t), t
+    assert tok.decode(ids) == text.removeprefix(dsv4.BOS).replace(dsv4.EOS, "")
+    assert tok.encode("hi")[0] == tok.bos_token_id  # add_bos_token, as V4's config says
+    with pytest.raises(ValueError, match="--tokenizer-mode deepseek_v4"):
+        Tokenizer(path).apply_chat_template(chat[:1])
+    with pytest.raises(ValueError, match="tokenizer: lacks deepseek_v4's tokens"):
+        make_tiny_model(tmp_path / "v4", "deepseek_v4", tokenizer=bpe_tokenizer)
 
 
 @pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
