@@ -4,7 +4,7 @@ prompt text, as DeepSeek's own Python encoder writes it (DeepSeek ships V4's for
 
 A prompt, turn by turn::
 
-    BOS [effort prefix] system [\\n\\n## Tools ...]            tools ride on the leading system
+    BOS [effort prefix] system [\\n\\n## Tools ...]            tools ride on the first system
     <｜User｜>question<｜Assistant｜><think>                      generation prompt, thinking mode
     reasoning</think>answer[\\n\\n<｜DSML｜tool_calls>...]EOS    an assistant turn
     <｜User｜><tool_result>...</tool_result><｜Assistant｜>...    tool results are user turns
@@ -20,6 +20,9 @@ A prompt, turn by turn::
 
 Beyond OpenAI's fields the encoder reads DeepSeek's own: a ``latest_reminder`` role, a
 message's ``tools`` (rendered where that message is) and a user message's ``task``.
+
+The effort prefix follows the V4 preview encoder (one prefix, for xhigh/max); vLLM 0.32
+implements DeepSeek's later revision (docs/vllm-crosscheck.md).
 """
 
 from __future__ import annotations
@@ -159,14 +162,15 @@ def _turns(messages: list[dict], tools: list[dict] | None, open_end: bool) -> li
 
 
 def _with_tools(turns: list[_Turn], tools: list[dict] | None) -> list[_Turn]:
-    """The request's tools ride on a leading system or developer message (replacing any of
-    its own), else on a system message put first."""
+    """The request's tools ride on the first system message, wherever it is (replacing
+    any of its own), else on a system message put first - as vLLM places them."""
     functions = _check_tools(tools, "tools")
     if not functions:
         return turns
-    if turns[0].role in ("system", "developer"):
-        return [replace(turns[0], tools=functions), *turns[1:]]
-    return [_Turn("system", tools=functions), *turns]
+    at = next((i for i, t in enumerate(turns) if t.role == "system"), None)
+    if at is None:
+        return [_Turn("system", tools=functions), *turns]
+    return [*turns[:at], replace(turns[at], tools=functions), *turns[at + 1:]]
 
 
 def _check(i: int, m: Any) -> _Turn:

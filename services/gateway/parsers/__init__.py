@@ -43,8 +43,9 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
     DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser,
     DeepSeekV4ReasoningParser)}
 
-# Whether thinking is on when chat_template_kwargs say nothing, as vLLM's parsers take it:
-# Qwen3 thinks unless told not to; vLLM's deepseek_v4 parser thinks only when told to.
+# Whether thinking is on when chat_template_kwargs say nothing: Qwen3 thinks unless told
+# not to; DeepSeek-V4 only when told to, as pdmesh's deepseek_v4 encoding defaults (vLLM
+# 0.32 defaults both to on: docs/vllm-crosscheck.md).
 _THINKING_DEFAULT = {"deepseek_r1": True, "qwen3": True, "deepseek_v3": False,
                      "deepseek_v4": False}
 

@@ -1,6 +1,6 @@
 """DeepSeek's tool-call parsers: deepseek_v3 and deepseek_v31 (special-token markers,
-the model's own argument text) and deepseek_v4 (DSML, with the JSON-schema coercion of
-its ``string="false"`` values), as vLLM's parsers of those names read them."""
+the model's own argument text) and deepseek_v4 (DSML, its values typed by the request's
+JSON schemas), as vLLM's parsers of those names read them (docs/vllm-crosscheck.md)."""
 
 from __future__ import annotations
 
@@ -131,10 +131,14 @@ def schema_types(schema: Any) -> set[str]:
     return kinds or {"string"}
 
 
+def _canonical(kinds: set[str]) -> set[str]:
+    return {_ALIASES.get(k.strip().lower(), k.strip().lower()) for k in kinds}
+
+
 def coerce_to_schema(value: str, kinds: set[str]) -> Any:
-    """A ``string="false"`` DSML value as the first of its schema's types it reads as,
-    in vLLM's order null, integer, number, boolean, object/array, string."""
-    kinds = {_ALIASES.get(k.strip().lower(), k.strip().lower()) for k in kinds}
+    """A DSML value's text as the first of its schema's types it reads as, in vLLM's
+    order null, integer, number, boolean, object/array, string."""
+    kinds = _canonical(kinds)
     for kind in ("null", "integer", "number", "boolean", "object", "array", "string"):
         if kind not in kinds:
             continue
@@ -153,11 +157,38 @@ def coerce_to_schema(value: str, kinds: set[str]) -> Any:
                 return parsed
         except ValueError:
             continue
+    return _json_or_text(value)
+
+
+def _json_or_text(value: str) -> Any:
+    """``value`` read as JSON (how DSML writes every ``string="false"`` value), else the
+    text itself (as a JSON infinity is: JSON cannot hold one)."""
     try:
         parsed = json.loads(value)
     except ValueError:
         return value
     return parsed if is_json(parsed) else value
+
+
+def _typed(value: Any, schema: Any) -> Any:
+    """A DSML parameter's value corrected to its JSON schema, as vLLM's parsers do: text
+    takes the schema's type (``coerce_to_schema``), an object's members and an array's
+    items their own schemas where it gives them, any other value the type its JSON text
+    reads as."""
+    if not isinstance(schema, dict):
+        return value
+    if isinstance(value, str):
+        return coerce_to_schema(value, schema_types(schema))
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        if not isinstance(props, dict):
+            return value
+        return {k: _typed(v, props[k]) if k in props else v for k, v in value.items()}
+    if isinstance(value, list):
+        items = schema.get("items")
+        return [_typed(v, items) for v in value] if isinstance(items, dict) else value
+    coerced = coerce_to_schema(json_text(value), schema_types(schema))
+    return coerced if type(coerced) is not type(value) or coerced != value else value
 
 
 class DeepSeekV4ToolParser(ToolParser):
@@ -170,8 +201,10 @@ class DeepSeekV4ToolParser(ToolParser):
         </｜DSML｜invoke>
         </｜DSML｜tool_calls>
 
-    ``string="true"`` values are text (streamed as written); others take the schema's
-    type once complete. A block left unclosed at the end holds no calls, as in vLLM."""
+    ``string="true"`` values are text, streamed as written unless the schema gives their
+    parameter a type other than string; other values (``string="false"``, or no
+    attribute) are JSON, else text. Every value then takes its schema's type (``_typed``)
+    and goes out once complete. A block left unclosed at the end holds no calls."""
 
     name = "deepseek_v4"
     needs_special_tokens = True
@@ -180,14 +213,15 @@ class DeepSeekV4ToolParser(ToolParser):
     _INVOKE, _INVOKE_END = "<｜DSML｜invoke", "</｜DSML｜invoke>"
     _PARAM, _PARAM_END = "<｜DSML｜parameter", "</｜DSML｜parameter>"
     _INVOKE_TAG = re.compile(r'<｜DSML｜invoke\s+name="([^"]+)"\s*>')
-    _PARAM_TAG = re.compile(r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>')
+    _PARAM_TAG = re.compile(r'<｜DSML｜parameter\s+name="([^"]+)"(?:\s+string="([^"]*)")?\s*>')
 
     def __init__(self, tools: list[dict] | None):
         super().__init__(tools)
         self._where = "outside"  # outside | block | invoke | param
         self._params: dict[str, tuple[str, str]] = {}  # name -> (raw value, string attr)
-        self._param: tuple[str, str] = ("", "")
+        self._param: tuple[str, str] = ("", "")  # the open parameter's name, string attr
         self._value = ""
+        self._as_text = False  # the open parameter's value streams as it is written
         self._hold = False  # stream no arguments for this call (a wrapper may be unwrapped)
 
     def _scan(self, final: bool) -> None:
@@ -250,9 +284,11 @@ class DeepSeekV4ToolParser(ToolParser):
         if tag is None:
             return self._skip_bad_tag(marker)
         self._buf, self._where = self._buf[tag.end():], "param"
-        self._param, self._value = (tag.group(1), tag.group(2)), ""
-        self._hold = self._hold or self._wrapper(tag.group(1))
-        if tag.group(2) == "true":
+        name, string = tag.group(1), tag.group(2) or ""
+        self._param, self._value = (name, string), ""
+        self._hold = self._hold or self._wrapper(name)
+        self._as_text = string == "true" and self._stays_text(name)
+        if self._as_text:
             self._key_prefix()
             self._args('"')
         return True
@@ -263,13 +299,13 @@ class DeepSeekV4ToolParser(ToolParser):
         piece, self._buf = self._buf[:cut], self._buf[cut:]
         self._value += piece
         name, string = self._param
-        if string == "true":
+        if self._as_text:
             self._args(json_text(piece)[1:-1])
         if at == -1:
             return False
         self._buf, self._where = self._buf[len(self._PARAM_END):], "invoke"
         self._params[name] = (self._value, string)
-        if string == "true":
+        if self._as_text:
             self._args('"')
         else:
             self._key_prefix()
@@ -292,17 +328,23 @@ class DeepSeekV4ToolParser(ToolParser):
         return not self._calls[-1].arguments and bool(props) and \
             name in ("arguments", "input") and name not in props
 
+    def _stays_text(self, name: str) -> bool:
+        """Whether a ``string="true"`` value of parameter ``name`` is sure to stay text
+        (its schema, if any, allows only strings), so it can stream as written."""
+        schema = self._properties(self._calls[-1].name).get(name)
+        return not isinstance(schema, dict) or _canonical(schema_types(schema)) == {"string"}
+
     def _convert(self, name: str, value: str, string: str) -> Any:
-        if string == "true":
-            return value
+        """A complete parameter's value, typed by its schema."""
         props = self._properties(self._calls[-1].name)
-        return coerce_to_schema(value, schema_types(props.get(name, {})))
+        return _typed(value if string == "true" else _json_or_text(value), props.get(name))
 
     def _arguments(self) -> str:
-        values = {k: self._convert(k, v, s) for k, (v, s) in self._params.items()}
+        values = {k: v if s == "true" else _json_or_text(v)
+                  for k, (v, s) in self._params.items()}
         props = self._properties(self._calls[-1].name)
-        for wrapper in ("arguments", "input"):  # vLLM's _repair_param_dict
-            if set(values) != {wrapper} or wrapper in props:
+        for wrapper in ("arguments", "input"):  # vLLM's _unwrap_wrapper_args
+            if not props or set(values) != {wrapper} or wrapper in props:
                 continue
             inner = values[wrapper]
             if isinstance(inner, str):
@@ -312,4 +354,4 @@ class DeepSeekV4ToolParser(ToolParser):
                     break
             if isinstance(inner, dict) and set(inner) <= set(props):
                 values = inner
-        return json_text(values)
+        return json_text(_typed(values, {"properties": props}))

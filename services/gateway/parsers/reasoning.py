@@ -143,9 +143,9 @@ class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen3 / Qwen3.5 (vLLM's current parser): ``<think>`` optional, and a
-    ``<tool_call>`` followed by ``<function=`` (Qwen3-Coder's call syntax) ends the
-    reasoning when the model opens a call without closing its thinking first."""
+    """Qwen3 / Qwen3.5: ``<think>`` optional, and a ``<tool_call>`` followed by
+    ``<function=`` (Qwen3-Coder's call syntax) ends the reasoning when the model opens a
+    call without closing its thinking first (vLLM 0.32 ends it at any ``<tool_call>``)."""
 
     name = "qwen3"
     implicit_end = "<tool_call>"
@@ -165,7 +165,8 @@ class Qwen3ReasoningParser(ReasoningParser):
 class DeepSeekV4ReasoningParser(ReasoningParser):
     """DeepSeek-V4 in thinking mode: R1's rules, and a DSML ``<｜DSML｜tool_calls>``
     ends the reasoning when ``</think>`` was skipped — unless the output opened its own
-    ``<think>``, when only ``</think>`` counts (as in vLLM)."""
+    ``<think>``, when only ``</think>`` counts (vLLM 0.32 ends it at the DSML
+    marker even then)."""
 
     name = "deepseek_v4"
     implicit_end = "<｜DSML｜tool_calls>"

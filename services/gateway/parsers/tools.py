@@ -377,7 +377,8 @@ class HermesToolParser(ToolParser):
         try:
             call = json.loads(body)
             args = call["arguments"]
-            if isinstance(args, str):  # vLLM decodes arguments written as a JSON string
+            if isinstance(args, str):  # JSON text of an object: the object (vLLM 0.32
+                # passes it on as a JSON string; see docs/vllm-crosscheck.md)
                 args = json.loads(args)
         except (ValueError, KeyError, TypeError):
             return None
