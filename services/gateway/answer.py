@@ -56,6 +56,8 @@ class Answer:
         self.done = False
         self._journey: AsyncIterator[TokenDelta] | None = None
         self._head: TokenDelta | None = None
+        # one per prompt token (the first: None), when prompt_logprobs asked for them
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = []
 
     async def start(self, journey: AsyncIterator[TokenDelta]) -> None:
         """Wait for the first token before answering anything: a MeshError raised here
@@ -67,11 +69,12 @@ class Answer:
             await self.close()
             raise
         self.cached_tokens = self._head.num_cached_tokens
+        self.prompt_logprobs = self._head.prompt_logprobs  # (they come with the first token)
 
     # -- the two shapes ------------------------------------------------------------------
     async def whole(self) -> dict[str, Any]:
         parts: list[str] = [self.echo]
-        lps: list[tuple[int, dict[int, Logprob]]] = []
+        lps = self._echoed()
         async for delta in self._deltas():
             parts.append(self._take(delta))
             lps += zip(delta.token_ids, delta.logprobs, strict=False)
@@ -85,9 +88,12 @@ class Answer:
             choice["finish_reason"] = self.output.finish_reason(self.finish_reason)
         else:
             choice["text"] = content
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "system_fingerprint": None,
-                "choices": [choice], "usage": self.usage()}
+        whole = {"id": self.rid, "object": "chat.completion" if self.chat
+                 else "text_completion", "created": self.created, "model": self.model,
+                 "system_fingerprint": None, "choices": [choice], "usage": self.usage()}
+        if self.params.prompt_logprobs is not None:  # (vLLM's places: the chat's top)
+            (whole if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs()
+        return whole
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
@@ -109,7 +115,8 @@ class Answer:
             text = self._take(delta)
             if not text and not delta.token_ids and not first:
                 continue  # only the finish reason (sent below)
-            lps = list(zip(delta.token_ids, delta.logprobs, strict=False))
+            lps = self._echoed() if first else []
+            lps += zip(delta.token_ids, delta.logprobs, strict=False)
             yield self._event([{"index": self.index,
                                 "text": self.echo + text if first else text,
                                 "logprobs": self._logprobs(lps), "finish_reason": None}])
@@ -258,17 +265,36 @@ class Answer:
                        self.completion_tokens, rec["e2e_s"],
                        extra={"request_id": self.rid, "trace_id": trace_id, "request": rec})
 
-    def _logprobs(self, lps: list[tuple[int, dict[int, Logprob]]]) -> dict[str, Any] | None:
+    def _echoed(self) -> list[tuple[int, dict[int, Logprob] | None]]:
+        """An echoing completion's prompt tokens with their logprobs (the prompt's), when
+        logprobs are asked: they come before the answer's, as vLLM gives them."""
+        if not self.echo or self.params.logprobs is None:
+            return []
+        return list(zip(self.prompt, self.prompt_logprobs or [None], strict=False))
+
+    def _prompt_logprobs(self) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first: null), the prompt's
+        own token and the top-n, by token id."""
+        word = self._word()
+        return [None if d is None else {str(k): {
+            "logprob": max(v.logprob, -9999.0), "rank": v.rank, "decoded_token": word([k])}
+            for k, v in d.items()} for d in self.prompt_logprobs or [None]]
+
+    def _word(self) -> Any:
+        """A token's text in logprobs (``token_id:N`` with return_tokens_as_token_ids)."""
+        if self.shape.token_ids_as_text:
+            return lambda ids: f"token_id:{ids[0]}"
+        return self.tok.decode
+
+    def _logprobs(self, lps: list[tuple[int, dict[int, Logprob] | None]]
+                  ) -> dict[str, Any] | None:
         n = self.params.logprobs
         if n is None or not lps:
             return None
         # a token a grammar forbids has logprob -inf, which JSON cannot hold: vLLM's floor
-        lps = [(t, {k: Logprob(max(v.logprob, -9999.0), v.rank) for k, v in d.items()})
-               for t, d in lps]
-        word = self.tok.decode
-        if self.shape.token_ids_as_text:
-            def word(ids: list[int]) -> str:
-                return f"token_id:{ids[0]}"
+        lps = [(t, None if d is None else {k: Logprob(max(v.logprob, -9999.0), v.rank)
+                                           for k, v in d.items()}) for t, d in lps]
+        word = self._word()
         if self.chat:
             return {"content": [{
                 "token": word([t]), "logprob": d[t].logprob,
@@ -278,9 +304,10 @@ class Answer:
                                  for k, v in sorted(d.items(), key=lambda kv: kv[1].rank)
                                  if v.rank <= n]} for t, d in lps]}
         return {"tokens": [word([t]) for t, _ in lps],
-                "token_logprobs": [d[t].logprob for t, d in lps],
-                "top_logprobs": [{word([k]): v.logprob for k, v in d.items()
-                                  if v.rank <= n} for _, d in lps],
+                "token_logprobs": [None if d is None else d[t].logprob for t, d in lps],
+                "top_logprobs": [None if d is None else {word([k]): v.logprob
+                                                         for k, v in d.items() if v.rank <= n}
+                                 for _, d in lps],
                 "text_offset": []}
 
 

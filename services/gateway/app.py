@@ -38,6 +38,7 @@ from pdmesh.services.gateway.answer import Answer
 from pdmesh.services.gateway.chat_output import ChatOutput, OutputSettings
 from pdmesh.services.gateway.clients import GrpcClients
 from pdmesh.services.gateway.constraints import (
+    bad_words_token_ids,
     grammar_for,
     logit_bias_for,
     tool_grammar,
@@ -317,10 +318,13 @@ class Gateway:
             raise ValueError("tool_choice: a forced tool call is itself structured output; "
                              "it cannot take response_format or guided_* as well")
         bias = logit_bias_for(body, self.vocab_size)
+        banned = await asyncio.to_thread(bad_words_token_ids, body.bad_words,
+                                         self.state.tokenizer) if body.bad_words else []
         keep = output is not None and output.keeps_special_tokens
-        if grammar is None and forced is None and not bias and not keep:
+        if grammar is None and forced is None and not bias and not banned and not keep:
             return params
         return dataclasses.replace(params, grammar=grammar or forced, logit_bias=bias,
+                                   bad_words_token_ids=banned,
                                    skip_special_tokens=params.skip_special_tokens and not keep)
 
     @staticmethod

@@ -23,7 +23,12 @@ from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra import cluster_auth, tls
 from pdmesh.shared.infra.registry import Instance
 from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdmesh.shared.proto.convert import delta_from_chunk, logprobs_from_proto, sampling_to_proto
+from pdmesh.shared.proto.convert import (
+    delta_from_chunk,
+    logprobs_from_proto,
+    prompt_logprobs_from_proto,
+    sampling_to_proto,
+)
 from pdmesh.shared.runtime.protocol import TokenDelta
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -149,7 +154,8 @@ class GrpcPrefillCall:
         if msg.kv_stored:
             self._end = msg
         lps = [logprobs_from_proto(msg.first_logprobs)] if msg.HasField("first_logprobs") else []
-        return TokenDelta(self._rid, [msg.first_token], msg.num_cached_tokens, lps)
+        return TokenDelta(self._rid, [msg.first_token], msg.num_cached_tokens, lps,
+                          prompt_logprobs=prompt_logprobs_from_proto(msg.prompt_logprobs))
 
     async def stored(self) -> Stored:
         msg = self._end or await self._read()

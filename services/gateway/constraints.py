@@ -2,7 +2,8 @@
 and logit bias: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
 ``structured_outputs`` and its older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``. At most one kind per request; a schema or regex
-that cannot be compiled is a 400 naming its field, before anything is sent.
+that cannot be compiled is a 400 naming its field, before anything is sent. vLLM's
+``bad_words`` become the token sequences the engine's sampler bans.
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ def logit_bias_for(body: _Base, vocab_size: int) -> dict[int, float]:
             raise ValueError(f"logit_bias: token id {token} is outside the vocabulary "
                              f"[0, {vocab_size})")
         out[token] = bias
+    return out
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """``bad_words`` as the token sequences the engine bans, as vLLM tokenizes them: each
+    word (its leading spaces stripped) as it is, and with a leading space where that
+    spells it with as many tokens starting with another one (the word inside a text)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"bad_words: {word!r} has no tokens to ban")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
     return out
 
 

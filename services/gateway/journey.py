@@ -23,6 +23,7 @@ every path here has unit tests with fakes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 from collections.abc import AsyncIterator
@@ -386,7 +387,12 @@ class Journey:
     def _call(self, call_id: str, carried: list[int] | None = None,
               block_keys: list[str] | None = None,
               trace_context: dict[str, str] | None = None) -> Call:
-        return Call(call_id, self.req.prompt, self.req.sampling, self.req.priority,
+        """A call for the request; one carrying tokens asks no prompt logprobs (they
+        came with the first token, and the prompt's KV may then come from the pool)."""
+        sampling = self.req.sampling
+        if carried and sampling.prompt_logprobs is not None:
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
+        return Call(call_id, self.req.prompt, sampling, self.req.priority,
                     list(carried or []), list(block_keys or []), trace_context or {})
 
 

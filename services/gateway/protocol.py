@@ -137,7 +137,23 @@ class _Base(BaseModel):
     guided_decoding_backend: str | None = None  # (one grammar engine here: llguidance)
     guided_whitespace_pattern: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    bad_words: list[str] | None = None  # vLLM's: never generated (constraints.py)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # top-n per prompt token
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_blank_bad_word(cls, words: list[str] | None) -> list[str] | None:
+        blank = next((i for i, w in enumerate(words or ()) if not w.strip()), None)
+        if blank is not None:  # (vLLM fails on one: it has no tokens to ban)
+            raise ValueError(f"word {blank} is empty: a bad word needs text")
+        return words
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> _Base:
+        if self.prompt_logprobs and self.stream:  # (vLLM's refusal: 0 asks for none)
+            raise ValueError("prompt_logprobs: not available when stream is true")
+        return self
 
     @model_validator(mode="after")
     def _best_of_n(self) -> _Base:
@@ -175,6 +191,9 @@ class _Base(BaseModel):
     def top_logprobs_n(self) -> int | None:
         return None
 
+    def prompt_logprobs_n(self) -> int | None:
+        return self.prompt_logprobs
+
     def to_sampling(self, room: int) -> SamplingParams:
         """The engine's parameters; ``room``: the tokens the context has left, which a
         default max_tokens is cut to (one asked for past it is refused before this)."""
@@ -187,7 +206,8 @@ class _Base(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             max_tokens=min(self.effective_max_tokens() or room, room),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            logprobs=self.top_logprobs_n(), skip_special_tokens=self.skip_special_tokens)
+            logprobs=self.top_logprobs_n(), skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_logprobs_n())
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -212,15 +232,15 @@ class CompletionRequest(_Base):
             raise ValueError("not served (no fill-in-the-middle model is served here)")
         return suffix
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: with logprobs it needs the prompt's logprobs, which "
-                             "are not served yet; ask for one or the other")
-        return self
-
     def top_logprobs_n(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_n(self) -> int | None:
+        """As asked; else, echoing with logprobs, as many as logprobs (the echoed
+        prompt's tokens get theirs from the prompt's, as vLLM gives them)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def effective_max_tokens(self) -> int | None:
         """As asked; none asked: 16 (vLLM's and OpenAI's default; an explicit null is

@@ -27,6 +27,7 @@ from pdmesh.shared.proto.convert import (
     grpc_code,
     load_to_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     submit_from_proto,
 )
 from pdmesh.shared.runtime.client import EngineClient, RequestStream
@@ -106,6 +107,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_prompt_tokens=len(request.prompt_token_ids))
         if delta.logprobs:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(delta.logprobs[0]))
+        resp.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
         return resp
 
     def _stored(self, request, delta: TokenDelta) -> prefill_pb2.PrefillResponse:

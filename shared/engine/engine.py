@@ -39,7 +39,7 @@ from pdmesh.shared.engine.parallel_setup import (
 )
 from pdmesh.shared.engine.policy import policy_from_config
 from pdmesh.shared.engine.request import Request, RequestStatus
-from pdmesh.shared.engine.sampler import Sampler
+from pdmesh.shared.engine.sampler import Sampler, ranked_logprobs
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.engine.scheduler import Scheduler, SchedulerOutput
 from pdmesh.shared.engine.spec_decode import (
@@ -456,6 +456,7 @@ class EngineCore:
             # forget every cached prefix rather than serve one that was never filled.
             self.kv.reset_prefix_cache()
             raise
+        self._score_prompts()
         tokens: dict[int, Any] = self._sample(sched, logits, sample_idx)
         saving: set[int] = set()
         if self.connector is not None and self.connector.save_prompts:
@@ -531,6 +532,22 @@ class EngineCore:
                     self.draft_length.record_verified(len(d.tokens), len(tokens) - 1)
                 out[i] = tokens
         return out
+
+    def _score_prompts(self) -> None:
+        """The logprobs of the prompt tokens this step's logits scored, onto the requests
+        that asked for them (``Request.prompt_logprobs``)."""
+        scored, self.runner.prompt_logits = self.runner.prompt_logits, None
+        if scored is None:
+            return
+        spans = list(zip(scored.requests, scored.first, scored.counts, strict=True))
+        tokens = [t for r, f, n in spans for t in r.prompt_token_ids[f:f + n]]
+        top = [r.sampling_params.prompt_logprobs for r, _, n in spans for _ in range(n)]
+        entries = ranked_logprobs(torch.log_softmax(scored.logits, dim=-1),
+                                  torch.tensor(tokens, device=scored.logits.device), top)
+        at = 0
+        for r, _, n in spans:
+            r.prompt_logprobs.extend(entries[at:at + n])
+            at += n
 
     def _draft_plan(self) -> tuple[list[Request], int]:
         """The running requests about to decode whose sampling verification reproduces

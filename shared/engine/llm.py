@@ -40,6 +40,8 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    # one per prompt token (the first: None), when prompt_logprobs asked for them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -119,9 +121,7 @@ class LLM:
         cumulative = None
         if sp.logprobs is not None:
             logprobs = req.logprobs
-            for step in logprobs:
-                for tid, lp in step.items():
-                    lp.decoded_token = self.tokenizer.id_to_token(tid)
+            self._decode_tokens(logprobs)
             cumulative = sum(step[t].logprob for step, t in zip(logprobs, ids, strict=False))
         completion = CompletionOutput(
             index=0,
@@ -138,7 +138,17 @@ class LLM:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=None if sp.prompt_logprobs is None
+            else self._decode_tokens(req.prompt_logprobs),
         )
+
+    def _decode_tokens(self, steps: list[dict[int, Logprob] | None]
+                       ) -> list[dict[int, Logprob] | None]:
+        """``steps`` with each entry's decoded_token set."""
+        for step in steps:
+            for tid, lp in (step or {}).items():
+                lp.decoded_token = self.tokenizer.id_to_token(tid)
+        return steps
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -40,6 +40,36 @@ class StepRows:
     hidden: torch.Tensor
 
 
+@dataclass
+class PromptLogits:
+    """A step's logits at the prompt positions of the requests that asked for their
+    prompt's logprobs: request i's ``counts[i]`` rows (in order, after request i - 1's)
+    score its prompt tokens ``first[i] ..`` (a position's logits score the next token)."""
+
+    requests: list[Request]
+    first: list[int]
+    counts: list[int]
+    logits: torch.Tensor  # [sum(counts), V] float32
+
+
+def prompt_positions(reqs: list[Request], starts: list[int], counts: list[int],
+                     qsl: np.ndarray) -> tuple[np.ndarray, list[tuple[Request, int, int]]]:
+    """The rows of the step whose logits score prompt tokens not yet scored for requests
+    that want their prompt's logprobs, and (request, first token scored, count) each:
+    position j scores token j + 1, for j up to the prompt's second-to-last position."""
+    rows: list[np.ndarray] = []
+    plan: list[tuple[Request, int, int]] = []
+    for i, r in enumerate(reqs):
+        if not r.wants_prompt_logprobs:
+            continue
+        lo = max(starts[i], len(r.prompt_logprobs) - 1)  # (scored before a preemption)
+        hi = min(starts[i] + counts[i], r.num_prompt_tokens - 1)
+        if hi > lo:
+            rows.append(np.arange(qsl[i] + lo - starts[i], qsl[i] + hi - starts[i]))
+            plan.append((r, lo + 1, hi - lo))
+    return (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)), plan
+
+
 def attention_metadata(device: torch.device, block_table: np.ndarray, starts: list[int],
                        counts: list[int], seq_lens: list[int], positions: np.ndarray,
                        slots: np.ndarray, qsl: np.ndarray, block_size: int,
@@ -78,6 +108,7 @@ class ModelRunner:
         self.tp_ranks = None
         self.device = backend.device
         self.last_rows: StepRows | None = None
+        self.prompt_logits: PromptLogits | None = None  # the last step's (execute)
 
     def execute(self, step: SchedulerOutput, every_row: bool = False, hidden: bool = False
                 ) -> tuple[torch.Tensor, list[int]]:
@@ -87,7 +118,8 @@ class ModelRunner:
         and has 1 + d rows, in order, where the others have one.
         ``every_row``: logits of every token computed this step instead, [T, V].
         ``hidden``: keep the step's rows and final hidden states in ``last_rows`` (what
-        an MTP proposer continues from)."""
+        an MTP proposer continues from). The logits of the prompt positions whose
+        logprobs are asked go to ``prompt_logits`` (None: none this step)."""
         bs = self.block_size
         reqs, counts = step.requests, step.num_tokens
         num_seqs = len(reqs)
@@ -132,6 +164,9 @@ class ModelRunner:
                                          ) if sample_idx else np.zeros(0, dtype=np.int64)
         else:
             logits_rows = qsl[1:][sample_idx] - 1
+        scored, plan = (np.zeros(0, dtype=np.int64), []) if every_row else \
+            prompt_positions(reqs, starts, list(counts), qsl)
+        logits_rows = np.concatenate([logits_rows, scored]) if plan else logits_rows
 
         arrays = (input_ids, positions, block_table, starts, list(counts), seq_lens, slots,
                   qsl, group_tables, logits_rows.astype(np.int64))
@@ -139,6 +174,12 @@ class ModelRunner:
             self.tp_ranks.broadcast(("step", arrays))
         hidden_out: list[torch.Tensor] | None = [] if hidden else None
         logits = self.forward_arrays(*arrays, hidden_out=hidden_out)
+        self.prompt_logits = None
+        if plan:
+            k = len(scored)
+            self.prompt_logits = PromptLogits([r for r, _, _ in plan], [f for _, f, _ in plan],
+                                              [n for _, _, n in plan], logits[len(logits) - k:])
+            logits = logits[:len(logits) - k]
         if hidden_out is not None:
             self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,
                                       group_tables, hidden_out[0])

@@ -72,6 +72,9 @@ class Request:
     stop_reason: int | None = None  # the stop token that ended it, if any
     block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # one per prompt token its logits scored so far (the first has none: None), when
+    # sampling_params.prompt_logprobs asks for them
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     kv_keys: list[str] = field(default_factory=list)  # pool keys of the saved prompt
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = field(init=False)  # tokens that end it: stop ids, eos
@@ -102,6 +105,8 @@ class Request:
         sp = self.sampling_params
         eos = () if sp.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset((*sp.stop_token_ids, *eos))
+        if sp.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if self.sampling_params.seed is not None:
             import torch  # (not at import: gRPC edge processes read this module too)
 
@@ -122,6 +127,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: every prompt position is
+        computed here, none taken from a prefix cache or the pool."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:

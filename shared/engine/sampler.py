@@ -1,10 +1,11 @@
 """Turn one step's logits into tokens, batched across requests.
 
 Order, as vLLM applies it: the structured-output grammar's mask -> raw logprobs (if
-asked) -> min_tokens masking of stop tokens -> logit_bias -> repetition / presence /
-frequency penalties -> greedy argmax, or temperature -> top-k / top-p (device kernel) ->
-min-p -> sample (seeded rows from their own generator). Fast path: an all-greedy batch
-without penalties, bias or logprobs is one argmax (after any grammar's mask).
+asked) -> bad_words -> min_tokens masking of stop tokens -> logit_bias -> repetition /
+presence / frequency penalties -> greedy argmax, or temperature -> top-k / top-p (device
+kernel) -> min-p -> sample (seeded rows from their own generator). Fast path: an
+all-greedy batch without penalties, bias, bad words or logprobs is one argmax (after any
+grammar's mask).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class Sampler:
             return SamplerOutput(self.backend.greedy(logits).tolist(), [None] * len(reqs))
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(p.bad_words_token_ids for p in params):
+            logits = self._ban_bad_words(logits, reqs)
         if any(p.min_tokens for p in params):
             logits = self._mask_early_stops(logits, reqs)
         if any(p.logit_bias for p in params):
@@ -80,7 +83,7 @@ class Sampler:
         token_list = tokens.tolist()
         lps: list[dict[int, Logprob] | None] = [None] * len(reqs)
         if raw_logprobs is not None:
-            lps = self._logprobs(raw_logprobs, tokens, params)
+            lps = ranked_logprobs(raw_logprobs, tokens, [p.logprobs for p in params])
         return SamplerOutput(token_list, lps)
 
     def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list[Drafts],
@@ -136,6 +139,25 @@ class Sampler:
         dev = logits.device
         logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                           torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+        return logits
+
+    def _ban_bad_words(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """-inf on each bad word's last token where the output so far ends with the
+        word's other tokens (vLLM's ``apply_bad_words``: the output only, not the
+        prompt; a one-token word everywhere)."""
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            out = r.output_token_ids
+            for word in r.sampling_params.bad_words_token_ids:
+                *prefix, last = word
+                if last < self.vocab_size and len(prefix) <= len(out) \
+                        and out[len(out) - len(prefix):] == prefix:
+                    rows.append(i)
+                    cols.append(last)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
         return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -218,25 +240,29 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, params: list
-                  ) -> list[dict[int, Logprob] | None]:
-        n_max = max(p.logprobs or 0 for p in params)
-        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
-        ranks = (raw > chosen.unsqueeze(1)).sum(dim=-1) + 1  # [B]
-        top_vals, top_ids = raw.topk(n_max, dim=-1) if n_max else (None, None)
-        chosen_l, ranks_l, tokens_l = chosen.tolist(), ranks.tolist(), tokens.tolist()
-        top_vals_l = top_vals.tolist() if top_vals is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
-        out: list[dict[int, Logprob] | None] = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            d = {tokens_l[i]: Logprob(chosen_l[i], ranks_l[i])}
-            for j in range(p.logprobs):
-                assert top_ids_l is not None and top_vals_l is not None
-                tid = top_ids_l[i][j]
-                if tid not in d:
-                    d[tid] = Logprob(top_vals_l[i][j], j + 1)
-            out.append(d)
-        return out
+
+def ranked_logprobs(raw: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]
+                    ) -> list[dict[int, Logprob] | None]:
+    """Row i's entry: ``{tokens[i]: its logprob and rank, then the top counts[i]}`` under
+    the log-probabilities ``raw`` [B, V] (None where counts[i] is None): the sampled
+    tokens' logprobs, and the prompt tokens' (prompt_logprobs)."""
+    n_max = max(n or 0 for n in counts)
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
+    ranks = (raw > chosen.unsqueeze(1)).sum(dim=-1) + 1  # [B]
+    top_vals, top_ids = raw.topk(n_max, dim=-1) if n_max else (None, None)
+    chosen_l, ranks_l, tokens_l = chosen.tolist(), ranks.tolist(), tokens.tolist()
+    top_vals_l = top_vals.tolist() if top_vals is not None else None
+    top_ids_l = top_ids.tolist() if top_ids is not None else None
+    out: list[dict[int, Logprob] | None] = []
+    for i, n in enumerate(counts):
+        if n is None:
+            out.append(None)
+            continue
+        d = {tokens_l[i]: Logprob(chosen_l[i], ranks_l[i])}
+        for j in range(n):
+            assert top_ids_l is not None and top_vals_l is not None
+            tid = top_ids_l[i][j]
+            if tid not in d:
+                d[tid] = Logprob(top_vals_l[i][j], j + 1)
+        out.append(d)
+    return out

@@ -28,10 +28,17 @@ class SamplingParams:
     # structured output: an llguidance grammar (engine/structured.py) the output obeys
     grammar: str | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
+    # vLLM's bad_words as token ids: a word's last token is banned wherever the output
+    # ends with the tokens before it (a one-token word: always)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # top-n logprobs per prompt token (plus the prompt's own), computed where the prompt
+    # is: such a prompt takes no prefix-cache or pool hits
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids or []]
         self.validate()
         if self.is_greedy:
             # As vLLM does: greedy ignores the truncation knobs.
@@ -45,7 +52,8 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing else to compute: no penalties, logprobs or min_tokens."""
         return (self.temperature < SAMPLING_EPS and self.logprobs is None
-                and not self.min_tokens and not self.has_penalties and not self.logit_bias)
+                and not self.min_tokens and not self.has_penalties and not self.logit_bias
+                and not self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -80,12 +88,19 @@ class SamplingParams:
                              f"got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
                or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise ValueError(f"logit_bias: token ids must be non-negative integers and "
                              f"biases in [-100, 100], got {self.logit_bias}")
+        if any(not word or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                               for t in word) for word in self.bad_words_token_ids):
+            raise ValueError(f"bad_words: each word must be a non-empty list of "
+                             f"non-negative token ids, got {self.bad_words_token_ids}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError("grammar: must be a grammar's text")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -157,7 +157,8 @@ class Scheduler:
                 else None
             if full and not victims:
                 break
-            fresh = req.num_computed_tokens == 0
+            # (a prompt whose logprobs are asked is computed whole: no hits, as vLLM's)
+            fresh = req.num_computed_tokens == 0 and not req.wants_prompt_logprobs
             cached = self.kv.find_cached_prefix(req) if fresh else PrefixHit()
             hit_tokens = cached.num_blocks * self.kv.block_size
             # tokens the KV pool can supply beyond the local hits (loaded, not computed)
@@ -374,8 +375,8 @@ class Scheduler:
         for req in list(self.waiting):
             if req.num_computed_tokens:
                 continue  # its KV is here already
-            if req.pool_gave_up:
-                continue  # its read was given up: a candidate as it is
+            if req.pool_gave_up or req.wants_prompt_logprobs:
+                continue  # nothing to read (given up, or computed whole): as it is
             if looked >= limit:
                 self._not_ready.add(id(req))
                 continue

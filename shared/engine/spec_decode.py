@@ -313,7 +313,8 @@ def drafts_allowed(req: Request) -> bool:
     """Whether the verifier reproduces this request's sampling exactly."""
     sp = req.sampling_params
     return (not sp.has_penalties and sp.logprobs is None and not sp.logit_bias
-            and req.grammar is None and req.num_output_tokens >= sp.min_tokens)
+            and not sp.bad_words_token_ids and req.grammar is None
+            and req.num_output_tokens >= sp.min_tokens)
 
 
 @dataclass

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 from pdmesh.shared.engine.request import Logprob
@@ -20,7 +22,9 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=m.repetition_penalty, stop_token_ids=list(m.stop_token_ids),
         max_tokens=m.max_tokens, min_tokens=m.min_tokens, ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
-        grammar=m.grammar if m.HasField("grammar") else None, logit_bias=dict(m.logit_bias))
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        grammar=m.grammar if m.HasField("grammar") else None, logit_bias=dict(m.logit_bias),
+        bad_words_token_ids=[list(w.token_ids) for w in m.bad_words_token_ids])
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -29,13 +33,16 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, stop_token_ids=p.stop_token_ids,
         max_tokens=p.max_tokens or 0, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
-        logit_bias=p.logit_bias)
+        logit_bias=p.logit_bias,
+        bad_words_token_ids=[common_pb2.TokenIds(token_ids=w) for w in p.bad_words_token_ids])
     if p.grammar is not None:
         m.grammar = p.grammar
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     return m
 
 
@@ -47,6 +54,17 @@ def logprobs_to_proto(lp: dict[int, Logprob]) -> common_pb2.TokenLogprobs:
 
 def logprobs_from_proto(m: common_pb2.TokenLogprobs) -> dict[int, Logprob]:
     return {e.token_id: Logprob(e.logprob, e.rank) for e in m.entries}
+
+
+def prompt_logprobs_to_proto(lps: list[dict[int, Logprob] | None]
+                             ) -> list[common_pb2.TokenLogprobs]:
+    """A prompt's logprobs; the first token's None travels as no entries."""
+    return [logprobs_to_proto(lp or {}) for lp in lps]
+
+
+def prompt_logprobs_from_proto(ms: Iterable[common_pb2.TokenLogprobs]
+                               ) -> list[dict[int, Logprob] | None]:
+    return [logprobs_from_proto(m) if m.entries else None for m in ms]
 
 
 # -- the engine protocol at the services' gRPC edges ------------------------------------
@@ -80,6 +98,8 @@ def fill_chunk(chunk: decode_pb2.GenerateChunk, delta: TokenDelta) -> None:
     chunk.token_ids.extend(delta.token_ids)
     if delta.logprobs:
         chunk.logprobs.extend(logprobs_to_proto(lp) for lp in delta.logprobs)
+    if delta.prompt_logprobs:
+        chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(delta.prompt_logprobs))
     if delta.finish_reason:
         chunk.finish_reason = delta.finish_reason
     if delta.num_cached_tokens:
@@ -92,4 +112,5 @@ def delta_from_chunk(request_id: str, chunk: decode_pb2.GenerateChunk) -> TokenD
     return TokenDelta(request_id, list(chunk.token_ids), chunk.num_cached_tokens,
                       [logprobs_from_proto(m) for m in chunk.logprobs],
                       chunk.finish_reason or None,
-                      chunk.stop_reason if chunk.HasField("stop_reason") else None)
+                      chunk.stop_reason if chunk.HasField("stop_reason") else None,
+                      prompt_logprobs=prompt_logprobs_from_proto(chunk.prompt_logprobs))

@@ -22,11 +22,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprobs", "num_cached_tokens", "num_prompt_tokens", "block_keys", "finish_reason", "kv_stored")
+    __slots__ = ("first_token", "first_logprobs", "num_cached_tokens", "num_prompt_tokens", "prompt_logprobs", "block_keys", "finish_reason", "kv_stored")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_STORED_FIELD_NUMBER: _ClassVar[int]
@@ -34,7 +35,8 @@ class PrefillResponse(_message.Message):
     first_logprobs: _common_pb2.TokenLogprobs
     num_cached_tokens: int
     num_prompt_tokens: int
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     block_keys: _containers.RepeatedScalarFieldContainer[str]
     finish_reason: str
     kv_stored: bool
-    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., block_keys: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[str] = ..., kv_stored: _Optional[bool] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., block_keys: _Optional[_Iterable[str]] = ..., finish_reason: _Optional[str] = ..., kv_stored: _Optional[bool] = ...) -> None: ...

@@ -98,6 +98,8 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_keys: list[str] = msgspec.field(default_factory=list)  # pool keys of the prompt
     timing: dict[str, Any] | None = None  # when things happened to it (monotonic), at the end
     error: Failure | None = None  # refused or failed: the last delta, no tokens
+    # with the first token computed here, when asked: one per prompt token (first: None)
+    prompt_logprobs: list[dict[int, Logprob] | None] = msgspec.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -110,7 +112,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
                           self.num_cached_tokens or more.num_cached_tokens,
                           self.logprobs + more.logprobs, more.finish_reason,
                           more.stop_reason, more.kv_keys or self.kv_keys, more.timing,
-                          more.error)
+                          more.error, self.prompt_logprobs or more.prompt_logprobs)
 
 
 def refused(request_id: str, error: Exception) -> TokenDelta:

@@ -2,7 +2,8 @@
 --max-num-seqs 1 --max-queued-requests 2) behind two gateways, one with
 --max-queued-requests 2 (so the instance never refuses its traffic) and one without a
 limit. Overflow at either level is a 429 with Retry-After and an OpenAI error body; every
-admitted request completes with the greedy text; the mesh serves on afterwards."""
+admitted request completes with the greedy text; the mesh serves on afterwards. (The
+mesh also serves the prompt_logprobs test of the mixed path.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
+from tests.shared.engine.hf_reference import assert_like_reference, from_json, hf_prompt_logprobs
 
 MODEL = "tiny"
 # long enough that the three requests the instance holds (one running, two waiting) keep
@@ -123,3 +125,17 @@ def test_instance_limit_becomes_429_at_the_gateway(mesh, expected):
                for s, info, _ in results if s == 429)
     status, _, text = complete(mesh["open"], expected[1][0], stream=False)
     assert (status, text) == (200, expected[1][1])
+
+
+def test_prompt_logprobs_computed_by_a_mixed_instance(mesh, qwen3_path):
+    """(The mesh's other path: no prefill instance.) prompt_logprobs equal a direct
+    forward pass, also when the prompt is in the instance's prefix cache already."""
+    prompt = list(range(600, 650))
+    ref = hf_prompt_logprobs(qwen3_path, prompt)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    with httpx.Client(timeout=60) as client:
+        client.post(mesh["open"] + "/v1/completions", json=body)  # into its prefix cache
+        r = client.post(mesh["open"] + "/v1/completions",
+                        json={**body, "prompt_logprobs": 3}).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_like_reference(from_json(r["choices"][0]["prompt_logprobs"]), prompt, ref, 3)

@@ -141,14 +141,16 @@ class Events:
 
 
 def journey(instances: list[Instance], prefill: dict, decode: dict, offload_threshold=0,
-            max_hand_backs: int = 16) -> tuple[Callable, FakePrefill, FakeDecode, Events]:
+            max_hand_backs: int = 16, sampling: SamplingParams | None = None
+            ) -> tuple[Callable, FakePrefill, FakeDecode, Events]:
     router = Router(FakeRegistry(*instances), offload_threshold=offload_threshold)  # type: ignore[arg-type]
     pre, dec, events = FakePrefill(prefill), FakeDecode(decode), Events()
     mesh = Mesh(router, pre, dec, RetryPolicy(backoff_s=0, max_hand_backs=max_hand_backs),
                 events)  # type: ignore[arg-type]
 
     def start() -> Journey:
-        return Journey(mesh, MeshRequest("req", PROMPT, SamplingParams(max_tokens=50)))
+        return Journey(mesh, MeshRequest("req", PROMPT,
+                                         sampling or SamplingParams(max_tokens=50)))
 
     return start, pre, dec, events
 
@@ -229,6 +231,21 @@ def test_hand_back_re_prefills_the_tokens_so_far():
     assert last_decode.block_keys[0] == "key-3-0"  # the re-prefilled prompt's keys
     assert events.counts == {"handed_back": 1}
     assert sum(d.num_cached_tokens for d in deltas) == 16  # counted once
+
+
+def test_only_the_call_that_computes_the_first_token_asks_prompt_logprobs():
+    """They come with the first token: the decode sessions after it, a migration's and
+    a hand-back's re-prefill carry tokens and ask none (their prompt may come from the
+    pool)."""
+    one_prefill = [i for i in PD if i.id != "p2"]
+    start, pre, dec, _ = journey(
+        one_prefill, {"p1": [7, 12]},
+        {"d1": [[8, FAIL]], "d2": [[9, "recomputed"], [13, "length"]]},
+        sampling=SamplingParams(max_tokens=50, prompt_logprobs=2))
+    assert tokens(run(start())) == [7, 8, 9, 12, 13]
+    asked = [(c.carried, c.sampling.prompt_logprobs) for _, c in pre.calls + dec.calls]
+    assert asked == [([], 2), ([7, 8, 9], None), ([7], None), ([7, 8], None),
+                     ([7, 8, 9, 12], None)]
 
 
 def test_hand_backs_are_bounded():

@@ -12,9 +12,11 @@ import httpx
 import openai
 import pytest
 
+from pdmesh.services.gateway.constraints import bad_words_token_ids
 from pdmesh.shared.engine import LLM, SamplingParams
 from tests.mesh import MODEL, pd_mesh
 from tests.services.gateway.bad_inputs import cases as bad_cases
+from tests.shared.engine.hf_reference import assert_like_reference, from_json, hf_prompt_logprobs
 
 KEY = "test-key"
 ENGINE_LEN = 3584  # the decode instance's --max-model-len (the checkpoint's: 4096)
@@ -254,6 +256,52 @@ def test_echo_puts_the_prompt_before_the_answer(client, offline):
         assert streamed == echoed.choices[0].text
 
 
+def test_prompt_logprobs_equal_a_forward_pass_through_prefill_and_decode(client, offline,
+                                                                          qwen3_path):
+    """Computed by the prefill instance over the whole prompt, though its KV is in the
+    pool already; on each completion choice, at the top of a chat completion."""
+    prompt = list(range(1200, 1250))  # three full blocks
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)  # into the pool
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert_like_reference(from_json(got), prompt, hf_prompt_logprobs(qwen3_path, prompt), 2)
+    assert all(v["decoded_token"] == offline.tokenizer.decode([int(k)])
+               for e in got[1:] for k, v in e.items())
+    assert r.choices[0].text == greedy(offline, prompt, 3)  # the answer as without them
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    ids = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages),
+                                   add_special_tokens=False)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                          extra_body={"prompt_logprobs": 0})
+    assert "prompt_logprobs" not in chat.choices[0].model_extra
+    assert_like_reference(from_json(chat.model_extra["prompt_logprobs"]), ids,
+                          hf_prompt_logprobs(qwen3_path, ids), 0)
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(client, offline):
+    """vLLM's echo: the echoed prompt's tokens first in the logprobs (the first without
+    any), with the prompt's logprobs; whole and in the stream's first chunk."""
+    prompt = "def add(a, b):\n    return"
+    ids = offline.tokenizer.encode(prompt)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
+              extra_body={"ignore_eos": True})
+    c = client.completions.create(**kw).choices[0]
+    lp = c.logprobs
+    assert c.text == prompt + greedy(offline, prompt, 4)
+    assert lp.tokens[:len(ids)] == [offline.tokenizer.decode([t]) for t in ids]
+    assert len(lp.tokens) == len(ids) + 4 and len(lp.token_logprobs) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    pl = c.model_extra["prompt_logprobs"]
+    assert lp.token_logprobs[1:len(ids)] == [pl[j][str(ids[j])]["logprob"]
+                                             for j in range(1, len(ids))]
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    first = next(ch for ch in client.completions.create(**kw, stream=True) if ch.choices)
+    assert first.choices[0].text.startswith(prompt)
+    assert first.choices[0].logprobs.token_logprobs[:len(ids)] == lp.token_logprobs[:len(ids)]
+
+
 def test_fields_it_does_not_know_are_accepted(client):
     """As vLLM: ignored (a warning per field name in the gateway's log)."""
     r = client.chat.completions.create(
@@ -343,6 +391,45 @@ def test_logit_bias_steers_greedy_tokens(client, offline):
                                   logit_bias={str(target): 100},
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == offline.tokenizer.decode([target] * 4)
+
+
+def _a_word_in(tokenizer, tokens: list[int], n: int, skip: int = 0) -> tuple[str, list[int]]:
+    """The first text of ``n`` tokens of ``tokens`` (from ``skip`` on) that, as a bad
+    word, the gateway tokenizes into those very tokens."""
+    for k in range(skip, len(tokens) - n + 1):
+        word = tokenizer.decode(tokens[k:k + n])
+        if word.strip() and tokens[k:k + n] in bad_words_token_ids([word], tokenizer):
+            return word, tokens[k:k + n]
+    raise AssertionError(f"no {n}-token word in {tokens}")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_bad_words_keep_a_greedy_answer_clear_of_them(client, offline, chat):
+    """A two-token word that opens the greedy answer (the prefill instance samples its
+    first token; decode must not follow it with the second) and a one-token word from
+    later on: the answer is the offline engine's with them banned, and holds neither."""
+    text = "class Node:"
+    messages = [{"role": "user", "content": text}]
+    tok = offline.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False) \
+        if chat else tok.encode(text)
+    plain = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True))[0].outputs[0]
+    two, two_ids = _a_word_in(tok, plain.token_ids, 2)
+    one, one_ids = _a_word_in(tok, plain.token_ids, 1, skip=2)
+    banned = bad_words_token_ids([two, one], tok)
+    want = offline.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True,
+        bad_words_token_ids=banned))[0].outputs[0]
+    ids = want.token_ids
+    assert one_ids[0] not in ids and all(ids[i:i + 2] != two_ids for i in range(len(ids)))
+    kw = dict(model=MODEL, max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True, "bad_words": [two, one]})
+    if chat:
+        got = client.chat.completions.create(messages=messages, **kw).choices[0].message.content
+    else:
+        got = client.completions.create(prompt=text, **kw).choices[0].text
+    assert got == want.text != plain.text
 
 
 def test_vllm_endpoints(mesh, client, offline):

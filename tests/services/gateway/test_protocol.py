@@ -84,7 +84,7 @@ def test_history_tool_calls_reach_the_template_with_mapping_arguments():
 
 @pytest.mark.parametrize(("body", "needle"), [
     ({"model": "m", "prompt": "x", "suffix": "y"}, "fill-in-the-middle"),
-    ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ({"model": "m", "prompt": "x", "response_format": {"type": "bogus"}}, "response_format"),
 ])
 def test_what_cannot_be_served_is_refused_naming_it(body, needle):
@@ -109,3 +109,21 @@ def test_continue_final_message_needs_the_assistant_last():
     assert template.kwargs["add_generation_prompt"] is False
     assert template.kwargs["continue_final_message"] is True
     assert template.messages[-1] == {"role": "assistant", "content": "Sure"}
+
+
+def test_prompt_logprobs_as_vllm_asks_them():
+    """As given (completions and chat); an echo with logprobs asks as many for the
+    echoed prompt; 0 may stream (it asks for the prompt's own tokens only)."""
+    def cmpl(**kw):
+        return CompletionRequest.model_validate({"model": "m", "prompt": "x", **kw})
+
+    assert cmpl(prompt_logprobs=3).to_sampling(8).prompt_logprobs == 3
+    assert cmpl(echo=True, logprobs=2).to_sampling(8).prompt_logprobs == 2
+    assert cmpl(echo=True, logprobs=2, prompt_logprobs=5).to_sampling(8).prompt_logprobs == 5
+    assert cmpl(echo=True).to_sampling(8).prompt_logprobs is None
+    assert cmpl(logprobs=2).to_sampling(8).prompt_logprobs is None
+    assert cmpl(prompt_logprobs=0, stream=True).to_sampling(8).prompt_logprobs == 0
+    chat = ChatCompletionRequest.model_validate({**CHAT, "prompt_logprobs": 1})
+    assert chat.to_sampling(8).prompt_logprobs == 1
+    with pytest.raises(ValidationError, match="prompt_logprobs"):
+        ChatCompletionRequest.model_validate({**CHAT, "prompt_logprobs": 1, "stream": True})

@@ -5,9 +5,12 @@ transformers is a test-only dependency; this module is imported by tests alone.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+
+from pdmesh.shared.engine.request import Logprob
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int,
@@ -74,3 +77,39 @@ def assert_greedy_twice(llm, prompts: list[list[int]], want: list[list[int]],
         for name, (free, total) in llm.engine.kv.usage().items():
             assert free == total, f"{name}: {total - free} blocks leaked"
     return outs
+
+
+def hf_prompt_logprobs(path: Path, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of one forward pass over ``prompt``: row j scores token j + 1,
+    [len(prompt), V] float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+def assert_like_reference(got: list[dict[int, Logprob] | None], prompt: list[int],
+                          ref: torch.Tensor, n: int) -> None:
+    """``got`` holds one entry per prompt token: None first, then the token's logprob
+    and rank under ``ref`` (row j - 1 scores token j) and the top ``n`` of that row."""
+    assert len(got) == len(prompt) and got[0] is None
+    for j in range(1, len(prompt)):
+        row, tok = ref[j - 1], prompt[j]
+        entry = got[j]
+        assert entry is not None and next(iter(entry)) == tok, j  # its own token first
+        assert math.isclose(entry[tok].logprob, row[tok].item(), abs_tol=1e-4), j
+        assert entry[tok].rank == int((row > row[tok]).sum()) + 1, j
+        top = row.topk(n)
+        assert set(entry) == {tok, *top.indices.tolist()}, j
+        for rank, (tid, value) in enumerate(zip(top.indices.tolist(), top.values.tolist(),
+                                                strict=True), start=1):
+            assert math.isclose(entry[tid].logprob, value, abs_tol=1e-4), j
+            if tid != tok:
+                assert entry[tid].rank == rank, j
+
+
+def from_json(entries: list[dict[str, dict] | None]) -> list[dict[int, Logprob] | None]:
+    """An OpenAI answer's ``prompt_logprobs`` (vLLM's shape) as the engine's."""
+    return [None if e is None else {int(k): Logprob(v["logprob"], v["rank"])
+                                    for k, v in e.items()} for e in entries]

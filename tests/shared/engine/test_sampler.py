@@ -105,6 +105,38 @@ def test_logprobs_are_raw_and_ranked(sampler):
     assert lp[out.token_ids[0]].rank == 1
 
 
+def test_bad_words_ban_a_last_token_after_its_prefix(sampler):
+    """vLLM's rule: a one-token word is banned at every step; a longer word's last token
+    only where the output (not the prompt: it ends with 3 here) ends with the rest."""
+    logits = torch.arange(V, dtype=torch.float32).repeat(4, 1)  # 11 likeliest, then 10...
+    words = [[11], [7, 10], [3, 10], [4, 5, 10]]
+    p = SamplingParams(temperature=0, bad_words_token_ids=words)
+    out = sampler(logits, reqs(p, p, p, p, outputs=[[], [7], [4, 5], [9, 5]]))
+    # row 0: 11 banned -> 10 (the prompt's 3 does not count); rows 1, 2: after 7, after
+    # 4 5, 10 too -> 9; row 3: 5 without the 4 before it bans nothing more -> 10
+    assert out.token_ids == [10, 9, 9, 10]
+    only = sampler(logits[:1], reqs(SamplingParams(temperature=0, bad_words_token_ids=[
+        [t] for t in range(5, V)]), outputs=[[1]]))
+    assert only.token_ids == [4]
+    lp = sampler(logits[:1], reqs(SamplingParams(temperature=0, logprobs=1,
+                                                 bad_words_token_ids=[[11]])))
+    assert lp.token_ids == [10] and lp.logprobs[0][11].rank == 1  # logprobs stay raw
+
+
+def test_engine_bad_words_leave_a_greedy_answer_clear_of_them(qwen3_path):
+    llm = LLM(str(qwen3_path), device="cpu", block_size=16)
+    prompt = [40, 41, 42, 43]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                  ignore_eos=True))[0].outputs[0].token_ids
+    pair = plain[3:5]  # a two-token word the plain answer holds
+    banned = llm.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True,
+        bad_words_token_ids=[pair, [plain[0]]]))[0].outputs[0].token_ids
+    assert banned[0] != plain[0] and plain[0] not in banned
+    assert all(banned[i:i + 2] != pair for i in range(len(banned) - 1)), (pair, banned)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_engine_seeded_sampling_reproducible_across_batches(qwen3_path):
     llm = LLM(str(qwen3_path), device="cpu", block_size=16)
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)

@@ -106,9 +106,11 @@ def test_stops_inside_the_drafts_cut_the_output(qwen3_path, greedy_reference):
 def test_penalties_and_logprobs_decode_one_token_a_step(qwen3_path):
     """Requests the verifier could not reproduce exactly get no drafts, and their output
     is the same as without speculation."""
-    ps = prompts(4, seed=5)
+    ps = prompts(5, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                              repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                             bad_words_token_ids=[[ps[4][1]], ps[4][2:4]]),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                              presence_penalty=0.5),

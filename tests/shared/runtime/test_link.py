@@ -45,11 +45,13 @@ def test_every_delta_field_round_trips():
               TokenDelta("b", [7], finish_reason="length", stop_reason=None,
                          kv_keys=["k1"], timing={"arrival": 1.5, "kv_get": (1.0, 2.0)}),
               TokenDelta("c", [8], logprobs=[{8: Logprob(-0.5, 1), 9: Logprob(-2.0, 2)}]),
+              TokenDelta("e", [4], prompt_logprobs=[None, {3: Logprob(-1.0, 2),
+                                                           1: Logprob(-0.5, 1)}]),
               TokenDelta("d", error=Failure(Status.RESOURCE_EXHAUSTED, "full"))]
     back = FrameReader(FromEngine).feed(encode(StepOutputs(deltas)) + encode(EngineLoad(1, 2)))
     assert back[1] == EngineLoad(1, 2)
     got = back[0].deltas
-    assert [d.finished for d in got] == [False, True, False, True]
+    assert [d.finished for d in got] == [False, True, False, False, True]
     for sent, received in zip(deltas, got, strict=True):
         if sent.timing:  # msgpack has no tuples: the pair comes back as a list
             assert received.timing == {"arrival": 1.5, "kv_get": [1.0, 2.0]}
@@ -63,6 +65,8 @@ def test_merged_deltas_keep_the_first_cached_count_and_the_last_ending():
     m = a.then(b)
     assert (m.token_ids, m.finish_reason, m.stop_reason, m.num_cached_tokens, m.kv_keys) == \
         ([1, 2, 3], "stop", 3, 4, ["k"])
+    first = TokenDelta("r", [1], prompt_logprobs=[None])
+    assert first.then(b).prompt_logprobs == [None]  # (they come with the first token)
 
 
 def test_socket_port_never_blocks_reading_and_sees_the_edge_close():
