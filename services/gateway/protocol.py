@@ -326,11 +326,14 @@ def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
 
 def chat_kwargs(body: Any) -> dict[str, Any]:
     """What ``body``'s chat template reads besides its messages and tools: its
-    chat_template_kwargs, and its reasoning_effort unless those name one (vLLM's order)."""
+    chat_template_kwargs, then its reasoning_effort over theirs, which also switches
+    thinking (``enable_thinking``: off for "none") unless they set enable_thinking - as
+    vLLM merges them."""
     kwargs = template_kwargs(body.chat_template_kwargs)
     effort = getattr(body, "reasoning_effort", None)
     if effort is not None:
-        kwargs.setdefault("reasoning_effort", effort)
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs
 
 

@@ -115,14 +115,16 @@ class Tokenizer:
     @staticmethod
     def _encode_dsv4(messages: list[dict[str, Any]], add_generation_prompt: bool,
                      continue_final_message: bool, kwargs: dict[str, Any]) -> str:
-        """DeepSeek-V4's encoding, read with vLLM's keys: thinking on by the template
-        kwargs ``thinking`` / ``enable_thinking`` (off unless asked), tools and
-        reasoning_effort as the request gives them."""
+        """DeepSeek-V4's encoding, read with vLLM's keys: thinking switched by the
+        template kwargs ``thinking`` / ``enable_thinking`` (on when they say nothing, as
+        vLLM's deepseek_v4 mode has it), tools and reasoning_effort as the request
+        gives them."""
         from pdmesh.shared.models.encoding_dsv4 import encode_messages
 
+        asked = thinking_asked(kwargs)
         try:
             return encode_messages(
-                messages, tools=kwargs.get("tools"), thinking=bool(thinking_asked(kwargs)),
+                messages, tools=kwargs.get("tools"), thinking=asked is None or asked,
                 reasoning_effort=kwargs.get("reasoning_effort"),
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message)

@@ -43,11 +43,10 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
     DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser,
     DeepSeekV4ReasoningParser)}
 
-# Whether thinking is on when chat_template_kwargs say nothing: Qwen3 thinks unless told
-# not to; DeepSeek-V4 only when told to, as pdmesh's deepseek_v4 encoding defaults (vLLM
-# 0.32 defaults both to on: docs/vllm-crosscheck.md).
+# Whether thinking is on when chat_template_kwargs say nothing, as vLLM 0.32 takes it:
+# Qwen3 and DeepSeek-V4 think unless told not to (V4's encoding defaults to it too).
 _THINKING_DEFAULT = {"deepseek_r1": True, "qwen3": True, "deepseek_v3": False,
-                     "deepseek_v4": False}
+                     "deepseek_v4": True}
 
 
 def _known(kind: str, name: str, registry: dict[str, Any]) -> None:

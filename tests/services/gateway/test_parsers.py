@@ -191,16 +191,24 @@ def test_thinking_switch_from_chat_template_kwargs() -> None:
     assert not thinking_enabled("qwen3", {"enable_thinking": False})
     assert not thinking_enabled("deepseek_v4", {"thinking": False})
     assert thinking_enabled("deepseek_v4", {"thinking": True})
-    assert not thinking_enabled("deepseek_v4", {})  # vLLM's deepseek_v4 default
+    assert thinking_enabled("deepseek_v4", {})  # vLLM 0.32's deepseek_v4 default
     # reasoning_effort "none" is thinking off, as DeepSeek-V4's encoding reads it; the
-    # chat template kwargs' own reasoning_effort wins over the request field's
+    # request's reasoning_effort wins over its chat template kwargs' and switches
+    # enable_thinking unless they set it (vLLM's merge)
     assert not thinking_enabled("qwen3", {"reasoning_effort": "none", "thinking": True})
     assert thinking_enabled("deepseek_v4", {"reasoning_effort": "high", "thinking": True})
-    body = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "user", "content": "hi"}],
-        "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "none"}})
-    assert chat_kwargs(body)["reasoning_effort"] == "none"
-    assert not thinking_enabled("qwen3", chat_kwargs(body))
+
+    def kwargs(effort: str, given: dict) -> dict:
+        return chat_kwargs(ChatCompletionRequest.model_validate({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "reasoning_effort": effort, "chat_template_kwargs": given}))
+
+    assert kwargs("high", {"reasoning_effort": "none"}) == {
+        "reasoning_effort": "high", "enable_thinking": True}
+    assert thinking_enabled("qwen3", kwargs("high", {"reasoning_effort": "none"}))
+    assert kwargs("none", {}) == {"reasoning_effort": "none", "enable_thinking": False}
+    assert not thinking_enabled("deepseek_v4", kwargs("none", {}))
+    assert kwargs("low", {"enable_thinking": False})["enable_thinking"] is False
     assert reasoning_parser("deepseek_v4", thinking=False).extract("a</think>b") == \
         (None, "a</think>b")
 

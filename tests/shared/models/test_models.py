@@ -68,6 +68,10 @@ def test_the_tiny_deepseek_v4_ships_v4s_tokens(tiny_models, bpe_tokenizer, tmp_p
         assert ids.count(one) == text.count(t), t
     assert tok.decode(ids) == text.removeprefix(dsv4.BOS).replace(dsv4.EOS, "")
     assert tok.encode("hi")[0] == tok.bos_token_id  # add_bos_token, as V4's config says
+    # thinking unless told otherwise (vLLM's deepseek_v4 mode); reasoning_effort none: off
+    assert tok.apply_chat_template(chat[:1]).endswith(dsv4.ASSISTANT + dsv4.THINK_START)
+    assert tok.apply_chat_template(chat[:1], reasoning_effort="none").endswith(
+        dsv4.ASSISTANT + dsv4.THINK_END)
     with pytest.raises(ValueError, match="--tokenizer-mode deepseek_v4"):
         Tokenizer(path).apply_chat_template(chat[:1])
     with pytest.raises(ValueError, match="tokenizer: lacks deepseek_v4's tokens"):
