@@ -229,9 +229,11 @@ class Gateway:
         prompt's choices (n, or best_of's candidates) in the order vLLM numbers them."""
         field = "messages" if chat else "prompt"
         context = self.context_len()  # (once: it reads every registered instance)
-        runs = []
-        for prompt in prompts:
-            prompt = body.truncated(prompt, context - 1)
+        runs, echoes = [], list(echoes or [""] * len(prompts))
+        for g, given in enumerate(prompts):
+            prompt = body.truncated(given, context - 1)
+            if echoes[g] and len(prompt) < len(given):  # echo what the model was given
+                echoes[g] = self.state.tokenizer.decode(prompt, skip_special_tokens=False)
             try:
                 runs.append((prompt, await self._params(body, prompt, field, output,
                                                         context)))
@@ -240,8 +242,8 @@ class Gateway:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         span = self._span(rid, chat, runs[0][0], body, request.headers)
         k = body.choices_generated()
-        answers = [self._answer(rid, g * k + j, body, prompt, params, span,
-                                (echoes or [""] * len(runs))[g], output)
+        answers = [self._answer(rid, g * k + j, body, prompt, params, span, echoes[g],
+                                output)
                    for g, (prompt, params) in enumerate(runs) for j in range(k)]
         try:  # the first token before any answer: a failure here gets its status code
             # (each prompt's other choices after its first: its KV is in the pool for them)
@@ -312,8 +314,7 @@ class Gateway:
         if wants_grammar(body):  # compiled off the event loop: a schema can be large
             grammar = await asyncio.to_thread(grammar_for, body)
         forced = await asyncio.to_thread(tool_grammar, output, body) if output else None
-        if output is not None and grammar is not None:
-            output.constrained = True
+        after = output.bind(grammar or forced) if output is not None else None
         if forced is not None and grammar is not None:
             raise ValueError("tool_choice: a forced tool call is itself structured output; "
                              "it cannot take response_format or guided_* as well")
@@ -323,8 +324,8 @@ class Gateway:
         keep = output is not None and output.keeps_special_tokens
         if grammar is None and forced is None and not bias and not banned and not keep:
             return params
-        return dataclasses.replace(params, grammar=grammar or forced, logit_bias=bias,
-                                   bad_words_token_ids=banned,
+        return dataclasses.replace(params, grammar=grammar or forced, grammar_after=after,
+                                   logit_bias=bias, bad_words_token_ids=banned,
                                    skip_special_tokens=params.skip_special_tokens and not keep)
 
     @staticmethod

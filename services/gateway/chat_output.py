@@ -39,6 +39,9 @@ class OutputSettings:
     tool_call_parser: str | None = None
     auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None
+    # --structured-outputs-config's enable_in_reasoning: a grammar binds the reasoning
+    # too (default: only the answer after it, as vLLM)
+    grammar_in_reasoning: bool = False
 
 
 class ChatOutput:
@@ -59,14 +62,13 @@ class ChatOutput:
             assert settings.tool_call_parser is not None
             self.tools = tool_parser(settings.tool_call_parser, tools)
         self.reasoning: ReasoningParser | None = None
-        # (a forced call's grammar holds from the first token: its output is the call,
-        # never reasoning)
-        if settings.reasoning_parser and self.mode in ("auto", "none"):
+        if settings.reasoning_parser:
             # (read as the chat template reads it: see thinking_asked)
             thinking = thinking_enabled(settings.reasoning_parser, chat_kwargs(body))
             self.reasoning = reasoning_parser(settings.reasoning_parser, thinking)
-        # a grammar from the request (response_format, guided_*) holds from the first
-        # token: the output is reasoning only if it closes it itself (set by the gateway)
+        self.grammar_in_reasoning = settings.grammar_in_reasoning
+        # a grammar (response_format, guided_*, a forced call) that binds from the first
+        # token of a thinking answer: it is reasoning only if it closes it itself
         self.constrained = False
         self._held = ""  # a constrained stream's text, split at its end
         self._buf = ""  # a forced answer's text so far
@@ -96,6 +98,19 @@ class ChatOutput:
         if not self.parallel:
             schema["maxItems"] = 1
         return json_schema_grammar(schema)
+
+    def bind(self, grammar: str | None) -> str | None:
+        """Where ``grammar`` (the request's, or a forced call's) starts to bind: the
+        text that closes the reasoning of a thinking answer, after which the answer
+        obeys it (vLLM's order); None: from the first token (no grammar, no reasoning,
+        or --structured-outputs-config enable_in_reasoning)."""
+        r = self.reasoning
+        if grammar is None or r is None or not r.thinking:
+            return None
+        if self.grammar_in_reasoning:
+            self.constrained = True
+            return None
+        return r.end
 
     def called(self) -> bool:
         return bool(self._calls or (self.tools is not None and self.tools.calls))
@@ -154,7 +169,8 @@ class ChatOutput:
         out: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
         if self.tools is not None:
             parts = self.tools.feed(content) if content else []
-            out += parts + (self.tools.finish() if final else [])
+            parts += self.tools.finish() if final else []
+            out += parts if self.parallel else [_first_call_only(d) for d in parts]
         elif self.mode == "none":
             out += [{"content": content}] if content else []
         elif self.mode == "required":
@@ -167,7 +183,7 @@ class ChatOutput:
                     out.append({"content": self._buf})
         else:
             out += self._named(content)
-        return [d for d in out if d.get("content") != "" or len(d) > 1]
+        return [d for d in out if d and (d.get("content") != "" or len(d) > 1)]
 
     def _named(self, fragment: str) -> list[dict[str, Any]]:
         out = []
@@ -181,6 +197,16 @@ class ChatOutput:
             self._calls[0].arguments += fragment
             out.append({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
         return out
+
+
+def _first_call_only(delta: dict[str, Any]) -> dict[str, Any]:
+    """A stream's delta without its calls past the first (parallel_tool_calls false:
+    vLLM sends the deltas of call 0 only)."""
+    if "tool_calls" not in delta:
+        return delta
+    calls = [c for c in delta["tool_calls"] if c["index"] == 0]
+    rest = {k: v for k, v in delta.items() if k != "tool_calls"}
+    return {**rest, "tool_calls": calls} if calls else rest
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:

@@ -9,6 +9,7 @@ that cannot be compiled is a 400 naming its field, before anything is sent. vLLM
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from pdmesh.services.gateway.protocol import _Base
@@ -19,6 +20,42 @@ from pdmesh.shared.engine.structured import (
     lark_grammar,
     regex_grammar,
 )
+
+log = logging.getLogger(__name__)
+
+# vLLM's StructuredOutputsConfig keys that change nothing here (llguidance compiles every
+# grammar, JSON without free whitespace, the reasoning parser is the gateway's flag)
+_CONFIG_WITHOUT_EFFECT = ("disable_fallback", "disable_any_whitespace",
+                          "disable_additional_properties", "reasoning_parser",
+                          "reasoning_parser_plugin")
+_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
+def grammar_in_reasoning(config: dict[str, Any] | None) -> bool:
+    """--structured-outputs-config as vLLM reads it: whether a grammar binds the model's
+    reasoning too (``enable_in_reasoning``). ValueError naming a key it cannot take; a
+    warning for the keys and backends without effect here."""
+    config = dict(config or {})
+    known = {"backend", "enable_in_reasoning", *_CONFIG_WITHOUT_EFFECT}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"--structured-outputs-config: unknown key(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(known))})")
+    backend = config.get("backend", "auto")
+    if backend not in _BACKENDS:
+        raise ValueError(f"--structured-outputs-config: backend must be one of "
+                         f"{', '.join(_BACKENDS)}, got {backend!r}")
+    ignored = [k for k in _CONFIG_WITHOUT_EFFECT if k in config]
+    if backend not in ("auto", "guidance"):
+        ignored.append(f"backend {backend!r}")
+    if ignored:
+        log.warning("--structured-outputs-config: %s without effect (llguidance compiles "
+                    "every grammar here)", ", ".join(ignored))
+    flag = config.get("enable_in_reasoning", False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"--structured-outputs-config: enable_in_reasoning must be true or "
+                         f"false, got {flag!r}")
+    return flag
 
 
 def grammar_for(body: _Base) -> str | None:

@@ -45,7 +45,7 @@ from pdmesh.shared.models.config import ModelConfig
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 # what the gateway makes of the model's chats and output (vLLM's flags of these names)
 SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
-                 "--tokenizer-mode")
+                 "--tokenizer-mode", "--structured-outputs-config")
 
 
 def _listening(host: str, port: int) -> bool:

@@ -256,6 +256,11 @@ FLAGS: list[Flag] = [
     Flag("--reasoning-parser", "str", ENGINE_LINE | {"gateway", "up"}, None,
          "split the model's reasoning into reasoning_content (vLLM's parser of the same "
          "name)", choices=REASONING_PARSERS, effect=AT_THE_GATEWAY),
+    Flag("--structured-outputs-config", "json", ENGINE_LINE | {"gateway", "up"}, None,
+         'structured output, as vLLM: {"enable_in_reasoning": true} binds a grammar '
+         "from the first token (default: only the answer after the model's reasoning, "
+         "with --reasoning-parser); llguidance is the one backend here",
+         effect=AT_THE_GATEWAY),
     Flag("--tokenizer-mode", "str", ENGINE_LINE | {"gateway", "up"}, "auto",
          "auto: chats rendered by the checkpoint's chat template; deepseek_v4: by "
          "DeepSeek-V4's own message encoding (it ships no template)",

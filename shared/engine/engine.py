@@ -359,7 +359,7 @@ class EngineCore:
         req = Request(rid, list(prompt_token_ids), params,
                       eos_token_ids=self.model_config.eos_token_ids, priority=priority)
         if params.grammar is not None:  # (its state catches up on ``done`` when sampled)
-            req.grammar = self.grammars.start(params.grammar)
+            req.grammar = self.grammars.start(params.grammar, after=params.grammar_after)
         req.token_ids.extend(done)
         req.num_carried_outputs = len(done)
         self._requests[rid] = req

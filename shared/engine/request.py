@@ -4,6 +4,8 @@
        ▲                    │
        └────preempt─────────┘  (blocks freed, KV recomputed when it runs again)
     any unfinished state ──abort──▶ FINISHED_ABORTED
+    RUNNING ──an output its grammar refuses──▶ FINISHED_ERROR (the gateway answers 500,
+        as vLLM answers its "error" finish)
     RUNNING ──no block, recompute scheduler──▶ FINISHED_RECOMPUTED (handed back to the
         gateway, which re-prefills prompt + output elsewhere and continues)
 
@@ -32,6 +34,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_RECOMPUTED = "recomputed"
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
@@ -39,7 +42,8 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_RECOMPUTED}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_RECOMPUTED,
+             RequestStatus.FINISHED_ERROR}
 _TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
                             RequestStatus.FINISHED_RECOMPUTED},  # (a prefetched one)

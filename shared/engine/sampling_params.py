@@ -27,6 +27,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # structured output: an llguidance grammar (engine/structured.py) the output obeys
     grammar: str | None = None
+    # the grammar binds only the output after this text (what closes the model's
+    # reasoning, e.g. "</think>": vLLM applies structured output after reasoning)
+    grammar_after: str | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
     # vLLM's bad_words as token ids: a word's last token is banned wherever the output
     # ends with the tokens before it (a one-token word: always)
@@ -103,6 +106,10 @@ class SamplingParams:
                              f"non-negative token ids, got {self.bad_words_token_ids}")
         if self.grammar is not None and not isinstance(self.grammar, str):
             raise ValueError("grammar: must be a grammar's text")
+        if self.grammar_after is not None and (self.grammar is None or not isinstance(
+                self.grammar_after, str) or not self.grammar_after):
+            raise ValueError(f"grammar_after: must be a non-empty text, with a grammar; "
+                             f"got {self.grammar_after!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be non-negative integers, "
                              f"got {self.stop_token_ids}")

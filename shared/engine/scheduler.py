@@ -527,6 +527,8 @@ class Scheduler:
         num_output = req.num_output_tokens
         if req.grammar is not None:
             req.grammar.sync(req.output_token_ids)
+            if req.grammar.error is not None:  # (logged by the grammar)
+                return RequestStatus.FINISHED_ERROR
             if req.grammar.done:  # complete: only the end of sequence could follow
                 return RequestStatus.FINISHED_STOPPED
         if token in req.stop_ids and num_output >= sp.min_tokens:

@@ -13,10 +13,17 @@ end of sequence is allowed.
 
     gateway: schema ──grammar_from_*──▶ grammar text ──(gRPC)──▶ engine
     engine:  Grammar.start(text) ── sync(outputs) ── fill(row of a [B, V/32] bitmask)
+    drafts:  fill_drafts(1 + d rows): the matcher through the drafts and back (the
+             verifier picks each position from its masked distribution)
+
+With a reasoning parser at the gateway, a request that starts out thinking carries the
+text closing its reasoning (``SamplingParams.grammar_after``, e.g. ``</think>``): its
+grammar binds only what follows it, as vLLM applies structured output after reasoning.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -63,12 +70,15 @@ class GrammarCompiler:
                 self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
             return self._tokenizer
 
-    def start(self, grammar: str) -> Grammar:
-        """A new matcher; ValueError naming the grammar's fault."""
+    def start(self, grammar: str, after: str | None = None) -> Grammar:
+        """A new matcher, held off until the output has written ``after`` when given
+        (the text that closes the model's reasoning); ValueError naming the grammar's
+        fault."""
         matcher = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"grammar: not valid: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size)
+        held = _Reasoning(after.encode(), self.tokenizer) if after else None
+        return Grammar(matcher, self.vocab_size, held)
 
 
 def markup_as_text(tokenizer_json: str) -> str:
@@ -109,32 +119,102 @@ def _byte_level_chars() -> list[str]:
 
 
 class Grammar:
-    """One request's matcher, and how many of its output tokens it has consumed."""
+    """One request's matcher, and how many of its output tokens it has read. With a
+    reasoning phase (``held``) the matcher waits: the model's reasoning is free, and
+    the grammar binds the tokens after the one that closes it (vLLM's order).
 
-    def __init__(self, matcher: Any, vocab_size: int):
+        output: reasoning ... </think> | answer tokens ──▶ the matcher, masks from here
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int, held: _Reasoning | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.consumed = 0
+        self.consumed = 0  # output tokens read (by the matcher, or by the reasoning scan)
+        self.held = held  # None once the reasoning has closed (or when there is none)
+        self.error: str | None = None  # why the matcher refused an output token
 
     def sync(self, output_token_ids: list[int]) -> None:
-        """Consume the outputs it has not seen yet (tokens carried in, or sampled)."""
+        """Read the outputs it has not seen yet (tokens carried in, or sampled)."""
         new = output_token_ids[self.consumed:]
-        if new:
-            if not self.matcher.consume_tokens(new):
-                log.warning("grammar: output token(s) %s refused by the grammar: %s", new,
-                            self.matcher.get_error())
-            self.consumed = len(output_token_ids)
+        self.consumed = len(output_token_ids)
+        if self.held is not None and new:
+            new = self.held.after(new)
+            if not self.held.open:
+                self.held = None
+        if new and not self.matcher.consume_tokens(new):
+            self.error = self.matcher.get_error() or "refused"
+            log.warning("grammar: output token(s) %s refused by the grammar: %s", new,
+                        self.error)
+
+    @property
+    def active(self) -> bool:
+        """The grammar binds the next token (no reasoning left open)."""
+        return self.held is None
 
     @property
     def done(self) -> bool:
         """Nothing more may follow (the grammar is complete, or broken)."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.active and (self.matcher.is_stopped() or self.matcher.is_error())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The allowed next tokens into ``bitmask[row]`` (int32 words, bit i of word j
-        = token 32 j + i)."""
+        = token 32 j + i); left as it is (all allowed) while the reasoning is open."""
+        if not self.active:
+            return
         v = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def fill_drafts(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> int:
+        """The masks of the 1 + d positions a step verifies, into ``bitmask[first_row:
+        first_row + 1 + d]``: the next token's, then the one after each draft, as
+        ``fill`` would give them had the drafts been sampled; returns how many leading
+        drafts the grammar accepts (n). Positions past n stay all allowed: draft n + 1
+        is refused, so nothing after it is kept. Drafts the open reasoning reads are
+        free (their positions all allowed), the grammar binds after the one closing it.
+        The matcher goes forward through the drafts and back (it ends where it began).
+
+            position:   0        1          ...  n            n + 1 ..
+            mask after: outputs  + draft 1  ...  + draft n    (left all allowed)
+        """
+        free = 0  # drafts read while the reasoning is open
+        if self.held is not None:
+            scan = copy.copy(self.held)
+            rest = scan.after(drafts)
+            if scan.open:
+                return len(drafts)
+            free = len(drafts) - len(rest)
+        bound = drafts[free:]
+        n = 0 if self.matcher.is_error() else self.matcher.validate_tokens(bound)
+        for j in range(n + 1):
+            if j and not self.matcher.consume_token(bound[j - 1]):
+                raise AssertionError(f"grammar: a validated draft refused: {bound[j - 1]}")
+            v = bitmask[first_row + free + j]
+            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if n and not self.matcher.rollback(n):
+            raise AssertionError(f"grammar: rollback of {n} drafts refused")
+        return free + n
+
+
+class _Reasoning:
+    """Watches an output's bytes for the text that closes its reasoning (whole tokens
+    or pieces of it: tokenizers split ``</think>`` either way)."""
+
+    def __init__(self, close: bytes, tokenizer: Any):
+        self.close = close
+        self.tokenizer = tokenizer
+        self.open = True
+        self._tail = b""  # the last bytes read, in case the text spans tokens
+
+    def after(self, tokens: list[int]) -> list[int]:
+        """The tokens after the one that completes the closing text ([] while none
+        has)."""
+        for k, token in enumerate(tokens):
+            seen = self._tail + self.tokenizer.decode_bytes([token])
+            if self.close in seen:
+                self.open = False
+                return tokens[k + 1:]
+            self._tail = seen[max(0, len(seen) - len(self.close) + 1):]
+        return []
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor

@@ -23,7 +23,9 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         max_tokens=m.max_tokens, min_tokens=m.min_tokens, ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        grammar=m.grammar if m.HasField("grammar") else None, logit_bias=dict(m.logit_bias),
+        grammar=m.grammar if m.HasField("grammar") else None,
+        grammar_after=m.grammar_after if m.HasField("grammar_after") else None,
+        logit_bias=dict(m.logit_bias),
         bad_words_token_ids=[list(w.token_ids) for w in m.bad_words_token_ids])
 
 
@@ -37,6 +39,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         bad_words_token_ids=[common_pb2.TokenIds(token_ids=w) for w in p.bad_words_token_ids])
     if p.grammar is not None:
         m.grammar = p.grammar
+    if p.grammar_after is not None:
+        m.grammar_after = p.grammar_after
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -217,6 +217,17 @@ def test_invalid_request_is_a_400_without_retries():
     assert err.value.status == 400 and len(pre.calls) == 1
 
 
+def test_an_engine_error_finish_is_a_500_without_retries():
+    """An "error" finish (the engine could not go on: an output its grammar refused) is
+    answered as vLLM answers it, a 500, not a 200 and not retried elsewhere."""
+    start, pre, dec, events = journey(PD, {"p1": [7], "p2": [7]},
+                                      {"d1": [[8, "error"]], "d2": [[9, "length"]]})
+    with pytest.raises(MeshError) as err:
+        run(start())
+    assert err.value.status == 500 and "generation failed" in str(err.value)
+    assert [w for w, _ in dec.calls] == ["d1"] and not events.counts
+
+
 def test_hand_back_re_prefills_the_tokens_so_far():
     one_prefill = [i for i in PD if i.id != "p2"]  # both prefills go to p1, in order
     start, pre, dec, events = journey(

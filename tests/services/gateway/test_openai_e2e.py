@@ -542,6 +542,11 @@ def test_continuous_usage_token_ids_and_truncation(client, offline):
                                     extra_body={"truncate_prompt_tokens": 10})
     assert cut.usage.prompt_tokens == 10
     assert cut.choices[0].text == greedy(offline, long[-10:], 4)
+    echoed = client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0,
+                                       echo=True, extra_body={"truncate_prompt_tokens": 10})
+    # echo shows the prompt the model was given: the cut one
+    assert echoed.choices[0].text == offline.tokenizer.decode(
+        long[-10:], skip_special_tokens=False) + cut.choices[0].text
 
 
 def test_a_batch_of_prompts(client, offline):

@@ -28,17 +28,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
                                            "description": "the weather in a city"}},
          {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-# gateway -> its flags (they share the engines)
+# gateway -> its flags (they share the engines). With a reasoning parser a grammar
+# binds only the answer after the reasoning; the tiny model never closes its reasoning by
+# itself, so these gateways bind from the first token (vLLM's enable_in_reasoning) and
+# force reasoning and answer alike (the default order: test_deepseek_v4_pd.py)
+IN_REASONING = ["--structured-outputs-config", '{"enable_in_reasoning": true}']
 GATEWAYS = {
     "plain": [],
     "hermes": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     "qwen3_coder": ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
-                    "--reasoning-parser", "qwen3"],
+                    "--reasoning-parser", "qwen3", *IN_REASONING],
     "deepseek_v3": ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3",
-                    "--reasoning-parser", "deepseek_r1"],
+                    "--reasoning-parser", "deepseek_r1", *IN_REASONING],
     "deepseek_v31": ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31"],
     "deepseek_v4": ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v4",
-                    "--reasoning-parser", "deepseek_v4"],
+                    "--reasoning-parser", "deepseek_v4", *IN_REASONING],
 }
 ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
+from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.models import Tokenizer
 from pdmesh.shared.models import encoding_dsv4 as dsv4
 from tests.mesh import MODEL, pd_mesh
@@ -35,9 +36,20 @@ RECIPE = ["--tokenizer-mode", "deepseek_v4", "--tool-call-parser", "deepseek_v4"
 
 @pytest.fixture(scope="module")
 def mesh(tiny_models, tmp_path_factory, registry_prefix):
-    with pd_mesh(tiny_models["deepseek_v4"], tmp_path_factory.mktemp("ds4-pd"),
-                 f"{registry_prefix}-ds4", gateway_args=RECIPE) as mesh:
-        yield mesh
+    """The PD mesh behind the recipes' gateway, and ["forcing"]: a second gateway whose
+    grammars bind the reasoning too (a random model never closes it by itself)."""
+    logs = tmp_path_factory.mktemp("ds4-pd")
+    prefix = f"{registry_prefix}-ds4"
+    with pd_mesh(tiny_models["deepseek_v4"], logs, prefix, gateway_args=RECIPE) as mesh:
+        forcing = Service("gateway", ["gateway", str(tiny_models["deepseek_v4"]), "--port",
+                                      "0", "--served-model-name", MODEL, *RECIPE,
+                                      "--structured-outputs-config",
+                                      '{"enable_in_reasoning": true}',
+                                      "--registry-prefix", prefix], logs)
+        try:
+            yield {**mesh, "forcing": forcing}
+        finally:
+            forcing.stop()
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +133,8 @@ def test_chats_tools_and_thinking_as_the_recipes_serve_them(mesh, tiny_models):
                                 add_generation_prompt=False)
     assert turn.startswith(prompt) and turn.endswith(dsv4.EOS)
     output = turn[len(prompt):-len(dsv4.EOS)]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=mesh["forcing"].info["http"] + "/v1", api_key="x",
+                           max_retries=0, timeout=120)
     ask = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=300, temperature=0,
                extra_body={"guided_choice": [output],
                            "chat_template_kwargs": {"thinking": True}})
@@ -144,6 +157,37 @@ def test_chats_tools_and_thinking_as_the_recipes_serve_them(mesh, tiny_models):
         "guided_choice": ["Sunny."], "chat_template_kwargs": {"thinking": False}}})
     assert (off.choices[0].message.content, off.choices[0].message.reasoning_content) \
         == ("Sunny.", None)
+
+
+def test_a_grammar_binds_the_answer_after_the_reasoning(mesh, tiny_models):
+    """The recipes' default (vLLM's order): the reasoning is free and the grammar binds
+    what follows </think>. The model is pushed to close its reasoning at once (a bias on
+    V4's </think> token); a grammar binding from the first token would have made the
+    JSON the reasoning (no </think> in JSON) and left no content."""
+    tok = Tokenizer(tiny_models["deepseek_v4"], mode="deepseek_v4")
+    [close] = tok.encode(dsv4.THINK_END, add_special_tokens=False)
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    client = openai.OpenAI(base_url=mesh["gateway"].info["http"] + "/v1", api_key="x",
+                           max_retries=0, timeout=120)
+    ask = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+               logit_bias={str(close): 100},
+               response_format={"type": "json_schema", "json_schema": {
+                   "name": "n", "schema": schema}})
+    r = client.chat.completions.create(**ask)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop", msg
+    assert not msg.reasoning_content and json.loads(msg.content)["n"] in range(10)
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == ("", msg.content)
+    # thinking off: the answer is bound from its first token
+    off = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {
+        "thinking": False}})
+    assert json.loads(off.choices[0].message.content)["n"] in range(10)
 
 
 def test_pdmesh_up_serves_it_like_the_offline_engine(tiny_models, tmp_path, registry_prefix,

@@ -409,14 +409,16 @@ def test_up_starts_its_own_redis_again_on_its_port(tmp_path):
 
 def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registry_prefix):
     """`pdmesh up --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser
-    qwen3`: the gateway reads the model's calls and reasoning (the engines accept the
-    flags for it), with the official openai client."""
+    qwen3 --structured-outputs-config ...`: the gateway reads the model's calls and
+    reasoning (the engines accept the flags for it), with the official openai client; the
+    forced text binds from the first token (enable_in_reasoning), reasoning included."""
     import openai
 
     prefix = f"{registry_prefix}-up-tools"
     proc, url, out = launch("up", str(qwen3_path), "--port", "0", "--registry-prefix",
                             prefix, "--log-dir", str(tmp_path), "--enable-auto-tool-choice",
                             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                            "--structured-outputs-config", '{"enable_in_reasoning": true}',
                             "--engine-args", "--device cpu --block-size 16 "
                             "--pool-segment-mb 64")
     try:

@@ -142,6 +142,53 @@ def test_markup_that_decodes_as_text_is_text_to_a_grammar(tiny_models):
     assert compiler.tokenizer.is_special_token(tok.eos_token_id)  # special stays special
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v4"])  # </think>: pieces / a token
+def test_a_grammar_after_reasoning_binds_only_what_follows_it(tiny_models, arch):
+    from pdmesh.shared.models import Tokenizer
+
+    path = tiny_models[arch]
+    tok = Tokenizer(path)
+    compiler = GrammarCompiler(path / "tokenizer.json", 4096, (tok.eos_token_id,))
+    g = compiler.start(choice_grammar(["yes", "no"]), after="</think>")
+    reasoning = tok.encode("maybe {not} json </th", add_special_tokens=False)
+    close = tok.encode("ink>", add_special_tokens=False) if arch == "qwen3" else []
+    if arch == "deepseek_v4":  # V4 writes it as one token
+        reasoning = reasoning[:-2] + tok.encode("</think>", add_special_tokens=False)
+    answer = tok.encode("yes", add_special_tokens=False)
+    mask = new_bitmask(1, 4096)
+    for i in range(1, len(reasoning + close) + 1):
+        g.sync((reasoning + close)[:i])
+        g.fill(mask, 0)
+        assert bool((mask == -1).all()) == (i < len(reasoning + close)), i
+        assert not g.done
+    mask = new_bitmask(1, 4096)
+    g.fill(mask, 0)  # closed: only the grammar's tokens from here
+    allowed = apply_bitmask(torch.zeros(1, 4096), [0], mask)[0] > float("-inf")
+    assert allowed[answer[0]] and allowed.sum() < 10
+    g.sync(reasoning + close + answer)
+    assert g.done and g.error is None
+    # a refused token is recorded (the engine fails the request with it)
+    broken = compiler.start(choice_grammar(["yes"]))
+    broken.sync(tok.encode("no", add_special_tokens=False))
+    assert broken.error and broken.done
+
+
+def test_output_its_grammar_refuses_ends_the_request_as_an_error(llm, qwen3_path):
+    """A request continuing with tokens its grammar refuses (carried in from elsewhere)
+    ends with finish_reason "error" (the gateway's 500), not as a silent "stop"."""
+    from pdmesh.shared.models import Tokenizer
+
+    wrong = Tokenizer(qwen3_path).encode("nope", add_special_tokens=False)
+    req = llm.engine.add_request([40, 41, 42], SamplingParams(
+        temperature=0, max_tokens=20, grammar=choice_grammar(["yes"])),
+        output_token_ids=wrong)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert req.finish_reason == "error"
+    with pytest.raises(ValueError, match="grammar_after"):
+        SamplingParams(grammar_after="</think>")  # without a grammar
+
+
 def test_sampling_params_check_bias_and_grammar():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={5: 101.0})

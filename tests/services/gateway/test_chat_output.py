@@ -1,0 +1,67 @@
+"""A chat answer's shaping (ChatOutput) without a mesh: where a grammar starts to bind,
+parallel_tool_calls false in a stream, a forced call after the reasoning."""
+
+from __future__ import annotations
+
+import json
+
+from pdmesh.services.gateway.chat_output import ChatOutput, OutputSettings
+from pdmesh.services.gateway.protocol import ChatCompletionRequest
+
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}} for name in ("f", "g")]
+TWO_CALLS = ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "g", "arguments": {"x": 2}}\n</tool_call>')
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def streamed(output: ChatOutput, text: str) -> list[dict]:
+    deltas = [d for ch in text for d in output.feed(ch)]
+    return deltas + output.finish()
+
+
+def test_a_stream_without_parallel_calls_sends_the_first_call_only():
+    hermes = OutputSettings(tool_call_parser="hermes", auto_tool_choice=True)
+    for parallel, names in ((True, ["f", "g"]), (False, ["f"])):
+        deltas = streamed(ChatOutput(request(tools=TOOLS, parallel_tool_calls=parallel),
+                                     hermes), TWO_CALLS)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [c["function"]["name"] for c in calls if c.get("id")] == names
+        assert {c["index"] for c in calls} == set(range(len(names)))
+        assert all(d for d in deltas)  # no empty delta left where a call was dropped
+        whole = ChatOutput(request(tools=TOOLS, parallel_tool_calls=parallel), hermes)
+        assert [c["function"]["name"] for c in whole.message(TWO_CALLS)["tool_calls"]] == names
+
+
+def test_a_grammar_binds_after_the_reasoning_unless_told_otherwise():
+    qwen3 = OutputSettings(reasoning_parser="qwen3")
+    thinking = ChatOutput(request(), qwen3)
+    assert thinking.bind("grammar") == "</think>" and not thinking.constrained
+    assert thinking.bind(None) is None  # no grammar: nothing to hold
+    off = ChatOutput(request(chat_template_kwargs={"enable_thinking": False}), qwen3)
+    assert off.bind("grammar") is None  # no reasoning: from the first token
+    assert ChatOutput(request(), OutputSettings()).bind("grammar") is None
+    first = ChatOutput(request(), OutputSettings(reasoning_parser="qwen3",
+                                                 grammar_in_reasoning=True))
+    assert first.bind("grammar") is None and first.constrained
+    # constrained: the output is the answer unless it closes a reasoning itself
+    assert first.message('{"a": 1}')["content"] == '{"a": 1}'
+
+
+def test_a_forced_call_follows_the_reasoning():
+    qwen3 = OutputSettings(reasoning_parser="qwen3")
+    named = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})
+    text = '<think>\nwhich tool?\n</think>\n\n{"x": 7}'
+    msg = ChatOutput(named, qwen3).message(text)
+    assert msg["reasoning_content"] == "\nwhich tool?\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("g", {"x": 7})]
+    deltas = streamed(ChatOutput(named, qwen3), text)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nwhich tool?\n"
+    args = "".join(c["function"].get("arguments", "") for d in deltas
+                   for c in d.get("tool_calls", []))
+    assert json.loads(args) == {"x": 7}
