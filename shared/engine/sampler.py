@@ -91,12 +91,18 @@ class Sampler:
         """Speculative decoding's verification: ``logits`` [sum(1 + d_i), V] holds each
         request's 1 + d_i positions in order (its last token, then its d_i drafts).
         Returns each request's kept tokens (``spec_decode.verify``). Only requests that
-        ``drafts_allowed`` come here: no penalties, logprobs or pending min_tokens.
+        ``drafts_allowed`` come here: no penalties, logprobs, bad words or pending
+        min_tokens; a grammar masks each position as it would mask that token sampled
+        alone, and logit_bias shifts every row of its request.
         ``lossy``: the SpeculativeConfig whose vLLM-Ascend options (entropy verify, and
         block verify in steps where some request verifies 3 drafts or more) apply."""
         counts = [1 + len(d.tokens) for d in drafts]
         params = [r.sampling_params for r, n in zip(reqs, counts, strict=True)
                   for _ in range(n)]
+        if any(r.grammar is not None for r in reqs):
+            logits, drafts = self._mask_drafts_by_grammar(logits, reqs, drafts, counts)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, params)
         greedy = [p.is_greedy for p in params]
         argmax = self.backend.greedy(logits)
         probs = None if all(greedy) else self.probs(logits, params, greedy)
@@ -116,6 +122,24 @@ class Sampler:
                               None if tau is None else tau[row:row + n - 1], block))
             row += n
         return out
+
+    def _mask_drafts_by_grammar(self, logits: torch.Tensor, reqs: list[Request],
+                                drafts: list[Drafts], counts: list[int]
+                                ) -> tuple[torch.Tensor, list[Drafts]]:
+        """``logits`` [sum(counts), V] with -inf on what each grammar forbids at each of
+        its request's positions (``Grammar.fill_drafts``), and each request's drafts cut
+        before the first its grammar refuses (the masked target could not keep it)."""
+        bitmask = new_bitmask(len(logits), self.vocab_size)
+        rows: list[int] = []
+        cut, at = [], 0
+        for r, d, n in zip(reqs, drafts, counts, strict=True):
+            if r.grammar is not None:
+                r.grammar.sync(r.output_token_ids)
+                d = d.cut(r.grammar.fill_drafts(bitmask, at, d.tokens))
+                rows += range(at, at + n)
+            cut.append(d)
+            at += n
+        return apply_bitmask(logits, rows, bitmask[rows]), cut
 
     def _mask_by_grammar(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """-inf on the tokens each grammar forbids next (its state caught up first on

@@ -20,8 +20,11 @@ fewer than k, maybe none) and, for the verifier, each draft's proposal distribut
 heads) needs no engine change.
 
 Which requests are drafted for: those whose sampling the verifier reproduces exactly -
-greedy or temperature / top-k / top-p / min-p sampling, seeded or not - once they are
-past ``min_tokens``. A request with penalties or logprobs decodes one token a step.
+greedy or temperature / top-k / top-p / min-p sampling, seeded or not, with a logit bias
+or a grammar or neither - once they are past ``min_tokens``. A grammar masks each of the
+1 + d positions as it would mask that token sampled alone (its matcher taken through the
+drafts and back), so a draft it refuses is never kept. A request with penalties, bad
+words or logprobs decodes one token a step.
 """
 
 from __future__ import annotations
@@ -310,10 +313,11 @@ def make_ngram_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 def drafts_allowed(req: Request) -> bool:
-    """Whether the verifier reproduces this request's sampling exactly."""
+    """Whether the verifier reproduces this request's sampling exactly. (A grammar
+    masks each verified position, a logit bias shifts each: both do; a bad word's ban
+    depends on the tokens before each position, penalties on their counts: not yet.)"""
     sp = req.sampling_params
-    return (not sp.has_penalties and sp.logprobs is None and not sp.logit_bias
-            and not sp.bad_words_token_ids and req.grammar is None
+    return (not sp.has_penalties and sp.logprobs is None and not sp.bad_words_token_ids
             and req.num_output_tokens >= sp.min_tokens)
 
 

@@ -6,6 +6,9 @@ dynamic verify budget; the distilled head gets accepted."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ from pdmesh.shared.engine.spec_decode import (
     SpeculativeConfig,
     VerifyBudget,
 )
+from pdmesh.shared.engine.structured import json_schema_grammar, regex_grammar
 from pdmesh.shared.models.tiny import make_tiny_model
 from tests.shared.engine.spec_runs import (
     assert_hand_back_exact,
@@ -140,6 +144,39 @@ def test_the_distilled_head_is_accepted(trained, reference, tmp_path, bpe_tokeni
           f"{base.acceptance_rate:.2f}")
     # (a brief distillation; `make-tiny-model --train-mtp` trains longer)
     assert rate.num_accepted_tokens > 3 * base.num_accepted_tokens + 5
+
+
+OBJECT = {"type": "object", "required": ["name", "n"], "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+
+
+@pytest.mark.parametrize("grammar,check", [
+    (regex_grammar("[^aeiou]*"), lambda o: not set(o.text) & set("aeiou")),  # (or a prefix)
+    (json_schema_grammar(OBJECT), lambda o: o.finish_reason == "stop"
+     and jsonschema.validate(json.loads(o.text), OBJECT) is None)])
+def test_a_grammar_masks_every_verified_position(reference, grammar, check):
+    """The MTP head drafts unconstrained (its q unmasked), the target is masked at each
+    verified position: greedy output token-identical to one token a step, with drafts
+    kept; sampled output (the drafts' q in the acceptance test) obeys the grammar."""
+    path, ps, _, _ = reference
+
+    def outputs(params, **engine):
+        llm = LLM(str(path), device="cpu", block_size=16, **engine)
+        return [o.outputs[0] for o in llm.generate(ps, params)], llm
+
+    greedy = SamplingParams(temperature=0, max_tokens=48, grammar=grammar)
+    want = outputs(greedy)[0]
+    got, llm = outputs(greedy, speculative_config=mtp(2))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=48, grammar=grammar)
+    got, llm = outputs(sampled, speculative_config=mtp(2))
+    assert llm.engine.spec_stats.num_drafts > 0
+    for o in got + want:
+        assert o.finish_reason != "error" and check(o), (o.finish_reason, o.text)
+    assert_no_block_held(llm)
 
 
 def test_config_as_vllm_reads_it(ds3, qwen3_path):
