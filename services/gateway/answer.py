@@ -32,7 +32,7 @@ class Answer:
                  params: SamplingParams, stops: list[str], tok: Tokenizer,
                  metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
                  echo: str = "", output: ChatOutput | None = None, index: int = 0,
-                 shape: Shape | None = None):
+                 shape: Shape | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
         self.index = index  # its choice's index (n > 1: one Answer per choice)
         self.journey: Any = None  # the Journey it answers (set by the gateway)
@@ -43,6 +43,8 @@ class Answer:
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
         self.shape = shape or Shape()
+        # what ends a sequence (the model's, its generation config's too): not text
+        self.eos = frozenset(eos_token_ids or (tok.eos_token_id,))
         self.text = IncrementalText(tok, stops, params.skip_special_tokens,
                                     self.shape.include_stop_str)
         self.stop_reason: str | int | None = None  # the stop string or stop token id
@@ -200,8 +202,7 @@ class Answer:
         p = self.params
         if self.completion_tokens < p.min_tokens:
             return False
-        return token in p.stop_token_ids or (token == self.tok.eos_token_id
-                                             and not p.ignore_eos)
+        return token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)
 
     def _timing(self, n: int) -> None:
         """TTFT for the first token; for later ones, the wait shared over the tokens

@@ -90,6 +90,7 @@ class GatewayState:
     stall_timeout_s: float = 10.0  # --stall-timeout
     output: OutputSettings = OutputSettings()  # the chat output's parsers
     metrics_names: str = "pdmesh"  # --metrics-names (vllm: /metrics as vllm:X)
+    eos_token_ids: tuple[int, ...] = ()  # the model's (config and generation config)
 
 
 class Gateway:
@@ -282,7 +283,8 @@ class Gateway:
             engine = dataclasses.replace(engine, logprobs=0)
         answer = Answer(rid, body.model, output is not None, prompt, params,
                         body.stop_strings(), state.tokenizer, self.metrics, span,
-                        state.log_requests, echo, output, i, body.shape())
+                        state.log_requests, echo, output, i, body.shape(),
+                        state.eos_token_ids)
         answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)

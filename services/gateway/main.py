@@ -74,7 +74,8 @@ def run(a: ServeConfig) -> int:
                              max_body_bytes=a.max_request_body_bytes,
                              body_timeout_s=a.request_body_timeout,
                              stall_timeout_s=a.stall_timeout,
-                             metrics_names=a.metrics_names)
+                             metrics_names=a.metrics_names,
+                             eos_token_ids=cfg.eos_token_ids)
         sock = host.http_socket()
         server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
                                          lifespan="on", http=HTTP_IMPL))

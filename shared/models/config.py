@@ -7,6 +7,7 @@ releases (``rope_theta`` vs ``rope_parameters``, ``num_experts`` vs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,7 +228,26 @@ class ModelConfig:
         if not p.is_file():
             raise FileNotFoundError(f"model: {p} not found (a model folder needs config.json)")
         with open(p) as f:
-            return cls.from_dict(json.load(f))
+            cfg = cls.from_dict(json.load(f))
+        extra = _generation_eos(Path(path) / "generation_config.json")
+        more = tuple(t for t in extra if t not in cfg.eos_token_ids)
+        return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + more) if more else cfg
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids a generation_config.json names: they end a request too
+    (vLLM adds them to its stop ids; Qwen's and Llama's chat models name two or three)."""
+    if not path.is_file():
+        return ()
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (ValueError, AttributeError):
+        raise ValueError(f"model: {path} is not a JSON object") from None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"model: {path}: eos_token_id must be token ids, got {eos!r}")
+    return tuple(ids)
 
 
 def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig:

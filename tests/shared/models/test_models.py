@@ -78,6 +78,29 @@ def test_the_tiny_deepseek_v4_ships_v4s_tokens(tiny_models, bpe_tokenizer, tmp_p
         make_tiny_model(tmp_path / "v4", "deepseek_v4", tokenizer=bpe_tokenizer)
 
 
+def test_the_generation_configs_end_of_sequence_ids_end_a_request(tmp_path, qwen3_path):
+    """generation_config.json's eos_token_id list (Qwen's and Llama's chat models name
+    more than config.json) ends a request too, as in vLLM; a malformed one is refused."""
+    model = tmp_path / "m"
+    shutil.copytree(qwen3_path, model)
+    tok = Tokenizer(model)
+    other = tok.encode("<|endoftext|>", add_special_tokens=False)[0]
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**gen, "eos_token_id": [tok.eos_token_id, other]}))
+    assert ModelConfig.from_folder(model).eos_token_ids == (tok.eos_token_id, other)
+    llm = LLM(str(model), device="cpu", dtype="float32")
+    push = SamplingParams(temperature=0, max_tokens=8, logit_bias={other: 100.0})
+    out = llm.generate([[40, 41, 42]], push)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([other], "stop")
+    kept = llm.generate([[40, 41, 42]], SamplingParams(
+        temperature=0, max_tokens=8, logit_bias={other: 100.0}, ignore_eos=True))
+    assert kept[0].outputs[0].token_ids == [other] * 8
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+        ModelConfig.from_folder(model)
+
+
 @pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
 def test_missing_file_is_named(tmp_path, qwen3_path, missing):
     folder = tmp_path / "m"
