@@ -271,7 +271,9 @@ class Answer:
         logprobs are asked: they come before the answer's, as vLLM gives them."""
         if not self.echo or self.params.logprobs is None:
             return []
-        return list(zip(self.prompt, self.prompt_logprobs or [None], strict=False))
+        lps = list(self.prompt_logprobs or [])
+        lps += [None] * (len(self.prompt) - len(lps))  # (none came: each token without)
+        return list(zip(self.prompt, lps, strict=True))
 
     def _prompt_logprobs(self) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's ``prompt_logprobs``: per prompt token (the first: null), the prompt's

@@ -316,7 +316,10 @@ class Gateway:
         if wants_grammar(body):  # compiled off the event loop: a schema can be large
             grammar = await asyncio.to_thread(grammar_for, body)
         forced = await asyncio.to_thread(tool_grammar, output, body) if output else None
-        after = output.bind(grammar or forced) if output is not None else None
+        after = None
+        if output is not None and (grammar or forced) is not None:
+            after = output.grammar_after()
+            output.constrained = output.thinks and after is None
         if forced is not None and grammar is not None:
             raise ValueError("tool_choice: a forced tool call is itself structured output; "
                              "it cannot take response_format or guided_* as well")

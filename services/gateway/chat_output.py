@@ -99,18 +99,19 @@ class ChatOutput:
             schema["maxItems"] = 1
         return json_schema_grammar(schema)
 
-    def bind(self, grammar: str | None) -> str | None:
-        """Where ``grammar`` (the request's, or a forced call's) starts to bind: the
-        text that closes the reasoning of a thinking answer, after which the answer
-        obeys it (vLLM's order); None: from the first token (no grammar, no reasoning,
-        or --structured-outputs-config enable_in_reasoning)."""
-        r = self.reasoning
-        if grammar is None or r is None or not r.thinking:
+    @property
+    def thinks(self) -> bool:
+        """The answer starts in its reasoning (a reasoning parser, thinking on)."""
+        return self.reasoning is not None and self.reasoning.thinking
+
+    def grammar_after(self) -> str | None:
+        """Where a grammar (the request's, or a forced call's) starts to bind: the text
+        that closes a thinking answer's reasoning, after which the answer obeys it
+        (vLLM's order); None: from the first token (no reasoning, or
+        --structured-outputs-config enable_in_reasoning)."""
+        if self.reasoning is None or not self.thinks or self.grammar_in_reasoning:
             return None
-        if self.grammar_in_reasoning:
-            self.constrained = True
-            return None
-        return r.end
+        return self.reasoning.end
 
     def called(self) -> bool:
         return bool(self._calls or (self.tools is not None and self.tools.calls))

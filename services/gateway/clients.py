@@ -33,6 +33,9 @@ from pdmesh.shared.runtime.protocol import TokenDelta
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 STALL_POLL_S = 1.0  # how often a silent decode stream checks its instance is alive
+# a first token's answer carries the prompt's logprobs when asked: up to 21 entries per
+# prompt token (gRPC's 4 MiB default would refuse a 16k-token prompt's top 20)
+_RECEIVE = [("grpc.max_receive_message_length", -1)]
 
 
 @dataclass
@@ -97,7 +100,7 @@ class GrpcClients:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = tls.aio_channel(address)
+            ch = self._channels[address] = tls.aio_channel(address, _RECEIVE)
         return ch
 
     def prefill(self, inst: Instance, call: Call, timeout_s: float) -> PrefillCall:

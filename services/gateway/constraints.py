@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+from pdmesh.services.gateway.parsers import REASONING_PARSERS
 from pdmesh.services.gateway.protocol import _Base
 from pdmesh.shared.engine.structured import (
     check_grammar,
@@ -24,10 +25,9 @@ from pdmesh.shared.engine.structured import (
 log = logging.getLogger(__name__)
 
 # vLLM's StructuredOutputsConfig keys that change nothing here (llguidance compiles every
-# grammar, JSON without free whitespace, the reasoning parser is the gateway's flag)
+# grammar, JSON without free whitespace)
 _CONFIG_WITHOUT_EFFECT = ("disable_fallback", "disable_any_whitespace",
-                          "disable_additional_properties", "reasoning_parser",
-                          "reasoning_parser_plugin")
+                          "disable_additional_properties", "reasoning_parser_plugin")
 _BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
 
 
@@ -36,7 +36,7 @@ def grammar_in_reasoning(config: dict[str, Any] | None) -> bool:
     reasoning too (``enable_in_reasoning``). ValueError naming a key it cannot take; a
     warning for the keys and backends without effect here."""
     config = dict(config or {})
-    known = {"backend", "enable_in_reasoning", *_CONFIG_WITHOUT_EFFECT}
+    known = {"backend", "enable_in_reasoning", "reasoning_parser", *_CONFIG_WITHOUT_EFFECT}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"--structured-outputs-config: unknown key(s) {', '.join(unknown)} "
@@ -56,6 +56,22 @@ def grammar_in_reasoning(config: dict[str, Any] | None) -> bool:
         raise ValueError(f"--structured-outputs-config: enable_in_reasoning must be true or "
                          f"false, got {flag!r}")
     return flag
+
+
+def reasoning_parser_named(config: dict[str, Any] | None, flag: str | None) -> str | None:
+    """--reasoning-parser, or --structured-outputs-config's reasoning_parser (vLLM's flag
+    fills that key: either spelling names the parser). ValueError when they differ or
+    the key names no parser."""
+    named = (config or {}).get("reasoning_parser")
+    if named is None or named == flag:
+        return flag
+    if flag is not None:
+        raise ValueError(f"--structured-outputs-config: reasoning_parser {named!r} is not "
+                         f"--reasoning-parser's {flag!r}")
+    if named not in REASONING_PARSERS:
+        raise ValueError(f"--structured-outputs-config: reasoning_parser must be one of "
+                         f"{', '.join(REASONING_PARSERS)}, got {named!r}")
+    return named
 
 
 def grammar_for(body: _Base) -> str | None:

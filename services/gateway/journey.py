@@ -148,11 +148,12 @@ class Journey:
 
     async def run(self) -> AsyncIterator[TokenDelta]:
         try:
-            async for delta in self._run():
-                if delta.finish_reason == "error":  # the engine could not go on with it
-                    raise MeshError(f"request {self.req.request_id}: generation failed on "
-                                    f"the engine (its log says why)", 500)
-                yield delta
+            async with aclosing(self._run()) as deltas:
+                async for delta in deltas:
+                    if delta.finish_reason == "error":  # the engine could not go on
+                        raise MeshError(f"request {self.req.request_id}: generation failed "
+                                        f"on the engine (its log says why)", 500)
+                    yield delta
         finally:
             if self._storing is not None:  # the client left before the put ended
                 s, self._storing = self._storing, None

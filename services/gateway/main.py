@@ -18,7 +18,7 @@ import uvicorn
 
 from pdmesh.services.gateway.app import GatewayState, create_app
 from pdmesh.services.gateway.chat_output import OutputSettings
-from pdmesh.services.gateway.constraints import grammar_in_reasoning
+from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_parser_named
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.infra.registry import Registry
@@ -46,6 +46,7 @@ def run(a: ServeConfig) -> int:
         raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (how the "
                          "model's tool calls are read)")
     in_reasoning = grammar_in_reasoning(a.structured_outputs_config)
+    reasoning = reasoning_parser_named(a.structured_outputs_config, a.reasoning_parser)
     key = api_key(a)
     cfg = ModelConfig.from_folder(a.model)
     name = a.model_name
@@ -62,7 +63,7 @@ def run(a: ServeConfig) -> int:
         host.at_close(tracing.shutdown)  # exports the spans still buffered
         output = OutputSettings(tool_call_parser=a.tool_call_parser,
                                 auto_tool_choice=a.enable_auto_tool_choice,
-                                reasoning_parser=a.reasoning_parser,
+                                reasoning_parser=reasoning,
                                 grammar_in_reasoning=in_reasoning)
         state = GatewayState(tokenizer=Tokenizer(a.model, a.tokenizer_mode), router=router,
                              model_name=name, output=output,

@@ -112,10 +112,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _stored(self, request, delta: TokenDelta) -> prefill_pb2.PrefillResponse:
         # the token ends the request by itself when it is a stop token, the caller asked
-        # for no more, or the context is full
+        # for no more, or the context is full; "error": its grammar refused it
         carried = len(request.output_token_ids)
         total = len(request.prompt_token_ids) + carried + 1
-        finish = "stop" if delta.finish_reason == "stop" else (
+        finish = delta.finish_reason if delta.finish_reason in ("stop", "error") else (
             "length" if request.sampling.max_tokens == carried + 1
             or total >= self.engine.max_model_len else "")
         return prefill_pb2.PrefillResponse(block_keys=delta.kv_keys, finish_reason=finish,

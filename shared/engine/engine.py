@@ -539,7 +539,7 @@ class EngineCore:
         scored, self.runner.prompt_logits = self.runner.prompt_logits, None
         if scored is None:
             return
-        spans = list(zip(scored.requests, scored.first, scored.counts, strict=True))
+        spans = scored.spans
         tokens = [t for r, f, n in spans for t in r.prompt_token_ids[f:f + n]]
         top = [r.sampling_params.prompt_logprobs for r, _, n in spans for _ in range(n)]
         entries = ranked_logprobs(torch.log_softmax(scored.logits, dim=-1),

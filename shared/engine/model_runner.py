@@ -43,13 +43,12 @@ class StepRows:
 @dataclass
 class PromptLogits:
     """A step's logits at the prompt positions of the requests that asked for their
-    prompt's logprobs: request i's ``counts[i]`` rows (in order, after request i - 1's)
-    score its prompt tokens ``first[i] ..`` (a position's logits score the next token)."""
+    prompt's logprobs: per span (request, first, count), ``count`` rows (in order, after
+    the spans before it) score its prompt tokens ``first ..`` (a position's logits score
+    the next token)."""
 
-    requests: list[Request]
-    first: list[int]
-    counts: list[int]
-    logits: torch.Tensor  # [sum(counts), V] float32
+    spans: list[tuple[Request, int, int]]
+    logits: torch.Tensor  # [sum of the counts, V] float32
 
 
 def prompt_positions(reqs: list[Request], starts: list[int], counts: list[int],
@@ -177,8 +176,7 @@ class ModelRunner:
         self.prompt_logits = None
         if plan:
             k = len(scored)
-            self.prompt_logits = PromptLogits([r for r, _, _ in plan], [f for _, f, _ in plan],
-                                              [n for _, _, n in plan], logits[len(logits) - k:])
+            self.prompt_logits = PromptLogits(plan, logits[len(logits) - k:])
             logits = logits[:len(logits) - k]
         if hidden_out is not None:
             self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,

@@ -143,11 +143,16 @@ class Sampler:
 
     def _mask_by_grammar(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """-inf on the tokens each grammar forbids next (its state caught up first on
-        the outputs it has not seen: carried in, or sampled last step)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        the outputs it has not seen: carried in, or sampled last step). A grammar whose
+        reasoning is still open masks nothing: its row is left as it is."""
+        for r in reqs:
+            if r.grammar is not None:
+                r.grammar.sync(r.output_token_ids)
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.active]
+        if not rows:
+            return logits
         bitmask = new_bitmask(len(rows), self.vocab_size)
         for k, i in enumerate(rows):
-            reqs[i].grammar.sync(reqs[i].output_token_ids)
             reqs[i].grammar.fill(bitmask, k)
         return apply_bitmask(logits, rows, bitmask)
 

@@ -185,13 +185,20 @@ class Grammar:
             free = len(drafts) - len(rest)
         bound = drafts[free:]
         n = 0 if self.matcher.is_error() else self.matcher.validate_tokens(bound)
+        taken = 0  # drafts the matcher recorded (none past a completed grammar's end)
         for j in range(n + 1):
-            if j and not self.matcher.consume_token(bound[j - 1]):
-                raise AssertionError(f"grammar: a validated draft refused: {bound[j - 1]}")
+            if j:
+                if self.matcher.is_stopped():  # complete: the EOS it validates after
+                    n = j - 1  # records nothing; the request ends at its completion
+                    break
+                if not self.matcher.consume_token(bound[j - 1]):
+                    raise AssertionError(f"grammar: a validated draft refused: "
+                                         f"{bound[j - 1]}")
+                taken = j
             v = bitmask[first_row + free + j]
             self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-        if n and not self.matcher.rollback(n):
-            raise AssertionError(f"grammar: rollback of {n} drafts refused")
+        if taken and not self.matcher.rollback(taken):
+            raise AssertionError(f"grammar: rollback of {taken} drafts refused")
         return free + n
 
 

@@ -371,9 +371,8 @@ def _delta(req: Request, tokens: list[int], finished: bool) -> TokenDelta:
            if tokens and req.sampling_params.logprobs is not None else [])
     cached = max(req.num_cached_tokens, 0)
     # the prompt's logprobs go with the first tokens generated here
-    first = bool(tokens) and req.num_output_tokens - req.num_carried_outputs == len(tokens)
-    prompt = req.prompt_logprobs if first and req.sampling_params.prompt_logprobs is not None \
-        else []
+    prompt = req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None and \
+        tokens and req.num_output_tokens - req.num_carried_outputs == len(tokens) else []
     if not finished:
         return TokenDelta(req.request_id, tokens, cached, lps, prompt_logprobs=prompt)
     return TokenDelta(req.request_id, tokens, cached, lps, req.finish_reason,

@@ -187,8 +187,13 @@ def _typed(value: Any, schema: Any) -> Any:
     if isinstance(value, list):
         items = schema.get("items")
         return [_typed(v, items) for v in value] if isinstance(items, dict) else value
-    coerced = coerce_to_schema(json_text(value), schema_types(schema))
-    return coerced if type(coerced) is not type(value) or coerced != value else value
+    return coerce_to_schema(json_text(value), schema_types(schema))
+
+
+def _as_written(value: str, string: str) -> Any:
+    """A DSML parameter's value as written: text (``string="true"``), else JSON (or the
+    text, when it is not JSON)."""
+    return value if string == "true" else _json_or_text(value)
 
 
 class DeepSeekV4ToolParser(ToolParser):
@@ -337,11 +342,10 @@ class DeepSeekV4ToolParser(ToolParser):
     def _convert(self, name: str, value: str, string: str) -> Any:
         """A complete parameter's value, typed by its schema."""
         props = self._properties(self._calls[-1].name)
-        return _typed(value if string == "true" else _json_or_text(value), props.get(name))
+        return _typed(_as_written(value, string), props.get(name))
 
     def _arguments(self) -> str:
-        values = {k: v if s == "true" else _json_or_text(v)
-                  for k, (v, s) in self._params.items()}
+        values = {k: _as_written(v, s) for k, (v, s) in self._params.items()}
         props = self._properties(self._calls[-1].name)
         for wrapper in ("arguments", "input"):  # vLLM's _unwrap_wrapper_args
             if not props or set(values) != {wrapper} or wrapper in props:

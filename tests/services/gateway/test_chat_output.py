@@ -40,15 +40,16 @@ def test_a_stream_without_parallel_calls_sends_the_first_call_only():
 def test_a_grammar_binds_after_the_reasoning_unless_told_otherwise():
     qwen3 = OutputSettings(reasoning_parser="qwen3")
     thinking = ChatOutput(request(), qwen3)
-    assert thinking.bind("grammar") == "</think>" and not thinking.constrained
-    assert thinking.bind(None) is None  # no grammar: nothing to hold
+    assert thinking.thinks and thinking.grammar_after() == "</think>"
     off = ChatOutput(request(chat_template_kwargs={"enable_thinking": False}), qwen3)
-    assert off.bind("grammar") is None  # no reasoning: from the first token
-    assert ChatOutput(request(), OutputSettings()).bind("grammar") is None
+    assert off.grammar_after() is None  # no reasoning: from the first token
+    assert ChatOutput(request(), OutputSettings()).grammar_after() is None
     first = ChatOutput(request(), OutputSettings(reasoning_parser="qwen3",
                                                  grammar_in_reasoning=True))
-    assert first.bind("grammar") is None and first.constrained
-    # constrained: the output is the answer unless it closes a reasoning itself
+    assert first.thinks and first.grammar_after() is None
+    # bound from the first token (constrained): the output is the answer unless it
+    # closes a reasoning itself
+    first.constrained = True
     assert first.message('{"a": 1}')["content"] == '{"a": 1}'
 
 

@@ -32,3 +32,24 @@ def test_a_bad_word_that_is_not_text_is_refused_naming_bad_words(words):
         with pytest.raises(ValidationError) as e:
             kind.model_validate({**body, "bad_words": words})
         assert e.value.errors()[0]["loc"][0] == "bad_words"
+
+
+def test_structured_outputs_config_as_vllm_reads_it(caplog):
+    from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_parser_named
+
+    assert grammar_in_reasoning(None) is False
+    assert grammar_in_reasoning({"enable_in_reasoning": True}) is True
+    with caplog.at_level("WARNING"):
+        assert grammar_in_reasoning({"backend": "xgrammar", "disable_fallback": True}) is False
+    assert "backend 'xgrammar'" in caplog.text and "disable_fallback" in caplog.text
+    for bad, needle in (({"yaml": 1}, r"unknown key\(s\) yaml"), ({"backend": "x"}, "backend"),
+                        ({"enable_in_reasoning": "yes"}, "enable_in_reasoning")):
+        with pytest.raises(ValueError, match=needle):
+            grammar_in_reasoning(bad)
+    # its reasoning_parser key names the parser as --reasoning-parser does
+    assert reasoning_parser_named({"reasoning_parser": "qwen3"}, None) == "qwen3"
+    assert reasoning_parser_named(None, "qwen3") == "qwen3"
+    with pytest.raises(ValueError, match="is not --reasoning-parser's"):
+        reasoning_parser_named({"reasoning_parser": "qwen3"}, "deepseek_r1")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        reasoning_parser_named({"reasoning_parser": "nope"}, None)

@@ -96,6 +96,25 @@ def test_min_tokens_past_the_first_token_hold_on_prefill(mesh, expected):
     assert r.first_token != first and r.num_prompt_tokens == len(PROMPTS[0])
 
 
+def test_carried_tokens_a_grammar_refuses_end_as_an_error_on_both_roles(mesh):
+    """A request arriving with output its grammar refuses (re-prefilled or continued
+    elsewhere) ends with finish_reason "error" on prefill and on decode (the gateway's
+    500), not as a silent "stop"."""
+    from pdmesh.shared.engine.structured import choice_grammar
+
+    pre, dec = stubs(mesh)
+    sp = sampling_to_proto(SamplingParams(temperature=0, max_tokens=9,
+                                          grammar=choice_grammar(["yes"])))
+    r = prefill(pre, prefill_pb2.PrefillRequest(
+        request_id="g-pre", prompt_token_ids=PROMPTS[0], output_token_ids=[7, 8],
+        sampling=sp), timeout=60)
+    assert r.finish_reason == "error"
+    chunks = list(OneRequest(dec, decode_pb2.GenerateRequest(
+        request_id="g-dec", prompt_token_ids=PROMPTS[0], output_token_ids=[7, 8],
+        sampling=sp), timeout=60))
+    assert chunks[-1].finish_reason == "error"
+
+
 def test_bad_input_is_invalid_argument(mesh):
     pre, dec = stubs(mesh)
     sp = sampling_to_proto(SamplingParams(max_tokens=4))

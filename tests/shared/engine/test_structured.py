@@ -167,6 +167,14 @@ def test_a_grammar_after_reasoning_binds_only_what_follows_it(tiny_models, arch)
     assert allowed[answer[0]] and allowed.sum() < 10
     g.sync(reasoning + close + answer)
     assert g.done and g.error is None
+    # a decode instance rebuilds it from the tokens it arrives with, all at once
+    carried = compiler.start(choice_grammar(["yes", "no"]), after="</think>")
+    carried.sync(reasoning + close)
+    again = new_bitmask(1, 4096)
+    carried.fill(again, 0)
+    assert torch.equal(again, mask)
+    carried.sync(reasoning + close + answer)
+    assert carried.done and carried.error is None
     # a refused token is recorded (the engine fails the request with it)
     broken = compiler.start(choice_grammar(["yes"]))
     broken.sync(tok.encode("no", add_special_tokens=False))

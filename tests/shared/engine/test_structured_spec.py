@@ -101,6 +101,28 @@ def test_fill_drafts_gives_each_position_the_mask_sampling_would(qwen3_path, tok
     assert g.done and g.error is None
 
 
+@pytest.mark.parametrize("grammar", [choice_grammar(["yes please", "no"]),
+                                     regex_grammar("yes please|no")])
+def test_fill_drafts_past_a_grammar_that_stops_at_its_end(qwen3_path, tok, grammar):
+    """A grammar that stops once complete, then a drafted end of sequence (MTP and
+    n-gram drafts both propose one): the drafts up to the completion are taken, and the
+    matcher goes back to where it was (it records nothing for the end of sequence)."""
+    compiler = GrammarCompiler(qwen3_path / "tokenizer.json", 4096, (tok.eos_token_id,))
+    text = tok.encode("yes please", add_special_tokens=False)
+    g = compiler.start(grammar)
+    g.sync(text[:1])
+    before = new_bitmask(1, 4096)
+    g.fill(before, 0)
+    drafts = [*text[1:], tok.eos_token_id, tok.eos_token_id]
+    mask = new_bitmask(1 + len(drafts), 4096)
+    assert g.fill_drafts(mask, 0, drafts) == len(text) - 1
+    again = new_bitmask(1, 4096)
+    g.fill(again, 0)
+    assert torch.equal(before, again) and not g.matcher.is_error()
+    g.sync(text)
+    assert g.done and g.error is None
+
+
 def test_fill_drafts_leaves_the_reasoning_free_and_binds_after_it(qwen3_path, tok):
     compiler = GrammarCompiler(qwen3_path / "tokenizer.json", 4096, (tok.eos_token_id,))
     grammar = choice_grammar(["yes", "no"])

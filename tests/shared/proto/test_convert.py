@@ -36,6 +36,15 @@ def test_bad_words_survive_the_wire():
     assert got.sampling.bad_words_token_ids == [[5], [7, 8, 9]]
 
 
+def test_a_grammar_and_where_it_binds_survive_the_wire():
+    sp = SamplingParams(max_tokens=2, grammar="start: /a/", grammar_after="</think>")
+    got = sampling_from_proto(common_pb2.SamplingParams.FromString(
+        sampling_to_proto(sp).SerializeToString()))
+    assert (got.grammar, got.grammar_after) == ("start: /a/", "</think>")
+    plain = sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=2)))
+    assert (plain.grammar, plain.grammar_after) == (None, None)
+
+
 def test_prompt_logprobs_survive_the_wire():
     """Asked for in the sampling; answered in a chunk, the first token's None included."""
     sp = sampling_from_proto(common_pb2.SamplingParams.FromString(sampling_to_proto(
