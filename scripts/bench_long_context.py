@@ -23,7 +23,8 @@ import torch
 
 from pdmesh.shared.cli.bench.offline import workload
 from pdmesh.shared.engine import LLM, SamplingParams
-from pdmesh.shared.models.tiny import DSV4_TOKENS, DeepSeekV4Shape, make_tiny_model, train_tokenizer
+from pdmesh.shared.models.tiny import DeepSeekV4Shape, make_tiny_model
+from pdmesh.shared.models.tiny_tokenizer import DSV4_TOKENS, train_tokenizer
 
 V4_SHAPE = DeepSeekV4Shape(window=128, csa_rate=4, hca_rate=128, index_topk=64)
 

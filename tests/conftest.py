@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.shared.models.tiny import (
-    ARCHS,
-    DSV4_TOKENS,
-    SIZES,
-    make_tiny_model,
-    tokenizer_spec,
-    train_tokenizer,
-)
+from pdmesh.shared.models.tiny import ARCHS, SIZES, make_tiny_model
+from pdmesh.shared.models.tiny_tokenizer import DSV4_TOKENS, tokenizer_spec, train_tokenizer
 
 
 @pytest.fixture(scope="session")
