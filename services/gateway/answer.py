@@ -44,7 +44,11 @@ class Answer:
         self.log_level = log_level  # log the request when it ends (--log-requests)
         self.shape = shape or Shape()
         # what ends a sequence (the model's, its generation config's too): not text
-        self.eos = frozenset(eos_token_ids or (tok.eos_token_id,))
+        eos = eos_token_ids or (tok.eos_token_id,)
+        self.eos = frozenset(eos)
+        # the model's own end of sequence is no stop_reason; generation_config's other
+        # ids are stop ids to vLLM, reported as the token that stopped it
+        self.stop_ids = frozenset((*params.stop_token_ids, *eos[1:]))
         self.text = IncrementalText(tok, stops, params.skip_special_tokens,
                                     self.shape.include_stop_str)
         self.stop_reason: str | int | None = None  # the stop string or stop token id
@@ -192,8 +196,8 @@ class Answer:
             if self.text.stopped:
                 self.stop_reason = self.text.stop_string
             elif delta.finish_reason == "stop" and delta.token_ids and \
-                    delta.token_ids[-1] in self.params.stop_token_ids:
-                self.stop_reason = delta.token_ids[-1]  # (an end of sequence: None)
+                    delta.token_ids[-1] in self.stop_ids:
+                self.stop_reason = delta.token_ids[-1]  # (the end of sequence: None)
         return text
 
     def _stops_on(self, token: int) -> bool:

@@ -532,7 +532,9 @@ class Scheduler:
             if req.grammar.done:  # complete: only the end of sequence could follow
                 return RequestStatus.FINISHED_STOPPED
         if token in req.stop_ids and num_output >= sp.min_tokens:
-            if token in sp.stop_token_ids:
+            if token in sp.stop_token_ids or token != req.eos_token_ids[0]:
+                # (vLLM: the model's end of sequence gives no reason; generation_config's
+                # other ids are stop ids, reported as the stop token that ended it)
                 req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if sp.max_tokens is not None and num_output >= sp.max_tokens:

@@ -80,7 +80,8 @@ def test_the_tiny_deepseek_v4_ships_v4s_tokens(tiny_models, bpe_tokenizer, tmp_p
 
 def test_the_generation_configs_end_of_sequence_ids_end_a_request(tmp_path, qwen3_path):
     """generation_config.json's eos_token_id list (Qwen's and Llama's chat models name
-    more than config.json) ends a request too, as in vLLM; a malformed one is refused."""
+    more than config.json) ends a request too, as in vLLM, with the id as its stop_reason
+(the model's own end of sequence gives none); a malformed one is refused."""
     model = tmp_path / "m"
     shutil.copytree(qwen3_path, model)
     tok = Tokenizer(model)
@@ -92,7 +93,10 @@ def test_the_generation_configs_end_of_sequence_ids_end_a_request(tmp_path, qwen
     llm = LLM(str(model), device="cpu", dtype="float32")
     push = SamplingParams(temperature=0, max_tokens=8, logit_bias={other: 100.0})
     out = llm.generate([[40, 41, 42]], push)[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == ([other], "stop")
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([other], "stop", other)
+    first = llm.generate([[40, 41, 42]], SamplingParams(
+        temperature=0, max_tokens=8, logit_bias={tok.eos_token_id: 100.0}))[0].outputs[0]
+    assert (first.token_ids, first.stop_reason) == ([tok.eos_token_id], None)  # (vLLM's)
     kept = llm.generate([[40, 41, 42]], SamplingParams(
         temperature=0, max_tokens=8, logit_bias={other: 100.0}, ignore_eos=True))
     assert kept[0].outputs[0].token_ids == [other] * 8

@@ -1,0 +1,47 @@
+"""The gateway's Answer over an in-process journey: what it reports of how a request
+ended (stop_reason as vLLM reports it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdmesh.services.gateway.answer import Answer
+from pdmesh.services.gateway.metrics import GatewayMetrics
+from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.models.tokenizer import Tokenizer
+from pdmesh.shared.runtime.protocol import TokenDelta
+
+
+def answered(tok: Tokenizer, deltas: list[TokenDelta], eos: tuple[int, ...],
+             **params) -> dict:
+    async def journey():
+        for d in deltas:
+            yield d
+
+    async def run() -> dict:
+        a = Answer("r1", "tiny", False, [40, 41], SamplingParams(**params), [], tok,
+                   GatewayMetrics("tiny"), eos_token_ids=eos)
+        await a.start(journey())
+        return await a.whole()
+
+    return asyncio.run(run())["choices"][0]
+
+
+@pytest.mark.parametrize("last,stop_token_ids,want", [
+    ("other", [], "other"),  # generation_config's extra end of sequence: its id
+    ("eos", [], None),  # the model's own end of sequence: none (vLLM's)
+    ("stop", [300], 300),  # a stop token id: its id
+])
+def test_stop_reason_names_the_token_that_stopped_it(qwen3_path, last, stop_token_ids, want):
+    tok = Tokenizer(qwen3_path)
+    other = tok.encode("<|endoftext|>", add_special_tokens=False)[0]
+    ids = {"other": other, "eos": tok.eos_token_id, "stop": 300}
+    want = ids.get(want, want)
+    choice = answered(tok, [TokenDelta("r1", [50]),
+                            TokenDelta("r1", [ids[last]], finish_reason="stop")],
+                      (tok.eos_token_id, other), max_tokens=8,
+                      stop_token_ids=stop_token_ids)
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", want)
+    assert choice["text"] == tok.decode([50])  # the stopping token is not text
