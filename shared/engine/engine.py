@@ -351,7 +351,7 @@ class EngineCore:
         continuing a prefill); they count towards ``max_tokens``. ``priority`` None: the
         config's ``default_priority``."""
         done = list(output_token_ids or [])
-        self.validate_request(prompt_token_ids, params, done, grammar=False)
+        self._check_request(prompt_token_ids, params, done)  # (its grammar: by the compile)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in flight")
@@ -390,10 +390,16 @@ class EngineCore:
         return priority
 
     def validate_request(self, prompt: list[int], params: SamplingParams,
-                         output: list[int] | None = None, grammar: bool = True) -> None:
-        """ValueError naming the field if the request cannot run here; changes nothing.
-        ``grammar`` False: its grammar is left for the matcher to check (add_request's
-        compile reports the same fault, without parsing it twice)."""
+                         output: list[int] | None = None) -> None:
+        """ValueError naming the field if the request cannot run here; changes nothing."""
+        self._check_request(prompt, params, output)
+        if params.grammar is not None:
+            check_grammar(params.grammar)
+
+    def _check_request(self, prompt: list[int], params: SamplingParams,
+                       output: list[int] | None) -> None:
+        """validate_request but for the grammar (add_request's compile reports its faults
+        without parsing it twice)."""
         params.validate()
         output = output or []
         if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
@@ -404,8 +410,6 @@ class EngineCore:
                              f"max_tokens is {params.max_tokens}")
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
-        if grammar and params.grammar is not None:
-            check_grammar(params.grammar)
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:

@@ -50,8 +50,9 @@ def check_grammar(grammar: str) -> None:
 
 
 class GrammarCompiler:
-    """One engine's tokenizer as llguidance reads it (built on first use: ~1 s for a
-    large vocabulary), and the matchers it makes."""
+    """One engine's tokenizer as llguidance reads it (~1 s to build for a large
+    vocabulary: on first use, or beforehand in a thread of its own by ``prepare``), and
+    the matchers it makes."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer_json = Path(tokenizer_json)
@@ -60,14 +61,32 @@ class GrammarCompiler:
         self._tokenizer: Any = None
         self._lock = threading.Lock()
 
+    def prepare(self) -> None:
+        """Build the tokenizer in the background (a serving engine's start); a request
+        needing it first waits for it."""
+        threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            _ = self.tokenizer
+        except Exception as e:  # (a grammar request gets the same fault as its error)
+            log.warning("structured output: cannot read %s for grammars: %s",
+                        self.tokenizer_json, e)
+
     @property
     def tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None:
                 llg = _llguidance()
-                text = markup_as_text(self.tokenizer_json.read_text())
                 eos = list(self.eos_token_ids) or None
-                self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+                try:
+                    text = markup_as_text(self.tokenizer_json.read_text())
+                    self._tokenizer = llg.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                      eos_token=eos)
+                except Exception as e:  # (a request's error, not the engine's)
+                    raise ValueError(f"grammar: structured output needs the model's "
+                                     f"{self.tokenizer_json.name}, which cannot be read "
+                                     f"({type(e).__name__}: {e})") from e
             return self._tokenizer
 
     def start(self, grammar: str, after: str | None = None) -> Grammar:

@@ -179,6 +179,7 @@ class EngineLoop:
     def run(self) -> None:
         """Step in the calling thread until stopped. Call it from the main thread: torch's
         OpenMP kernels ran ~3x slower when stepping from a helper thread."""
+        self.engine.grammars.prepare()  # (not on the step loop at the first grammar)
         self._publish(force=True)
         if self.engine.lockstep:
             self._run_lockstep()

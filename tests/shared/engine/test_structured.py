@@ -5,6 +5,7 @@ grammar ends the request, and logit_bias shifts the logits it names."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -116,6 +117,29 @@ def test_bitmask_masks_only_its_rows(qwen3_path):
     assert allowed and len(allowed) < 4096
     with pytest.raises(ValueError, match="unclosed group"):
         compiler.start(regex_grammar("(("))
+
+
+def test_prepare_builds_the_tokenizer_in_the_background(qwen3_path, tmp_path, caplog):
+    """A serving engine builds llguidance's tokenizer at its start, off its step loop;
+    one it cannot read is a warning then (and the grammar request's error later)."""
+    compiler = GrammarCompiler(qwen3_path / "tokenizer.json", 4096, (2,))
+    compiler.prepare()
+    deadline = time.monotonic() + 60
+    while compiler._tokenizer is None:
+        assert time.monotonic() < deadline, "the tokenizer was never built"
+        time.sleep(0.05)
+    assert compiler.start(regex_grammar("ab")).error is None
+    broken = GrammarCompiler(tmp_path / "missing.json", 4096, (2,))
+    with caplog.at_level("WARNING"):
+        broken.prepare()
+        deadline = time.monotonic() + 60
+        while "cannot read" not in caplog.text:
+            assert time.monotonic() < deadline, "no warning"
+            time.sleep(0.05)
+    assert "missing.json" in caplog.text
+    with pytest.raises(ValueError, match="grammar: structured output needs the model's "
+                                         "missing.json"):
+        broken.start(regex_grammar("ab"))
 
 
 def test_markup_that_decodes_as_text_is_text_to_a_grammar(tiny_models):
