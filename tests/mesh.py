@@ -4,14 +4,13 @@ the test's own registry prefix, stopped by process id whatever happens."""
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pdmesh.shared.infra.launcher import Service
+from pdmesh.shared.infra.launcher import Service, stop_together
 
 MODEL = "tiny"  # the served model name
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
@@ -31,10 +30,14 @@ def pd_mesh(model: Path, logs: Path, prefix: str, *, gateway_args: Sequence[str]
     try:
         kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
-        for role, extra in (("prefill", prefill_args), *[("decode", decode_args)] * decodes):
-            started.append(Service(role, [role, str(model), "--kvstore", kv.address,
-                                          "--served-model-name", MODEL, *ENGINE, *extra,
-                                          *reg], logs))
+        engines = [Service(role, [role, str(model), "--kvstore", kv.address,
+                                  "--served-model-name", MODEL, *ENGINE, *extra, *reg],
+                           logs, wait=False)
+                   for role, extra in (("prefill", prefill_args),
+                                       *[("decode", decode_args)] * decodes)]
+        started += engines
+        for s in engines:  # (loading side by side)
+            s.wait_ready()
         started.append(Service("gateway", ["gateway", str(model), "--port", "0",
                                            "--served-model-name", MODEL, *gateway_args,
                                            *reg], logs))
@@ -43,7 +46,8 @@ def pd_mesh(model: Path, logs: Path, prefix: str, *, gateway_args: Sequence[str]
             roles.setdefault(s.role, s)
         yield {**roles, "decodes": [s for s in started if s.role == "decode"]}
     finally:
-        for s in reversed(started):
+        for s in started:
             if s.proc.poll() is None:
-                os.killpg(s.proc.pid, signal.SIGCONT)  # a test may have stopped it
-            s.stop()
+                s.signal(signal.SIGCONT)  # a test may have stopped it
+        stop_together(started[1:])  # the engines and the gateway, then the pool
+        stop_together(started[:1])

@@ -38,7 +38,7 @@ from pdmesh.shared.config.command_line import to_words
 from pdmesh.shared.config.flags import FLAGS
 from pdmesh.shared.config.serve import KV_ROLE_OF, ServeConfig, api_key, serve_config
 from pdmesh.shared.infra.bindhost import bound_env
-from pdmesh.shared.infra.launcher import Service, die_with_parent
+from pdmesh.shared.infra.launcher import Service, die_with_parent, stop_together
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
 
@@ -187,8 +187,10 @@ def run(cfg: ServeConfig) -> int:
         _watch(started, stop, redis.check if redis is not None else lambda: None)
     finally:
         print("[up] stopping", flush=True)
-        for svc in reversed(started):
-            svc.stop()
+        pool = [s for s in started if s.role == "kvstore"]
+        # the gateway and the engines drain together, then the pool they put to goes
+        stop_together([s for s in started if s.role != "kvstore"])
+        stop_together(pool)
         if redis is not None:
             redis.stop()
     return 0
@@ -263,14 +265,19 @@ def _start_pool(cfg: ServeConfig, reg: list[str], p: Plan, started: list[Service
 def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service]) -> None:
     """(Started with the bind shim's environment already: no re-exec at their start.)"""
     threads = engine_threads(p.roles, p.ranks, os.cpu_count() or 1, os.environ)
+    engines: list[tuple[str, int, int, Service]] = []
     for role, count in p.roles:
         env = {**bound_env(host), **threads[role]}
         print(f"[up] {role}: {count * p.ranks[role]} engine(s), "
               f"{env['OMP_NUM_THREADS']} torch thread(s) each", flush=True)
         for i in range(count):
-            svc = Service(role, [role, *workers, *p.engine_words[role]], p.log_dir, env=env)
+            svc = Service(role, [role, *workers, *p.engine_words[role]], p.log_dir, env=env,
+                          wait=False)
             started.append(svc)
-            print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
+            engines.append((role, i, count, svc))
+    for role, i, count, svc in engines:  # (all loading side by side)
+        svc.wait_ready()
+        print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
 
 
 def engine_threads(roles: list[tuple[str, int]], ranks: dict[str, int], cores: int,

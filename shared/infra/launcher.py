@@ -134,11 +134,30 @@ class Service:
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+            self.signal(sig)
+            self.wait_stopped(timeout_s)
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """Until it exits; killed (its process group) past ``timeout_s``."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+def stop_together(services: list[Service], timeout_s: float = 15.0) -> None:
+    """SIGTERM to every one still running at once (their drains overlap instead of
+    adding up), then each waited for until ``timeout_s`` from now and killed past it."""
+    live = [s for s in services if s.proc.poll() is None]
+    for s in live:
+        s.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for s in live:
+        s.wait_stopped(max(0.1, deadline - time.monotonic()))

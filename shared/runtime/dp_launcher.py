@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from pdmesh.shared.infra.launcher import Service, ready_timeout_s
+from pdmesh.shared.infra.launcher import Service, ready_timeout_s, stop_together
 from pdmesh.shared.infra.net import free_port, reachable_host
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
@@ -118,12 +117,8 @@ def _rank_args(a: Any, rank: int, local_index: int, host: str, rpc_port: int) ->
 
 
 def _stop_ranks(ranks: list[Service], shutdown_timeout_s: float) -> None:
-    for svc in ranks:  # SIGTERM to all at once: they agree to stop at the next step
-        if svc.proc.poll() is None:
-            os.killpg(svc.proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + shutdown_timeout_s + 10  # the ranks drain first
-    for svc in ranks:
-        svc.stop(timeout_s=max(0.1, deadline - time.monotonic()))
+    # all at once: they agree to stop at the next step; they drain first
+    stop_together(ranks, timeout_s=shutdown_timeout_s + 10)
 
 
 def _wait_for_ranks(ranks: list[Service], timeout_s: float) -> None:
