@@ -1,7 +1,5 @@
 """``python -m pdmesh``: the `pdmesh` command."""
 
-import sys
+from pdmesh.cli import entry
 
-from pdmesh.cli import main
-
-sys.exit(main())
+entry()

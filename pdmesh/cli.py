@@ -222,6 +222,15 @@ def _problems(e: Exception) -> list[str]:
 BOUND = frozenset({"kvstore", "prefill", "decode", "mixed"})
 
 
+def entry() -> None:
+    """The `pdmesh` process (the console script, ``python -m pdmesh``): main's exit code;
+    past Mooncake's teardown of a master that went away (``exit_past_abandoned``)."""
+    code = main()
+    if (pool := sys.modules.get("pdmesh.shared.kvpool.mooncake")) is not None:
+        pool.exit_past_abandoned(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--version"]:  # as `vllm --version`

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -163,16 +164,33 @@ class MooncakePool(KVPool):
             _abandon(store)
 
 
+_abandoned: list[object] = []  # clients kept by _abandon
+
+
 def _abandon(store) -> None:
     """Keep a client whose master is gone for the life of the process. Closing it - or
     letting it be destroyed, even at exit - retries the unmount at the dead master for
     ~20 s with the GIL held: the whole process stops (heartbeats, steps, streams). Kept,
-    it costs its threads and local buffer (~60 MB) and a log line every few seconds."""
+    it costs its threads and local buffer (~60 MB) and a log line every few seconds; the
+    process ends past Mooncake's teardown (``exit_past_abandoned``)."""
     import ctypes
 
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))  # never destroyed, not at exit
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))  # never destroyed by Python
+    _abandoned.append(store)
     log.warning("kv pool: a client of a Mooncake master that is gone is kept (closing it "
                 "would stop this process for ~20 s)")
+
+
+def exit_past_abandoned(code: int) -> None:
+    """End the process now, with ``code``, if it kept a client of a gone master: the
+    mooncake library's own teardown at exit cleans every client up, that one too, and
+    waits ~10-20 s on the dead master. Done after the process's own shutdown (pool
+    closed, registry left); only logs are flushed."""
+    if _abandoned:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _preflight(master_address: str, metadata_url: str, timeout_s: float = 3.0) -> None:

@@ -168,3 +168,10 @@ def test_faults_under_streaming_load(mesh, qwen3_path):
     kinds = {text.split(":", 1)[0] for _, text, reason, _ in results if reason == "error"}
     assert kinds <= {"ERROR APIStatusError", "ERROR InternalServerError",
                      "ERROR APIError"}, kinds  # HTTP errors with a body, not dropped links
+    # a decode that followed the pool's move keeps its old master's client; it still
+    # stops at once and cleanly (Mooncake's own teardown would wait on the dead master)
+    d = mesh["decodes"][1]
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0
+    d.join_output()
+    assert "a client of a Mooncake master that is gone is kept" in d.log_path.read_text()
