@@ -46,8 +46,14 @@ def pd_mesh(model: Path, logs: Path, prefix: str, *, gateway_args: Sequence[str]
             roles.setdefault(s.role, s)
         yield {**roles, "decodes": [s for s in started if s.role == "decode"]}
     finally:
-        for s in started:
-            if s.proc.poll() is None:
-                s.signal(signal.SIGCONT)  # a test may have stopped it
-        stop_together(started[1:])  # the engines and the gateway, then the pool
-        stop_together(started[:1])
+        stop_all(started)
+
+
+def stop_all(started: Sequence[Service]) -> None:
+    """Stop a test's services whatever state they are in: the gateway and the engines
+    together (their drains overlap), then the kvstore they put to."""
+    for s in started:
+        if s.proc.poll() is None:
+            s.signal(signal.SIGCONT)  # a test may have stopped it
+    stop_together([s for s in started if s.role != "kvstore"])
+    stop_together([s for s in started if s.role == "kvstore"])

@@ -14,6 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from pdmesh.shared.infra.launcher import Service
+from tests.mesh import stop_all
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -88,8 +89,7 @@ def test_one_trace_per_request_nested_across_services(qwen3_path, receiver, tmp_
             time.sleep(0.1)
         assert wanted <= have, wanted - have
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
     # --log-requests --log-format json: the request's line carries its ids
     lines = [json.loads(ln) for ln in gw.log_path.read_text().splitlines()
              if ln.startswith("{")]

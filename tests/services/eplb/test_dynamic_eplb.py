@@ -22,6 +22,7 @@ from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.models.tiny import make_tiny_model
 from pdmesh.shared.proto import eplb_pb2, eplb_pb2_grpc
+from tests.mesh import stop_all
 from tests.prometheus_text import sample
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
@@ -71,8 +72,7 @@ def mesh(skewed, tmp_path_factory, registry_prefix):
         yield {"url": gw.info["http"], "controller": ctl, "prefix": prefix,
                "group": dec.info["eplb_group"], "decode": dec}
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 def ask(url: str, prompt: list[int]) -> str:

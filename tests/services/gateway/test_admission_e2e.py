@@ -16,6 +16,7 @@ import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
+from tests.mesh import stop_all
 from tests.shared.engine.hf_reference import assert_like_reference, from_json, hf_prompt_logprobs
 
 MODEL = "tiny"
@@ -43,8 +44,7 @@ def mesh(qwen3_path, tmp_path_factory, registry_prefix):
             gateways[name] = gw.info["http"]
         yield gateways
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

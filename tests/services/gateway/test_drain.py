@@ -18,6 +18,7 @@ import pytest
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.registry import Registry
+from tests.mesh import stop_all
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -88,5 +89,4 @@ def test_sigterm_to_a_decode_instance_loses_no_stream(qwen3_path, expected, tmp_
         metrics = httpx.get(gw.info["http"] + "/metrics", timeout=10).text
         print([ln for ln in metrics.splitlines() if ln.startswith("pdmesh_requests_migrated")])
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)

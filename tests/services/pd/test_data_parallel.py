@@ -16,6 +16,7 @@ import pytest
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.registry import Registry
+from tests.mesh import stop_all
 from tests.processes import alive
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
@@ -46,8 +47,7 @@ def moe_mesh(model: str, logs: Path, prefix: str, prefill: list[str], decode: li
         started.append(gw)
         yield {"url": gw.info["http"], "decode": dec, "prefix": prefix}
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

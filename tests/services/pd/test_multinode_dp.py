@@ -11,6 +11,7 @@ import pytest
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.net import free_port
 from pdmesh.shared.infra.registry import Registry
+from tests.mesh import stop_all
 from tests.services.pd.test_data_parallel import (
     ENGINE,
     MODEL,
@@ -47,8 +48,7 @@ def mesh(tiny_models, tmp_path_factory, registry_prefix):
         started.append(gw)
         yield {"url": gw.info["http"], "nodes": nodes, "prefix": prefix}
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 def test_each_node_runs_only_its_own_rank(mesh):

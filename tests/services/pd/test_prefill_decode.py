@@ -18,6 +18,7 @@ from pdmesh.shared.proto import (
     prefill_pb2_grpc,
 )
 from pdmesh.shared.proto.convert import sampling_to_proto
+from tests.mesh import stop_all
 from tests.services.pd.session import OneRequest, prefill
 
 PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
@@ -39,8 +40,7 @@ def mesh(qwen3_path, tmp_path_factory, registry_prefix):
                                           kv.address, *ENGINE, *reg], logs))
         yield {s.role: s for s in started}
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
+from tests.mesh import stop_all
 from tests.prometheus_text import sample
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
@@ -45,8 +46,7 @@ def mesh(qwen3_path, tmp_path_factory, registry_prefix):
         started.append(gw)
         yield {"url": gw.info["http"], "decode": dec, "reg": reg, "logs": logs}
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

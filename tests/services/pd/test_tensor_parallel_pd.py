@@ -12,6 +12,7 @@ from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdmesh.shared.proto.convert import sampling_to_proto
+from tests.mesh import stop_all
 from tests.services.pd.session import OneRequest, prefill
 
 PROMPTS = [list(range(200, 247)), list(range(300, 332)), [7, 8, 9]]
@@ -37,8 +38,7 @@ def instances(qwen3_path, tmp_path_factory, registry_prefix):
                 found[role, tp] = s
         yield found
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 def prompts(decode_tp: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ import pytest
 
 from pdmesh.cli import _sglang_line, parse_args
 from pdmesh.shared.cli.sglang import translate
+from tests.mesh import stop_all
 
 FLAGS = Path(__file__).parents[1] / "config" / "data" / "sglang_ascend_flags.tsv"
 DISAGGREGATION = {"--disaggregation-mode", "--disaggregation-transfer-backend",
@@ -219,8 +220,7 @@ def test_sglang_pd_shape_serves(qwen3_path, tmp_path, registry_prefix):
         log = router.log_path.read_text()
         assert "--policy: without effect" in log and "not dialled" in log
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 def test_sglang_parser_names_become_the_gateway_parsers():

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pdmesh.shared.engine import LLM, SamplingParams
+from tests.mesh import stop_all
 from tests.processes import alive
 
 
@@ -207,8 +208,7 @@ def test_ngram_speculation_serves_exactly_and_counts_its_drafts(qwen3_path, tmp_
             time.sleep(0.2)
         assert inst.load["spec_accepted_tokens"] == accepted
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
@@ -265,8 +265,7 @@ def test_vllm_pd_serve_lines_become_the_mesh_instances(qwen3_path, tmp_path,
             started[1].address]
         assert [i.address for i in registry.instances(role="decode")] == [started[2].address]
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
@@ -318,8 +317,7 @@ def test_mtp_speculation_across_the_pd_mesh(tiny_models, tmp_path, registry_pref
             assert time.monotonic() < deadline, "the decode instance never drafted"
             time.sleep(0.2)
     finally:
-        for s in reversed(started):
-            s.stop()
+        stop_all(started)
 
 
 def test_up_restarts_what_dies_and_dies_with_its_children(qwen3_path, tmp_path,
