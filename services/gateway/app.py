@@ -250,6 +250,8 @@ class Gateway:
             # (each prompt's other choices after its first: its KV is in the pool for them)
             await _all(a.start(a.journey.run()) for a in answers[::k])
             await _all(a.start(a.journey.run()) for i, a in enumerate(answers) if i % k)
+            for i, a in enumerate(answers):  # (the first's: the others did not ask)
+                a.prompt_logprobs = answers[i - i % k].prompt_logprobs
             if not body.stream:
                 return await self._whole(answers, body.n, k, request)
         except MeshError as e:
@@ -268,7 +270,8 @@ class Gateway:
         """Answer ``i`` (prompt i // k's choice i % k, k choices generated per prompt)
         and its journey (``answer.journey``): a seeded request's choice j draws from
         seed + j; best_of's candidates bring their sampled tokens' logprobs (to be
-        ranked by), shown only when asked for."""
+        ranked by), shown only when asked for; prompt logprobs are the first choice's
+        (the others find the prompt cached instead of computing it again)."""
         state = self.state
         engine = params
         j = i % body.choices_generated()
@@ -279,6 +282,8 @@ class Gateway:
                 output.constrained = first.constrained
         if j and params.seed is not None:
             engine = dataclasses.replace(engine, seed=(params.seed + j) % (1 << 63))
+        if j and params.prompt_logprobs is not None:  # the first choice's serve them all:
+            engine = dataclasses.replace(engine, prompt_logprobs=None)  # the KV is cached
         if body.choices_generated() > body.n and params.logprobs is None:
             engine = dataclasses.replace(engine, logprobs=0)
         answer = Answer(rid, body.model, output is not None, prompt, params,

@@ -125,7 +125,8 @@ def test_vllm_names_for_vllm_dashboards(qwen3_path, tmp_path, registry_prefix):
 
 def test_n_choices_compute_the_prompt_once(mesh):
     """n=4: four choices, the prompt's full blocks computed for the first only (the
-    other three find them cached)."""
+    other three find them cached); so with prompt_logprobs, which the first computes
+    for all."""
     prompt = list(range(1500, 1570))  # 4 full blocks of 16, and 6 more
     before = scrape(mesh["prefill"].info["metrics"])
     client = openai.OpenAI(base_url=mesh["url"] + "/v1", api_key="x", max_retries=0,
@@ -140,3 +141,12 @@ def test_n_choices_compute_the_prompt_once(mesh):
 
     assert moved("pdmesh_prefix_cache_queries_total") == 4 * len(prompt)
     assert moved("pdmesh_prefix_cache_hits_total") >= 3 * 64
+    # with prompt logprobs too: the first choice computes them, the others reuse both
+    prompt = list(range(1600, 1670))
+    before = scrape(mesh["prefill"].info["metrics"])
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, n=3,
+                                  temperature=1.0, seed=1, extra_body={"prompt_logprobs": 1})
+    after = scrape(mesh["prefill"].info["metrics"])
+    logprobs = [c.model_extra["prompt_logprobs"] for c in r.choices]
+    assert len(logprobs[0]) == len(prompt) and logprobs[1:] == logprobs[:1] * 2
+    assert moved("pdmesh_prefix_cache_hits_total") >= 2 * 64
