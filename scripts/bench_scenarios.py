@@ -97,24 +97,32 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
     if system == "pd-base":
         if not a.base_tree:
             raise ValueError("--base-tree: pd-base needs the tree to run")
-        env = {**os.environ, "PYTHONPATH": a.base_tree}
-        return start_pdmesh("up", a.model, logs, env)
+        tree = str(Path(a.base_tree).resolve())
+        env = {**os.environ, "PYTHONPATH": tree}
+        # `python -m` puts the working directory first on sys.path: run from the tree, or
+        # a checkout's own pdmesh (the caller's cwd) shadows it
+        where = subprocess.run([sys.executable, "-c", "import pdmesh; print(pdmesh.__file__)"],
+                               env=env, cwd=tree, capture_output=True, text=True, check=True)
+        if not where.stdout.startswith(tree):
+            raise ValueError(f"--base-tree: {tree} does not hold the pdmesh package "
+                             f"(it resolves to {where.stdout.strip()})")
+        return start_pdmesh("up", a.model, logs, env, cwd=tree)
     kind, _, spec = system.partition("-")
     return start_pdmesh({"pd": "up", "mixed": "serve"}[kind], a.model, logs,
                         engine_args=f" --speculative-config '{SPEC[spec]}'" if spec else "")
 
 
 def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None,
-                 engine_args: str = "") -> tuple[subprocess.Popen, str]:
+                 engine_args: str = "", cwd: str | None = None) -> tuple[subprocess.Popen, str]:
     """`pdmesh up` or `serve` serving ``model`` as "tiny" (``engine_args`` added to the
     engines' flags); (process, base URL) once ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdmesh", command, model, "--port", "0", "--served-model-name",
-         "tiny", "--registry-prefix",
+        [sys.executable, "-m", "pdmesh", command, str(Path(model).resolve()), "--port", "0",
+         "--served-model-name", "tiny", "--registry-prefix",
          f"bench-{uuid.uuid4().hex[:8]}", "--log-dir", str(logs), "--engine-args",
          "--device cpu --dtype float32" + engine_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=env)
+        env=env, cwd=cwd)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
