@@ -44,11 +44,10 @@ class Answer:
         self.log_level = log_level  # log the request when it ends (--log-requests)
         self.shape = shape or Shape()
         # what ends a sequence (the model's, its generation config's too): not text
-        eos = eos_token_ids or (tok.eos_token_id,)
-        self.eos = frozenset(eos)
-        # the model's own end of sequence is no stop_reason; generation_config's other
+        self.eos = frozenset(eos_token_ids or (tok.eos_token_id,))
+        # the tokenizer's end of sequence is no stop_reason; generation_config's other
         # ids are stop ids to vLLM, reported as the token that stopped it
-        self.stop_ids = frozenset((*params.stop_token_ids, *eos[1:]))
+        self.stop_ids = frozenset(params.stop_token_ids) | (self.eos - {tok.eos_token_id})
         self.text = IncrementalText(tok, stops, params.skip_special_tokens,
                                     self.shape.include_stop_str)
         self.stop_reason: str | int | None = None  # the stop string or stop token id

@@ -142,6 +142,8 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     dtype: str
+    # what ends a sequence (config.json's, generation_config.json's); from_folder puts the
+    # tokenizer's own first (the one that ends a request without a stop_reason)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     rope_scaling: dict[str, Any] | None = None
@@ -230,8 +232,11 @@ class ModelConfig:
         with open(p) as f:
             cfg = cls.from_dict(json.load(f))
         extra = _generation_eos(Path(path) / "generation_config.json")
-        more = tuple(t for t in extra if t not in cfg.eos_token_ids)
-        return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + more) if more else cfg
+        ids = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
+        own = _tokenizer_eos(Path(path) / "tokenizer_config.json")
+        if own in ids:  # first: the model's own end of sequence (Llama 3's <|eot_id|>)
+            ids = (own, *(t for t in ids if t != own))
+        return dataclasses.replace(cfg, eos_token_ids=ids) if ids != cfg.eos_token_ids else cfg
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:
@@ -248,6 +253,25 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise ValueError(f"model: {path}: eos_token_id must be token ids, got {eos!r}")
     return tuple(ids)
+
+
+def _tokenizer_eos(path: Path) -> int | None:
+    """The id of the end of sequence tokenizer_config.json names, when its
+    added_tokens_decoder lists it: the tokenizer's eos_token_id, the one vLLM gives no
+    stop_reason (config.json may list others first: Llama 3.1's [128001, 128008, 128009]
+    for <|eot_id|>, 128009)."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        for tid, token in (config.get("added_tokens_decoder") or {}).items():
+            if isinstance(token, dict) and eos is not None and token.get("content") == eos:
+                return int(tid)
+    except (OSError, ValueError, AttributeError):
+        pass  # (the tokenizer's own checks report a broken file)
+    return None
 
 
 def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig:

@@ -31,7 +31,7 @@ def answered(tok: Tokenizer, deltas: list[TokenDelta], eos: tuple[int, ...],
 
 @pytest.mark.parametrize("last,stop_token_ids,want", [
     ("other", [], "other"),  # generation_config's extra end of sequence: its id
-    ("eos", [], None),  # the model's own end of sequence: none (vLLM's)
+    ("eos", [], None),  # the tokenizer's end of sequence: none (vLLM's), wherever listed
     ("stop", [300], 300),  # a stop token id: its id
 ])
 def test_stop_reason_names_the_token_that_stopped_it(qwen3_path, last, stop_token_ids, want):
@@ -41,7 +41,7 @@ def test_stop_reason_names_the_token_that_stopped_it(qwen3_path, last, stop_toke
     want = ids.get(want, want)
     choice = answered(tok, [TokenDelta("r1", [50]),
                             TokenDelta("r1", [ids[last]], finish_reason="stop")],
-                      (tok.eos_token_id, other), max_tokens=8,
+                      (other, tok.eos_token_id), max_tokens=8,  # (config.json's order)
                       stop_token_ids=stop_token_ids)
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", want)
     assert choice["text"] == tok.decode([50])  # the stopping token is not text

@@ -100,6 +100,20 @@ def test_the_generation_configs_end_of_sequence_ids_end_a_request(tmp_path, qwen
     kept = llm.generate([[40, 41, 42]], SamplingParams(
         temperature=0, max_tokens=8, logit_bias={other: 100.0}, ignore_eos=True))
     assert kept[0].outputs[0].token_ids == [other] * 8
+    # config.json listing another first (Llama 3.1's): the tokenizer's own is still the
+    # one without a stop_reason, as tokenizer_config.json names it
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [other,
+                                                                         tok.eos_token_id]}))
+    tc = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tc, "added_tokens_decoder": {
+        str(tok.eos_token_id): {"content": tc["eos_token"], "special": True}}}))
+    assert ModelConfig.from_folder(model).eos_token_ids == (tok.eos_token_id, other)
+    llm = LLM(str(model), device="cpu", dtype="float32")
+    for pushed, reason in ((tok.eos_token_id, None), (other, other)):
+        out = llm.generate([[40, 41, 42]], SamplingParams(
+            temperature=0, max_tokens=8, logit_bias={pushed: 100.0}))[0].outputs[0]
+        assert (out.token_ids, out.stop_reason) == ([pushed], reason)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
     with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
         ModelConfig.from_folder(model)
