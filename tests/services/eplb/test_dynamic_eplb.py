@@ -60,12 +60,15 @@ def mesh(skewed, tmp_path_factory, registry_prefix):
         kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
         started.append(Service("prefill", ["prefill", skewed, "--kvstore", kv.address,
-                                           "--served-model-name", MODEL, *ENGINE, *reg], logs))
+                                           "--served-model-name", MODEL, *ENGINE, *reg], logs,
+                               wait=False))
         dec = Service("decode", ["decode", skewed, "--kvstore", kv.address,
                                  "--served-model-name", MODEL, "--data-parallel-size", "2",
                                  "--enable-expert-parallel", "--additional-config",
-                                 json.dumps(EPLB), *ENGINE, *reg], logs)
+                                 json.dumps(EPLB), *ENGINE, *reg], logs, wait=False)
         started.append(dec)
+        for s in started[2:]:  # (loading side by side)
+            s.wait_ready()
         gw = Service("gateway", ["gateway", skewed, "--port", "0", "--served-model-name",
                                  MODEL, *reg], logs)
         started.append(gw)

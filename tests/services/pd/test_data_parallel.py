@@ -38,10 +38,13 @@ def moe_mesh(model: str, logs: Path, prefix: str, prefill: list[str], decode: li
         started.append(kv)
         started.append(Service("prefill", ["prefill", model, "--kvstore", kv.address,
                                            "--served-model-name", MODEL, *prefill, *ENGINE,
-                                           *reg], logs))
+                                           *reg], logs, wait=False))
         dec = Service("decode", ["decode", model, "--kvstore", kv.address,
-                                 "--served-model-name", MODEL, *decode, *ENGINE, *reg], logs)
+                                 "--served-model-name", MODEL, *decode, *ENGINE, *reg], logs,
+                      wait=False)
         started.append(dec)
+        for s in started[1:]:  # (loading side by side)
+            s.wait_ready()
         gw = Service("gateway", ["gateway", model, "--port", "0", "--served-model-name", MODEL,
                                  *reg], logs)
         started.append(gw)

@@ -34,14 +34,15 @@ def mesh(tiny_models, tmp_path_factory, registry_prefix):
         kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
         started.append(Service("prefill", ["prefill", moe, "--kvstore", kv.address,
-                                           "--served-model-name", MODEL, *ENGINE, *reg], logs))
+                                           "--served-model-name", MODEL, *ENGINE, *reg], logs,
+                               wait=False))
         decode = ["decode", moe, "--kvstore", kv.address, "--served-model-name", MODEL,
                   *dp, *ENGINE, *reg]
         nodes = [Service("decode", decode, logs, wait=False),
                  Service("decode", [*decode, "--data-parallel-start-rank", "1", "--headless"],
                          logs, wait=False)]
         started += nodes
-        for node in nodes:  # rank 0 is ready only once rank 1 joined its group
+        for node in started[1:]:  # rank 0 is ready only once rank 1 joined its group
             node.wait_ready()
         gw = Service("gateway", ["gateway", moe, "--port", "0", "--served-model-name", MODEL,
                                  *reg], logs)

@@ -34,13 +34,16 @@ def mesh(qwen3_path, tmp_path_factory, registry_prefix):
         kv = Service("kvstore", ["kvstore", *reg], logs)
         started.append(kv)
         started.append(Service("prefill", ["prefill", str(qwen3_path), "--kvstore", kv.address,
-                                           "--served-model-name", MODEL, *ENGINE, *reg], logs))
+                                           "--served-model-name", MODEL, *ENGINE, *reg], logs,
+                               wait=False))
         # 10 blocks of 16 tokens per rank: three 100-token requests do not fit at once
         dec = Service("decode", ["decode", str(qwen3_path), "--kvstore", kv.address,
                                  "--served-model-name", MODEL, "--data-parallel-size", "2",
                                  "--num-kv-blocks", "10", "--additional-config", RECOMPUTE,
-                                 *ENGINE, *reg], logs)
+                                 *ENGINE, *reg], logs, wait=False)
         started.append(dec)
+        for s in started[1:]:  # (loading side by side)
+            s.wait_ready()
         gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
                                  "--served-model-name", MODEL, *reg], logs)
         started.append(gw)

@@ -33,9 +33,12 @@ def instances(qwen3_path, tmp_path_factory, registry_prefix):
         for role in ("prefill", "decode"):
             for tp in (1, 2):
                 s = Service(role, [role, "--model", str(qwen3_path), "--kvstore", kv.address,
-                                   "--tensor-parallel-size", str(tp), *ENGINE, *reg], logs)
+                                   "--tensor-parallel-size", str(tp), *ENGINE, *reg], logs,
+                            wait=False)
                 started.append(s)
                 found[role, tp] = s
+        for s in started[1:]:  # (loading side by side)
+            s.wait_ready()
         yield found
     finally:
         stop_all(started)
