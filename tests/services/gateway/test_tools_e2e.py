@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from pdmesh.shared.infra.launcher import Service
-from tests.mesh import MODEL, pd_mesh
+from tests.mesh import MODEL, pd_mesh, stop_all
 
 GOLDEN = Path(__file__).parent / "golden" / "parsers"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -54,18 +54,18 @@ def gateways(qwen3_path, tmp_path_factory, registry_prefix):
     with pd_mesh(qwen3_path, logs, prefix, gateway_args=GATEWAYS["hermes"]) as mesh:
         started: list[Service] = []
         try:
+            others = {name: Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
+                                                "--served-model-name", MODEL, *flags,
+                                                "--registry-prefix", prefix], logs, wait=False)
+                      for name, flags in GATEWAYS.items() if name != "hermes"}
+            started += others.values()
             urls = {"hermes": mesh["gateway"].info["http"]}
-            for name, flags in GATEWAYS.items():
-                if name not in urls:
-                    gw = Service("gateway", ["gateway", str(qwen3_path), "--port", "0",
-                                             "--served-model-name", MODEL, *flags,
-                                             "--registry-prefix", prefix], logs)
-                    started.append(gw)
-                    urls[name] = gw.info["http"]
+            for name, gw in others.items():  # (started side by side)
+                gw.wait_ready()
+                urls[name] = gw.info["http"]
             yield urls
         finally:
-            for gw in started:
-                gw.stop()
+            stop_all(started)
 
 
 def client(gateways, name: str) -> openai.OpenAI:
