@@ -20,16 +20,12 @@ from typing import Any
 
 import torch
 
-from pdmesh.shared.engine.block_manager import GroupBlocks, KVBlock, KVCacheManager
-from pdmesh.shared.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pdmesh.shared.engine.block_manager import KVBlock, KVCacheManager
+from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.draft_length import DraftLength
-from pdmesh.shared.engine.kv_cache_spec import (
-    FULL,
-    allocate_caches,
-    cache_spec,
-    layer_caches,
-)
+from pdmesh.shared.engine.kv_cache_spec import allocate_caches, cache_spec, layer_caches
 from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.kv_sizing import kv_blocks
 from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.engine.mtp import MtpProposer
 from pdmesh.shared.engine.parallel_setup import (
@@ -151,7 +147,8 @@ class EngineCore:
             model_cfg, config.block_size, mtp_layers=1 if mtp else 0,
             int8=config.kv_cache_dtype == "int8")
         self.kv_bytes_per_token = round(self.pool_spec.bytes_per_token(self.dtype))
-        groups = self._resolve_num_blocks()
+        groups = kv_blocks(config, self.cache_spec, self.dtype, self.device,
+                           self.max_model_len, self.max_num_batched_tokens)
         num_blocks = groups[0].num_blocks
         if self.tp_ranks is not None:  # the other ranks' caches: as many blocks
             self.tp_ranks.broadcast([g.num_blocks for g in groups])
@@ -297,51 +294,6 @@ class EngineCore:
             raise ValueError(f"max_model_len: {asked} exceeds the model's "
                              f"max_position_embeddings ({limit})")
         return asked
-
-    def _resolve_num_blocks(self) -> list[GroupBlocks]:
-        """Blocks per cache group. A sliding group gets what every seat's window needs
-        plus a full step of new tokens; the history group (the first) gets the rest of
-        the budget, or ``num_kv_blocks``."""
-        cfg = self.config
-        spec = self.cache_spec
-        bs = cfg.block_size
-        sliding = {g.name: cfg.max_num_seqs * (-(-g.window // bs) + 2)
-                   + -(-self.max_num_batched_tokens // bs)
-                   for g in spec.groups if g.kind != FULL}
-        sliding_bytes = sum(n * g.block_bytes(self.dtype) for g in spec.groups
-                            for n in [sliding.get(g.name, 0)])
-        per_block = spec.groups[0].block_bytes(self.dtype)
-        if cfg.num_kv_blocks is not None:
-            blocks = cfg.num_kv_blocks
-        else:
-            if cfg.kv_cache_memory_bytes is not None:
-                budget = cfg.kv_cache_memory_bytes
-            elif self.device == "cpu":
-                # Enough for every seat at full length, at most the default CPU budget.
-                full = cfg.max_num_seqs * self.max_model_len // bs + cfg.max_num_seqs
-                budget = min(DEFAULT_CPU_KV_CACHE_BYTES, full * per_block + sliding_bytes)
-            else:
-                budget = self._device_kv_budget()
-            if not per_block:  # no history tensors (sliding layers only): bookkeeping
-                per_block = 1
-                budget = cfg.max_num_seqs * (-(-self.max_model_len // bs) + 1) + sliding_bytes
-            blocks = (budget - sliding_bytes) // per_block
-            if blocks < 1:
-                raise ValueError(f"kv_cache_memory_bytes: {budget} bytes hold no KV block "
-                                 f"({per_block} bytes each, after {sliding_bytes} bytes of "
-                                 "sliding-window blocks)")
-        return [GroupBlocks(g.name, int(blocks)) if g.kind == FULL
-                else GroupBlocks(g.name, sliding[g.name], window=g.window)
-                for g in spec.groups]
-
-    def _device_kv_budget(self) -> int:
-        """gpu_memory_utilization of device memory, less what weights already took and a
-        reserve for activations."""
-        mod = torch.npu if self.device == "npu" else torch.cuda  # type: ignore[attr-defined]
-        free, total = mod.mem_get_info()
-        used = total - free
-        reserve = int(0.05 * total)
-        return max(0, int(total * self.config.gpu_memory_utilization) - used - reserve)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
