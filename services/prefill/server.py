@@ -23,14 +23,14 @@ import grpc
 
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pdmesh.shared.proto.convert import (
+from pdmesh.shared.runtime.client import EngineClient, RequestStream
+from pdmesh.shared.runtime.proto_convert import (
     grpc_code,
     load_to_proto,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
     submit_from_proto,
 )
-from pdmesh.shared.runtime.client import EngineClient, RequestStream
 from pdmesh.shared.runtime.protocol import InvalidRequest, TokenDelta
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,21 @@ alike.
 
     kind   "bool" (no value; --no-X sets False), "int", "float", "str", "json" (an object),
            "names" (one or more words), "list" (repeatable, one value each time)
+
+An engine flag that fills an EngineConfig field takes that field's default
+(``ENGINE_DEFAULT``): EngineConfig is the one home of the engine's defaults, which the
+offline ``LLM`` takes as they are. (Serving on CPU, ``serving_defaults`` in
+``engine_config.py`` lowers --max-num-batched-tokens, as vllm serve does.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from pdmesh.shared.config.sglang_flags import WITHOUT_EFFECT
+from pdmesh.shared.engine.config import EngineConfig
 
 ENGINES = frozenset({"prefill", "decode", "mixed"})
 SERVICES = ENGINES | {"gateway", "kvstore", "eplb"}
@@ -32,6 +38,8 @@ ALL = SERVICES | LAUNCHERS | ENGINE_TOOLS | CHECK
 ENGINE_LINE = ENGINES | {"serve"} | CHECK
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# EngineConfig's field defaults, by field name: the engine flags' defaults
+ENGINE_DEFAULT = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
 DEVICES = ("auto", "npu", "cuda", "cpu")
 
 
@@ -137,37 +145,45 @@ FLAGS: list[Flag] = [
          aliases=("--oltp-traces-endpoint",)),  # SGLang's seed spells it so
     # -- the engine ---------------------------------------------------------------------
     *_flags(ENGINES | ENGINE_TOOLS | {"serve"} | CHECK,
-            ("--device", "str", "auto", "auto (npu, else cuda, else cpu), npu, cuda or cpu",
+            ("--device", "str", ENGINE_DEFAULT["device"],
+             "auto (npu, else cuda, else cpu), npu, cuda or cpu",
              {"choices": DEVICES}),
-            ("--dtype", "str", "auto", "auto (the checkpoint's), float32, bfloat16 or "
-             "float16", {"choices": DTYPES}),
-            ("--quantization", "str", None, "ascend: a modelslim checkpoint (W8A8, "
-             "W8A8_DYNAMIC, W4A8_DYNAMIC per weight); fp8: DeepSeek's block FP8 (detected "
-             "without it too)", {"aliases": ("-q",)}),
-            ("--kv-cache-dtype", "str", "auto", "auto (the model's dtype) or int8 (K and V "
-             "per token and head in int8, their scales in the same blocks: half of "
-             "bfloat16's bytes, in the cache and through the pool)"),
-            ("--seed", "int", 0, "the engine's sampling seed", {"aliases": ("--random-seed",)}),
-            ("--block-size", "int", 128, "tokens per KV block", {"aliases": ("--page-size",)}),
+            ("--dtype", "str", ENGINE_DEFAULT["dtype"],
+             "auto (the checkpoint's), float32, bfloat16 or float16", {"choices": DTYPES}),
+            ("--quantization", "str", ENGINE_DEFAULT["quantization"],
+             "ascend: a modelslim checkpoint (W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC per weight); "
+             "fp8: DeepSeek's block FP8 (detected without it too)", {"aliases": ("-q",)}),
+            ("--kv-cache-dtype", "str", ENGINE_DEFAULT["kv_cache_dtype"],
+             "auto (the model's dtype) or int8 (K and V per token and head in int8, their "
+             "scales in the same blocks: half of bfloat16's bytes, in the cache and through "
+             "the pool)"),
+            ("--seed", "int", ENGINE_DEFAULT["seed"],
+             "the engine's sampling seed", {"aliases": ("--random-seed",)}),
+            ("--block-size", "int", ENGINE_DEFAULT["block_size"],
+             "tokens per KV block", {"aliases": ("--page-size",)}),
 
-            ("--max-num-seqs", "int", 256, "requests in a batch at most",
-             {"aliases": ("--max-running-requests",)}),
-            ("--max-num-batched-tokens", "int", None, "tokens one step computes at most "
-             "(serving on CPU: 2,048 by default, as vllm serve)"),
+            ("--max-num-seqs", "int", ENGINE_DEFAULT["max_num_seqs"],
+             "requests in a batch at most", {"aliases": ("--max-running-requests",)}),
+            ("--max-num-batched-tokens", "int", ENGINE_DEFAULT["max_num_batched_tokens"],
+             "tokens one step computes at most (serving on CPU: 2,048 by default, as vllm "
+             "serve)"),
             ("--chunked-prefill-size", "int", None, "SGLang's: prompt tokens one step "
              "computes at most (-1: no chunking); --max-num-batched-tokens wins"),
             ("--max-prefill-tokens", "int", None, "SGLang's: prompt tokens one prefill "
              "batch holds at most; --max-num-batched-tokens wins"),
-            ("--enable-prefix-caching", "bool", True, "reuse the KV of shared prefixes"),
-            ("--scheduling-policy", "str", "fcfs", "fcfs, or priority (lower values first)",
-             {"choices": ("fcfs", "priority")}),
-            ("--num-kv-blocks", "int", None, "KV cache size in blocks (overrides the sizing)"),
-            ("--kv-cache-memory-bytes", "int", None, "KV cache size in bytes (CPU default: "
-             "up to 1 GiB)"),
-            ("--gpu-memory-utilization", "float", 0.9, "share of device memory to use",
-             {"aliases": ("--mem-fraction-static",)})),
+            ("--enable-prefix-caching", "bool", ENGINE_DEFAULT["enable_prefix_caching"],
+             "reuse the KV of shared prefixes"),
+            ("--scheduling-policy", "str", ENGINE_DEFAULT["scheduling_policy"],
+             "fcfs, or priority (lower values first)", {"choices": ("fcfs", "priority")}),
+            ("--num-kv-blocks", "int", ENGINE_DEFAULT["num_kv_blocks"],
+             "KV cache size in blocks (overrides the sizing)"),
+            ("--kv-cache-memory-bytes", "int", ENGINE_DEFAULT["kv_cache_memory_bytes"],
+             "KV cache size in bytes (CPU default: up to 1 GiB)"),
+            ("--gpu-memory-utilization", "float", ENGINE_DEFAULT["gpu_memory_utilization"],
+             "share of device memory to use", {"aliases": ("--mem-fraction-static",)})),
     Flag("--max-model-len", "int", ENGINES | ENGINE_TOOLS | {"serve", "gateway"} | CHECK,
-         None, "context length (default: the model's)", aliases=("--context-length",)),
+         ENGINE_DEFAULT["max_model_len"], "context length (default: the model's)",
+         aliases=("--context-length",)),
     Flag("--disable-radix-cache", "bool", ENGINES | {"serve"} | CHECK, False,
          "SGLang's spelling of --no-enable-prefix-caching"),
     # -- serving an engine --------------------------------------------------------------
@@ -177,16 +193,16 @@ FLAGS: list[Flag] = [
              POOLED),
             ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool",
              POOLED),
-            ("--kv-load-timeout", "float", 10.0, "seconds a prompt's read from the KV pool "
-             "may take, plus its size at 256 MiB/s, before it is given up and the prompt "
-             "computed here (0: no limit)", POOLED),
+            ("--kv-load-timeout", "float", ENGINE_DEFAULT["kv_load_timeout_s"],
+             "seconds a prompt's read from the KV pool may take, plus its size at 256 MiB/s, "
+             "before it is given up and the prompt computed here (0: no limit)", POOLED),
             ("--shutdown-timeout", "float", 30.0, "on SIGTERM, seconds requests in flight "
              "get to finish"),
-            ("--tensor-parallel-size", "int", 1, "tensor parallel ranks of each DP rank (their "
-             "processes on its node, rank r on its device r)",
-             {"aliases": ("-tp", "--tp-size")}),
-            ("--data-parallel-size", "int", 1, "data parallel ranks of this instance",
-             {"aliases": ("-dp", "--dp-size")}),
+            ("--tensor-parallel-size", "int", ENGINE_DEFAULT["tensor_parallel_size"],
+             "tensor parallel ranks of each DP rank (their processes on its node, rank r on "
+             "its device r)", {"aliases": ("-tp", "--tp-size")}),
+            ("--data-parallel-size", "int", ENGINE_DEFAULT["data_parallel_size"],
+             "data parallel ranks of this instance", {"aliases": ("-dp", "--dp-size")}),
             ("--data-parallel-rank", "int", None, "run as this one rank (the launcher sets "
              "it; without it, --data-parallel-size N starts N ranks)"),
             ("--data-parallel-address", "str", None, "host of rank 0's process-group store "
@@ -201,17 +217,18 @@ FLAGS: list[Flag] = [
             ("--headless", "bool", False, "this node runs engine ranks only, no API server "
              "(prefill and decode never run one: the gateway is its own service)",
              {"effect": frozenset({"prefill", "decode", "config check"})}),
-            ("--enable-expert-parallel", "bool", False, "MoE experts spread over the DP "
-             "ranks"),
+            ("--enable-expert-parallel", "bool", ENGINE_DEFAULT["enable_expert_parallel"],
+             "MoE experts spread over the DP ranks"),
             ("--enable-eplb", "bool", False, "dynamic EPLB (upstream vLLM's switch)"),
             ("--eplb-config", "json", None, "upstream vLLM's EPLB config"),
             ("--eplb-address", "str", None, "the EPLB controller's gRPC address (default: "
              "the one in the registry)"),
             ("--enforce-eager", "bool", False, "run eagerly (pdmesh always does)"),
-            ("--speculative-config", "json", None, 'speculative decoding, as vLLM: {"method": '
-             '"ngram" (with "prompt_lookup_min" / "prompt_lookup_max") or "deepseek_mtp" / '
-             '"mtp" (the checkpoint\'s MTP layers), "num_speculative_tokens": k}; other '
-             "methods (eagle, suffix, draft models) are accepted and listed without effect"),
+            ("--speculative-config", "json", ENGINE_DEFAULT["speculative_config"],
+             'speculative decoding, as vLLM: {"method": "ngram" (with "prompt_lookup_min" / '
+             '"prompt_lookup_max") or "deepseek_mtp" / "mtp" (the checkpoint\'s MTP layers), '
+             '"num_speculative_tokens": k}; other methods (eagle, suffix, draft models) are '
+             "accepted and listed without effect"),
             ("--kv-transfer-config", "json", None, 'JSON: {"kv_connector": ..., "kv_role": '
              '"kv_producer" | "kv_consumer" | "kv_both", ...}'),
             ("--additional-config", "str", "{}", "vLLM-Ascend's additional config (JSON), "
@@ -230,10 +247,12 @@ FLAGS: list[Flag] = [
             ("--default-priority-value", "int", None, "the priority of a request that gives "
              "none (default: with --enable-priority-scheduling the lowest there is, as "
              "SGLang; otherwise 0)"),
-            ("--abort-on-priority-when-disabled", "bool", False, "refuse a request that "
-             "gives a priority when the engine does not schedule by priority (otherwise it "
-             "runs, its priority ignored, with a warning)")),
-    Flag("--max-queued-requests", "int", ENGINE_LINE | {"gateway"}, None,
+            ("--abort-on-priority-when-disabled", "bool",
+             ENGINE_DEFAULT["abort_on_priority_when_disabled"], "refuse a request that gives "
+             "a priority when the engine does not schedule by priority (otherwise it runs, "
+             "its priority ignored, with a warning)")),
+    Flag("--max-queued-requests", "int", ENGINE_LINE | {"gateway"},
+         ENGINE_DEFAULT["max_queued_requests"],
          "refuse requests while this many wait (engine: gRPC RESOURCE_EXHAUSTED; gateway: "
          "429 with Retry-After while this many are in flight); default: no limit"),
     Flag("--api-key", "str", ENGINE_LINE | {"gateway", "up"}, None,

@@ -9,6 +9,7 @@ import importlib
 _EXPORTS = {
     "EngineConfig": "pdmesh.shared.engine.config",
     "EngineCore": "pdmesh.shared.engine.engine",
+    "build_engine": "pdmesh.shared.engine.build",
     "LLM": "pdmesh.shared.engine.llm",
     "CompletionOutput": "pdmesh.shared.engine.llm",
     "RequestOutput": "pdmesh.shared.engine.llm",
@@ -35,4 +36,5 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "build_engine",
 ]

@@ -1,4 +1,10 @@
-"""Engine configuration: one frozen dataclass, flag names as ``vllm serve`` spells them."""
+"""Engine configuration: one frozen dataclass, flag names as ``vllm serve`` spells them.
+
+Its field defaults are the engine's only ones: the flag table (``config.flags``
+``ENGINE_DEFAULT``) and the offline ``LLM`` take them from here. Every `pdmesh` command
+reads the flag table, so this module imports no torch (its heavy imports stay inside
+functions; tests/shared/config/test_defaults.py checks).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,23 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # pdmesh.shar
 QUANTIZATIONS = (None, "ascend", "modelslim", "fp8")  # pdmesh.shared.models.quantization
 KV_CACHE_DTYPES = ("auto", "int8")
 
+
+# field -> the least value it takes (a field that may be None is unchecked when it is)
+AT_LEAST = {
+    "max_model_len": 1,
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 1,
+    "priority_preemption_threshold": 0,
+    "short_request_threshold": 0,
+    "short_request_long_max_wait_ms": 0,
+    "max_queued_requests": 1,
+    "num_kv_blocks": 1,
+    "kv_cache_memory_bytes": 1,
+    "tensor_parallel_size": 1,
+    "data_parallel_size": 1,
+    "num_redundant_experts": 0,
+    "expert_load_window": 0,
+}
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -94,13 +117,20 @@ class EngineConfig:
         """ValueError naming the first bad field."""
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size: must be in [1, 1024], got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        for name, least in AT_LEAST.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name}: must be >= {least}, got {value}")
+        if self.kv_load_timeout_s is not None and not self.kv_load_timeout_s >= 0:
+            raise ValueError(f"kv_load_timeout_s: must be >= 0 (0: no timeout), got "
+                             f"{self.kv_load_timeout_s}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        self._validate_choices()
+        self._validate_parallel()
+
+    def _validate_choices(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: pdmesh loads ascend (modelslim; SGLang's "
                              f"modelslim) and fp8 (DeepSeek's block FP8) checkpoints, not "
@@ -111,32 +141,13 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
-        if self.priority_preemption_threshold is not None \
-                and self.priority_preemption_threshold < 0:
-            raise ValueError(f"priority_preemption_threshold: must be >= 0, "
-                             f"got {self.priority_preemption_threshold}")
-        if self.short_request_threshold < 0:
-            raise ValueError(f"short_request_threshold: must be >= 0, "
-                             f"got {self.short_request_threshold}")
-        if self.short_request_long_max_wait_ms < 0:
-            raise ValueError(f"short_request_long_max_wait_ms: must be >= 0, "
-                             f"got {self.short_request_long_max_wait_ms}")
-        if self.kv_load_timeout_s is not None and not self.kv_load_timeout_s >= 0:
-            raise ValueError(f"kv_load_timeout_s: must be >= 0 (0: no timeout), got "
-                             f"{self.kv_load_timeout_s}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(
-                f"max_queued_requests: must be >= 1, got {self.max_queued_requests}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+
+    def _validate_parallel(self) -> None:
         from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
 
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank: must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}")
         fine = FineGrainedLayout.from_config(self.finegrained_tp_config,
                                              self.data_parallel_rank, self.data_parallel_size)
         if fine is not None and self.tensor_parallel_size > 1:
@@ -145,21 +156,7 @@ class EngineConfig:
         if fine is not None and self.speculative_config is not None:
             raise ValueError("finegrained_tp_config: not yet with speculative decoding (the "
                              "drafts' forwards would break the ranks' lockstep)")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size: must be >= 1, got {self.data_parallel_size}")
-        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(f"data_parallel_rank: must be in [0, {self.data_parallel_size}), "
-                             f"got {self.data_parallel_rank}")
         if self.enable_expert_parallel and self.data_parallel_size > 1 \
                 and not self.data_parallel_address:
             raise ValueError("data_parallel_address: expert parallelism over "
                              f"{self.data_parallel_size} ranks needs rank 0's host:port")
-        if self.num_redundant_experts < 0:
-            raise ValueError(
-                f"num_redundant_experts: must be >= 0, got {self.num_redundant_experts}")
-        if self.expert_load_window < 0:
-            raise ValueError(
-                f"expert_load_window: must be >= 0, got {self.expert_load_window}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")

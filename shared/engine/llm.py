@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdmesh.shared.engine.build import build_engine
 from pdmesh.shared.engine.config import EngineConfig
-from pdmesh.shared.engine.engine import EngineCore
 from pdmesh.shared.engine.request import Logprob, Request
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.models.tokenizer import Tokenizer
@@ -45,24 +45,14 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 block_size: int = 128, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 scheduling_policy: str = "fcfs", tokenizer: str | None = None,
-                 **engine_args: Any):
-        """``engine_args``: any other EngineConfig field (a TypeError names an unknown
-        one), as vLLM's LLM passes its extra keyword arguments to the engine."""
-        self.engine = EngineCore(EngineConfig(
-            model=model, device=device, dtype=dtype, seed=seed, block_size=block_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, scheduling_policy=scheduling_policy,
-            **engine_args,
-        ))
+    def __init__(self, model: str, *, tokenizer: str | None = None, **engine_args: Any):
+        """``engine_args``: EngineConfig's fields (``device``, ``dtype``, ``seed``,
+        ``block_size``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+        ``enable_prefix_caching``, ``gpu_memory_utilization``, ``speculative_config``,
+        ...), each defaulting as EngineConfig does: its fields are the one home of the
+        engine's defaults (the flag table reads them too). A TypeError names an unknown
+        one, as vLLM's LLM passes its extra keyword arguments to the engine."""
+        self.engine = build_engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = Tokenizer(tokenizer or model)
 
     def close(self) -> None:

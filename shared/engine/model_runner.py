@@ -51,6 +51,24 @@ class PromptLogits:
     logits: torch.Tensor  # [sum of the counts, V] float32
 
 
+
+def _rows_to_sample(step: SchedulerOutput, seq_lens: list[int], qsl: np.ndarray,
+                    every_row: bool) -> tuple[list[int], np.ndarray]:
+    """(the positions in ``step.requests`` that computed their last token and sample,
+    the rows whose logits are computed: each of those's last row, a drafted one's
+    1 + d rows; ``every_row``: all of them)."""
+    reqs = step.requests
+    drafted = {i: len(step.drafts[r].tokens) for i, r in enumerate(reqs) if r in step.drafts}
+    sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
+                  if n == r.num_tokens + drafted.get(i, 0)]
+    if every_row:
+        return sample_idx, np.arange(int(qsl[-1]))
+    if drafted:
+        return sample_idx, np.concatenate([np.arange(qsl[i + 1] - 1 - drafted.get(i, 0),
+                                                     qsl[i + 1]) for i in sample_idx]
+                                          ) if sample_idx else np.zeros(0, dtype=np.int64)
+    return sample_idx, qsl[1:][sample_idx] - 1
+
 def prompt_positions(reqs: list[Request], starts: list[int], counts: list[int],
                      qsl: np.ndarray) -> tuple[np.ndarray, list[tuple[Request, int, int]]]:
     """The rows of the step whose logits score prompt tokens not yet scored for requests
@@ -119,9 +137,7 @@ class ModelRunner:
         ``hidden``: keep the step's rows and final hidden states in ``last_rows`` (what
         an MTP proposer continues from). The logits of the prompt positions whose
         logprobs are asked go to ``prompt_logits`` (None: none this step)."""
-        bs = self.block_size
         reqs, counts = step.requests, step.num_tokens
-        num_seqs = len(reqs)
         starts = [r.num_computed_tokens for r in reqs]
         seq_lens = [s + n for s, n in zip(starts, counts, strict=True)]
         tables = [self.kv.block_ids(r) for r in reqs]
@@ -129,40 +145,8 @@ class ModelRunner:
         # the other cache groups' tables (DeepSeek-V4's sliding window), host side
         group_tables = [block_table_of([self.kv.block_ids(r, g) for r in reqs])
                         for g in range(1, len(self.kv.groups))]
-
-        if step.total_tokens == num_seqs:  # pure decode: one token each (the common step)
-            input_ids = np.fromiter((r.token_ids[s] for r, s in zip(reqs, starts, strict=True)),
-                                    dtype=np.int64, count=num_seqs)
-            positions = np.asarray(starts, dtype=np.int64)
-            slots = np.fromiter((t[s // bs] * bs + s % bs for t, s in zip(tables, starts,
-                                                                             strict=True)),
-                                dtype=np.int64, count=num_seqs)
-            qsl = np.arange(num_seqs + 1, dtype=np.int32)
-        else:
-            ids: list[int] = []
-            for r, s, n in zip(reqs, starts, counts, strict=True):
-                drafts = step.drafts.get(r)
-                tokens = r.token_ids if drafts is None else r.token_ids + drafts.tokens
-                ids.extend(tokens[s:s + n])
-            input_ids = np.asarray(ids, dtype=np.int64)
-            seq_idx = np.repeat(np.arange(num_seqs), counts)
-            offsets = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
-            positions = np.repeat(np.asarray(starts, dtype=np.int64), counts) + offsets
-            slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-            qsl = np.zeros(num_seqs + 1, dtype=np.int32)
-            np.cumsum(counts, out=qsl[1:])
-        drafted = {i: len(step.drafts[r].tokens) for i, r in enumerate(reqs)
-                   if r in step.drafts}
-        sample_idx = [i for i, (r, n) in enumerate(zip(reqs, seq_lens, strict=True))
-                      if n == r.num_tokens + drafted.get(i, 0)]
-        if every_row:
-            logits_rows = np.arange(len(input_ids))
-        elif drafted:
-            logits_rows = np.concatenate([np.arange(qsl[i + 1] - 1 - drafted.get(i, 0),
-                                                    qsl[i + 1]) for i in sample_idx]
-                                         ) if sample_idx else np.zeros(0, dtype=np.int64)
-        else:
-            logits_rows = qsl[1:][sample_idx] - 1
+        input_ids, positions, slots, qsl = self._token_arrays(step, starts, tables, block_table)
+        sample_idx, logits_rows = _rows_to_sample(step, seq_lens, qsl, every_row)
         scored, plan = (np.zeros(0, dtype=np.int64), []) if every_row else \
             prompt_positions(reqs, starts, list(counts), qsl)
         logits_rows = np.concatenate([logits_rows, scored]) if plan else logits_rows
@@ -182,6 +166,36 @@ class ModelRunner:
             self.last_rows = StepRows(list(reqs), starts, list(counts), qsl, block_table,
                                       group_tables, hidden_out[0])
         return logits, sample_idx
+
+    def _token_arrays(self, step: SchedulerOutput, starts: list[int], tables: list[list[int]],
+                      block_table: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The step's tokens, flat: (input ids [T], positions [T], cache slots [T], query
+        start offsets per request [R + 1])."""
+        bs = self.block_size
+        reqs, counts = step.requests, step.num_tokens
+        num_seqs = len(reqs)
+        if step.total_tokens == num_seqs:  # pure decode: one token each (the common step)
+            input_ids = np.fromiter((r.token_ids[s] for r, s in zip(reqs, starts, strict=True)),
+                                    dtype=np.int64, count=num_seqs)
+            positions = np.asarray(starts, dtype=np.int64)
+            slots = np.fromiter((t[s // bs] * bs + s % bs for t, s in zip(tables, starts,
+                                                                             strict=True)),
+                                dtype=np.int64, count=num_seqs)
+            return input_ids, positions, slots, np.arange(num_seqs + 1, dtype=np.int32)
+        ids: list[int] = []
+        for r, s, n in zip(reqs, starts, counts, strict=True):
+            drafts = step.drafts.get(r)
+            tokens = r.token_ids if drafts is None else r.token_ids + drafts.tokens
+            ids.extend(tokens[s:s + n])
+        input_ids = np.asarray(ids, dtype=np.int64)
+        seq_idx = np.repeat(np.arange(num_seqs), counts)
+        offsets = np.arange(len(ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(np.asarray(starts, dtype=np.int64), counts) + offsets
+        slots = block_table[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        return input_ids, positions, slots, qsl
 
     @contextmanager
     def logits_kept(self) -> Iterator[list[torch.Tensor]]:

@@ -2,40 +2,48 @@
 
 There are no prefill or decode phases: each request has ``num_computed_tokens`` of its
 ``num_tokens`` in the cache, and every step hands out a token budget
-(``max_num_batched_tokens``) to close those gaps, running requests first, then waiting
-ones while seats (``max_num_seqs``) and blocks last. A long prompt simply takes several
-steps (chunked prefill). When a running request cannot get a block, the policy's
-victim is preempted: its blocks are freed and it waits to be recomputed. Under a
-priority policy with a preemption threshold (SGLang's), a waiting request that finds no
-seat or blocks preempts the running requests it outranks by more than the threshold.
+(``max_num_batched_tokens``) to close those gaps; a long prompt simply takes several
+steps (chunked prefill). ``schedule()`` runs these passes, in order, over one ``_Step``
+(the budget left, the output being built, the running requests given tokens so far):
 
-A DP balancer (DyntraLB) may pause running requests: a paused request leaves the
-running set with its blocks kept (its seat is free) and is admitted again ahead of the
-waiting queue; while the balancer's plan is in force only the candidates it names are
-admitted.
+    loads       pool reads that ended off the step join the running (``PromptLoads``)
+    plan        a DP balancer's (DyntraLB) plan: it pauses running requests, and while
+                it is in force only the candidates it names are admitted
+    running     each running request its next tokens, in order: a prompt's next chunk,
+                or one token to decode and the drafts it verifies (speculative
+                decoding) where they fit
+    preemption  a running request that cannot get a block preempts the policy's victim:
+                its blocks are freed and it waits to be recomputed (or, recompute
+                elsewhere, is handed back); memory is then tight: nothing new is admitted
+    resume      requests whose KV is here, paused then prefetched, get a seat again
+    admission   waiting requests, in the policy's order (the balancer's picks while its
+                plan is in force), while seats (``max_num_seqs``) and blocks last; each
+                takes its local prefix-cache hits, and what the KV pool holds beyond
+                them is loaded, on the step or off it
+    victims     under a priority policy with a preemption threshold (SGLang's), a
+                waiting request that finds no seat or blocks preempts the running
+                requests it outranks by more than the threshold
+
+A paused request (DyntraLB) leaves the running set with its blocks kept (its seat is
+free) and is admitted again ahead of the waiting queue.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdmesh.shared.engine.block_manager import KVCacheManager, PrefixHit
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.policy import SchedulingPolicy
+from pdmesh.shared.engine.prompt_loads import PromptLoads
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.spec_decode import Drafts
 
 log = logging.getLogger(__name__)
-
-KV_LOAD_THREADS = 4  # pool reads at once (each a batch of one request's blocks)
-# a read's timeout grows with its size: --kv-load-timeout plus the time it takes at this
-# rate (a slow TCP link; RDMA and HCCS move the same in a small fraction of it)
-KV_LOAD_FLOOR_BYTES_PER_S = 256 << 20
 
 
 @dataclass
@@ -58,6 +66,47 @@ class SchedulerOutput:
         return not self.requests
 
 
+@dataclass
+class _Step:
+    """What the passes of one ``schedule()`` share."""
+
+    budget: int  # tokens still to hand out
+    out: SchedulerOutput = field(default_factory=lambda: SchedulerOutput([], []))
+    # id() of the running requests the running pass gave tokens (never its victims)
+    scheduled: set[int] = field(default_factory=set)
+    # while the balancer's plan is in force, the waiting requests it admits that are
+    # still to be, in queue order; None: admission is free
+    picks: list[Request] | None = None
+
+    def take(self, req: Request, n: int) -> None:
+        """``req`` computes ``n`` tokens this step."""
+        self.out.requests.append(req)
+        self.out.num_tokens.append(n)
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        """``req`` was preempted: out of the batch if it was in, its tokens back."""
+        for i, r in enumerate(self.out.requests):
+            if r is req:  # scheduled earlier this step: its tokens go back
+                del self.out.requests[i]
+                self.budget += self.out.num_tokens.pop(i)
+                self.out.drafts.pop(req, None)
+                break
+        self.out.preempted.append(req)
+
+
+@dataclass(frozen=True)
+class _PromptSources:
+    """Where a waiting request's prompt comes from besides computing it here: its first
+    ``hit_tokens`` from the local prefix cache (``cached``), the next ``pooled`` from the
+    KV pool. ``fresh``: nothing computed yet, so it was looked up at all."""
+
+    cached: PrefixHit = field(default_factory=PrefixHit)
+    hit_tokens: int = 0
+    pooled: int = 0
+    fresh: bool = False
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
@@ -68,18 +117,11 @@ class Scheduler:
         its blocks are in (a step never waits for a pool read). A load still running
         after ``kv_load_timeout_s`` (plus its bytes at ``KV_LOAD_FLOOR_BYTES_PER_S``) is
         given up: the request computes its prompt here, in other blocks - the ones the
-        read may still write into are held until it ends."""
+        read may still write into are held until it ends (``PromptLoads``)."""
         self.kv = kv
         self.connector = connector
         self.async_kv_load = async_kv_load and connector is not None
-        self.kv_load_timeout_s = kv_load_timeout_s or None
-        # id(request) -> (request, its load, the tokens it brings, whether it holds a
-        # seat: a DyntraLB prefetch does not until the plan admits it, when it is given
-        # up)
-        self.loading: dict[int, tuple[Request, Future, int, bool, float]] = {}
-        self._loader: ThreadPoolExecutor | None = None
-        self._abandoned: list[tuple[Future, list]] = []  # (given-up load, blocks it holds)
-        self.kv_load_timeouts = 0  # since start, for metrics and tests
+        self.loads = PromptLoads(kv, connector, kv_load_timeout_s or None)
         self.waiting = policy
         self.running: list[Request] = []
         self.max_num_seqs = max_num_seqs
@@ -108,106 +150,68 @@ class Scheduler:
         self.prefix_hits = 0  # ... and found there
 
     @property
+    def loading(self) -> dict[int, tuple[Request, Future, int, bool, float]]:
+        """Requests whose pool reads run off the step (``PromptLoads.loading``)."""
+        return self.loads.loading
+
+    @property
+    def kv_load_timeouts(self) -> int:
+        """Pool reads given up past their deadline, since start."""
+        return self.loads.timeouts
+
+    @property
     def has_unfinished(self) -> bool:
         return (bool(self.running) or len(self.waiting) > 0 or bool(self.loading)
                 or bool(self.paused) or bool(self.ready))
 
     @property
     def _seats_taken(self) -> int:
-        return len(self.running) + sum(seat for _, _, _, seat, _ in self.loading.values())
+        return len(self.running) + self.loads.seats
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [])
-        if self.loading or self._abandoned:
+        """The next step's work: the passes of the module docstring, in order."""
+        if self.loads.pending:
             self._finish_loads()
         if self._lb_planned:
             self._apply_lb_plan()
-        budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if step.out.preempted:
+            return step.out  # memory is tight: admit nothing new this step
+        self._resume_paused(step)
+        self._admit_waiting(step)
+        if step.out.is_empty and self.loading:  # nothing to compute but loads: wait a little
+            self.loads.wait(timeout=0.005)
+        return step.out
+
+    # -- the running pass: chunks, decodes and drafts; preemption -----------------------
+    def _schedule_running(self, step: _Step) -> None:
+        """Each running request, in order, its next tokens while the budget lasts."""
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts_to_verify(req, n, budget)
-            if drafts is not None and not self.kv.allocate(req, n + len(drafts.tokens)):
-                drafts = None  # no room for them: one token, as without speculation
-            if drafts is None and not self.kv.allocate(req, n) \
-                    and not self._make_room(req, n, out, scheduled):
-                continue  # req itself was preempted; self.running[i] is the next one
-            if drafts is not None:
-                out.drafts[req] = drafts
-                n += len(drafts.tokens)
-            out.requests.append(req)
-            out.num_tokens.append(n)
-            scheduled.add(id(req))
-            budget -= n
-            i += 1
-        if out.preempted:
-            return out  # memory is tight: admit nothing new this step
-        budget = self._resume_paused(out, budget)
-        chosen = self._lb_admit
-        picks = None if chosen is None else [r for r in self.waiting if id(r) in chosen]
-        while budget > 0 and (len(self.waiting) if picks is None else picks):
-            req = self.waiting.peek() if picks is None else picks[0]
-            full = self._seats_taken >= self.max_num_seqs
-            victims = self.waiting.outranked(req, self.running) if full and picks is None \
-                else None
-            if full and not victims:
-                break
-            # (a prompt whose logprobs are asked is computed whole: no hits, as vLLM's)
-            fresh = req.num_computed_tokens == 0 and not req.wants_prompt_logprobs
-            cached = self.kv.find_cached_prefix(req) if fresh else PrefixHit()
-            hit_tokens = cached.num_blocks * self.kv.block_size
-            # tokens the KV pool can supply beyond the local hits (loaded, not computed)
-            pooled = (self.connector.loadable_tokens(req, hit_tokens)
-                      if fresh and self.connector is not None and not req.pool_gave_up
-                      else 0)
-            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens - pooled, budget)
-            later = bool(pooled) and self.async_kv_load
-            # blocks still loading are made findable by prefix only once they are in
-            if full or not self.kv.allocate(req, pooled + n, cached, register=not later):
-                # no seat or no blocks: it may preempt running requests it outranks
-                given_back = (None if picks is not None else
-                              self._preempt_outranked(req, full, pooled + n, cached, out,
-                                                      victims))
-                if given_back is None or not self.kv.allocate(req, pooled + n, cached,
-                                                              register=not later):
-                    break
-                budget += given_back
-            if picks is None:
-                self.waiting.pop()
-            else:
-                picks.pop(0)
-                self.waiting.remove(req)
-            req.num_computed_tokens += hit_tokens
-            if fresh:
-                self.prefix_queries += req.num_tokens
-                self.prefix_hits += hit_tokens
-            if later:
-                self._start_load(req, hit_tokens, pooled)
-                continue  # it joins the batch when its blocks are in
-            if pooled:
-                assert self.connector is not None
-                t0 = time.monotonic()
-                loaded = self.connector.load(
-                    req, [self.kv.block_ids(req, g) for g in range(len(self.kv.groups))],
-                    hit_tokens, pooled)
-                req.kv_get_time = (t0, time.monotonic())
-                if loaded:
-                    req.num_computed_tokens += pooled
-                else:  # recompute from the local hits; nothing unfilled stays findable
-                    self.kv.forget_from(req, hit_tokens // self.kv.block_size)
-            self._start_running(req)
-            out.requests.append(req)
-            out.num_tokens.append(n)
-            budget -= n
-        if out.is_empty and self.loading:  # nothing to compute but loads: wait a little
-            futures.wait([f for _, f, *_ in self.loading.values()], timeout=0.005,
-                         return_when=futures.FIRST_COMPLETED)
-        return out
+        while i < len(self.running) and step.budget > 0:
+            if self._schedule_one(self.running[i], step):
+                i += 1
+            # else it was preempted itself: self.running[i] is the next one
+
+    def _schedule_one(self, req: Request, step: _Step) -> bool:
+        """Blocks for ``req``'s next tokens (and drafts to verify, where they fit), by
+        preempting the policy's victims if it must. False if ``req`` was the victim."""
+        n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        drafts = self._drafts_to_verify(req, n, step.budget)
+        if drafts is not None and not self.kv.allocate(req, n + len(drafts.tokens)):
+            drafts = None  # no room for them: one token, as without speculation
+        if drafts is None and not self.kv.allocate(req, n) \
+                and not self._make_room(req, n, step):
+            return False
+        if drafts is not None:
+            step.out.drafts[req] = drafts
+            n += len(drafts.tokens)
+        step.take(req, n)
+        step.scheduled.add(id(req))
+        return True
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> Drafts | None:
         """The drafts ``req`` verifies this step (taken off it), cut to what fits: the
@@ -224,108 +228,104 @@ class Scheduler:
             return None
         return drafts.cut(room) if room < len(drafts.tokens) else drafts
 
-    # -- pool loads off the step (async_kv_load) --------------------------------------------
-    def _start_load(self, req: Request, hit_tokens: int, pooled: int,
-                    seated: bool = True) -> None:
-        assert self.connector is not None
-        connector = self.connector
-        tables = [list(self.kv.block_ids(req, g)) for g in range(len(self.kv.groups))]
-
-        def load() -> bool:
-            t0 = time.monotonic()
-            try:
-                return connector.load(req, tables, hit_tokens, pooled)
-            finally:
-                req.kv_get_time = (t0, time.monotonic())
-
-        if self._loader is None:  # a few: one slow read must not hold the others up
-            self._loader = ThreadPoolExecutor(KV_LOAD_THREADS, thread_name_prefix="kv-load")
-        deadline = float("inf")
-        if self.kv_load_timeout_s is not None:
-            nbytes = -(-pooled // self.kv.block_size) * sum(g.value_bytes
-                                                             for g in connector.groups)
-            deadline = (time.monotonic() + self.kv_load_timeout_s
-                        + nbytes / KV_LOAD_FLOOR_BYTES_PER_S)
-        self.loading[id(req)] = (req, self._loader.submit(load), pooled, seated, deadline)
-
-    def _finish_loads(self) -> None:
-        """Requests whose pool loads are done join the running (in the order they were
-        admitted; a prefetch waits in ``ready`` for the plan to admit it); a failed load
-        leaves the prompt to compute here, an aborted request's blocks go back now that
-        nothing writes them; a load past its timeout is given up."""
-        if self._abandoned:
-            still = []
-            for fut, held in self._abandoned:
-                if fut.done():
-                    self.kv.unpin(held)
-                else:
-                    still.append((fut, held))
-            self._abandoned = still
-        now = time.monotonic()
-        for key, (req, fut, pooled, seated, deadline) in list(self.loading.items()):
-            if not fut.done():
-                if now > deadline:
-                    del self.loading[key]
-                    self._give_up_load(req, fut)
-                continue
-            del self.loading[key]
-            if req.is_finished:  # aborted while loading
-                self.kv.free(req)
-                continue
-            try:
-                loaded = fut.result()
-            except Exception:  # noqa: BLE001 (a failed load is a recompute, not a crash)
-                log.exception("request %s: pool load failed; recomputing", req.request_id)
-                loaded = False
-            if loaded:
-                req.num_computed_tokens += pooled
-            if seated:
-                self._start_running(req)
-            else:
-                self.ready.append(req)
-
-    def _give_up_load(self, req: Request, fut: Future) -> None:
-        """The read is still running past its timeout (a peer stopped answering): its
-        blocks stay held until it ends, and the request starts over without the pool."""
-        self.kv_load_timeouts += 1
-        log.warning("request %s: pool read still running after %.1f s; computing the "
-                    "prompt here", req.request_id, self.kv_load_timeout_s)
-        self._abandoned.append((fut, self.kv.pin(req)))
-        self.kv.free(req)
-        if req.is_finished:  # aborted while loading
-            return
-        req.num_computed_tokens = 0
-        req.pool_gave_up = True
-        self.waiting.readd(req)
-
-    def _start_running(self, req: Request) -> None:
-        """An admitted request joins the running (what it brought counts as cached)."""
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = req.num_computed_tokens
-        if req.scheduled_time is None:
-            req.scheduled_time = time.monotonic()
-        req.transition(RequestStatus.RUNNING)
-        self.running.append(req)
-
-    def _make_room(self, req: Request, n: int, out: SchedulerOutput,
-                   scheduled: set[int]) -> bool:
+    def _make_room(self, req: Request, n: int, step: _Step) -> bool:
         """Allocate for ``req``, preempting victims until it fits. False if ``req`` went."""
         while not self.kv.allocate(req, n):
-            candidates = [r for r in self.running if id(r) not in scheduled]
+            candidates = [r for r in self.running if id(r) not in step.scheduled]
             victim = self.waiting.victim(candidates)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, step)
             if victim is req:
                 return False
         return True
 
+    # -- admission: waiting requests, prefix-cache and pool hits; victims ---------------
+    def _admit_waiting(self, step: _Step) -> None:
+        """Waiting requests in the policy's order (only the balancer's picks while its
+        plan is in force) while the budget lasts, up to the first that does not fit."""
+        chosen = self._lb_admit
+        step.picks = None if chosen is None else [r for r in self.waiting if id(r) in chosen]
+        while step.budget > 0:
+            req = self._next_waiting(step)
+            if req is None or not self._admit(req, step):
+                break
+
+    def _next_waiting(self, step: _Step) -> Request | None:
+        """The next to admit: the policy's, or the balancer's next pick; None: no more."""
+        if step.picks is None:
+            return self.waiting.peek() if len(self.waiting) else None
+        return step.picks[0] if step.picks else None
+
+    def _admit(self, req: Request, step: _Step) -> bool:
+        """A seat for ``req`` and blocks for its prompt past the local prefix-cache hits
+        (what the pool supplies, then the step's share of the rest), preempting running
+        requests it outranks where it must; then it runs, or waits for its pool load.
+        False if it does not fit: it stays waiting, and the pass ends."""
+        full = self._seats_taken >= self.max_num_seqs
+        victims = None
+        if full:  # a seat only by preempting (never for a balancer's pick)
+            victims = self.waiting.outranked(req, self.running) if step.picks is None else None
+            if not victims:
+                return False
+        src = self._look_up_prompt(req)
+        n = min(req.num_tokens - req.num_computed_tokens - src.hit_tokens - src.pooled,
+                step.budget)
+        later = bool(src.pooled) and self.async_kv_load
+        need = src.pooled + n
+        # blocks still loading are made findable by prefix only once they are in
+        if full or not self.kv.allocate(req, need, src.cached, register=not later):
+            # no seat or no blocks: it may preempt running requests it outranks
+            if (step.picks is not None
+                    or not self._preempt_outranked(req, full, need, src.cached, step, victims)
+                    or not self.kv.allocate(req, need, src.cached, register=not later)):
+                return False
+        self._take_waiting(req, step)
+        self._take_hits(req, src)
+        if later:
+            self.loads.start(req, src.hit_tokens, src.pooled, seated=True)
+            return True  # it joins the batch when its blocks are in
+        if src.pooled:
+            self.loads.load_now(req, src.hit_tokens, src.pooled)
+        self._start_running(req)
+        step.take(req, n)
+        return True
+
+    def _look_up_prompt(self, req: Request) -> _PromptSources:
+        """``req``'s prompt in the local prefix cache, and past its hits in the pool.
+        Only a fresh prompt is looked up (a prompt whose logprobs are asked is computed
+        whole: no hits, as vLLM's), and the pool only if it has not been given up on."""
+        fresh = req.num_computed_tokens == 0 and not req.wants_prompt_logprobs
+        if not fresh:
+            return _PromptSources()
+        cached = self.kv.find_cached_prefix(req)
+        hit_tokens = cached.num_blocks * self.kv.block_size
+        # tokens the KV pool can supply beyond the local hits (loaded, not computed)
+        pooled = (self.connector.loadable_tokens(req, hit_tokens)
+                  if self.connector is not None and not req.pool_gave_up else 0)
+        return _PromptSources(cached, hit_tokens, pooled, fresh=True)
+
+    def _take_waiting(self, req: Request, step: _Step) -> None:
+        """``req``, the next admitted, leaves the waiting queue (and the picks)."""
+        if step.picks is None:
+            self.waiting.pop()
+        else:
+            step.picks.pop(0)
+            self.waiting.remove(req)
+
+    def _take_hits(self, req: Request, src: _PromptSources) -> None:
+        """The prefix-cache hits of an admitted request count as computed (and in the
+        hit rate, if it was looked up)."""
+        req.num_computed_tokens += src.hit_tokens
+        if src.fresh:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += src.hit_tokens
+
     def _preempt_outranked(self, req: Request, seat: bool, num_tokens: int,
-                           cached: PrefixHit, out: SchedulerOutput,
-                           victims: list[Request] | None = None) -> int | None:
+                           cached: PrefixHit, step: _Step,
+                           victims: list[Request] | None = None) -> bool:
         """SGLang's priority preemption: free a seat (``seat``) and the blocks ``req``
         lacks for ``num_tokens`` by preempting the running requests it outranks (the
-        policy's ``outranked``), the fewest that suffice. None, preempting nothing, if
-        they do not; else the step's tokens the preempted had been given. ``victims``:
+        policy's ``outranked``), the fewest that suffice; their tokens this step go back
+        to the budget. False, preempting nothing, if they do not suffice. ``victims``:
         the policy's answer, when the caller has it already."""
         short = self.kv.shortfall(req, num_tokens, cached)
         chosen: list[Request] = []
@@ -339,21 +339,36 @@ class Scheduler:
             short = [max(0, s - r) for s, r in zip(short, self.kv.releasable(victim),
                                                    strict=True)]
         if seat or any(short) or not chosen:
-            return None
-        given_back = 0
+            return False
         for victim in chosen:
-            for i, r in enumerate(out.requests):
-                if r is victim:  # scheduled earlier this step: its tokens go back
-                    del out.requests[i]
-                    given_back += out.num_tokens.pop(i)
-                    out.drafts.pop(victim, None)
-                    break
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, step)
             self.priority_preemptions += 1
         log.info("request %s (priority %d) preempted %d running: %s", req.request_id,
                  req.priority, len(chosen), ", ".join(v.request_id for v in chosen))
-        return given_back
+        return True
+
+    # -- joining the running: pool loads done off the step (async_kv_load) --------------
+    def _finish_loads(self) -> None:
+        """Requests whose pool loads are done join the running (in the order they were
+        admitted; a prefetch waits in ``ready`` for the plan to admit it); one whose
+        load was given up waits again, to compute its prompt here."""
+        done, given_up = self.loads.collect()
+        for req in given_up:
+            self.waiting.readd(req)
+        for req, seated in done:
+            if seated:
+                self._start_running(req)
+            else:
+                self.ready.append(req)
+
+    def _start_running(self, req: Request) -> None:
+        """An admitted request joins the running (what it brought counts as cached)."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
+        req.transition(RequestStatus.RUNNING)
+        self.running.append(req)
 
     # -- pausing and plans (DyntraLB) ---------------------------------------------------
     def lb_candidates(self) -> list[Request]:
@@ -381,19 +396,15 @@ class Scheduler:
                 self._not_ready.add(id(req))
                 continue
             looked += 1
-            cached = self.kv.find_cached_prefix(req)
-            hit_tokens = cached.num_blocks * self.kv.block_size
-            pooled = self.connector.loadable_tokens(req, hit_tokens)
-            if not pooled:
+            src = self._look_up_prompt(req)
+            if not src.pooled:
                 continue  # nothing to read: a candidate as it is
-            if not self.kv.allocate(req, pooled, cached, register=False):
+            if not self.kv.allocate(req, src.pooled, src.cached, register=False):
                 self._not_ready.add(id(req))
                 continue
             self.waiting.remove(req)
-            req.num_computed_tokens += hit_tokens
-            self.prefix_queries += req.num_tokens
-            self.prefix_hits += hit_tokens
-            self._start_load(req, hit_tokens, pooled, seated=False)
+            self._take_hits(req, src)
+            self.loads.start(req, src.hit_tokens, src.pooled, seated=False)
 
     def set_lb_plan(self, moves: Any) -> None:
         """The balancer's moves for the next step (None: no plan, admission is free):
@@ -423,30 +434,26 @@ class Scheduler:
                 chosen.add(id(req))
         self._lb_admit = chosen
 
-    def _resume_paused(self, out: SchedulerOutput, budget: int) -> int:
-        """Requests whose KV is here first, paused (oldest first) then prefetched: a
-        seat and their next tokens' blocks."""
+    def _resume_paused(self, step: _Step) -> None:
+        """The resume pass: requests whose KV is here first, paused (oldest first) then
+        prefetched: a seat and their next tokens' blocks."""
         chosen = self._lb_admit
         for req in [*self.paused, *self.ready]:
-            if budget <= 0 or self._seats_taken >= self.max_num_seqs:
+            if step.budget <= 0 or self._seats_taken >= self.max_num_seqs:
                 break
             if chosen is not None and id(req) not in chosen:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, step.budget)
             if not self.kv.allocate(req, n):
                 if not self.running and not self.loading:
-                    self._preempt(req)  # nothing else could ever free the blocks
-                    out.preempted.append(req)
+                    self._preempt(req, step)  # nothing else could ever free the blocks
                 break
             if req.status is RequestStatus.PAUSED:
                 self._back_to_running(req)
             else:
                 self.ready.remove(req)
                 self._start_running(req)
-            out.requests.append(req)
-            out.num_tokens.append(n)
-            budget -= n
-        return budget
+            step.take(req, n)
 
     def pause(self, request_id: str) -> bool:
         """Take a running request out of the running set, its blocks kept."""
@@ -465,7 +472,11 @@ class Scheduler:
         self.running.append(req)
         self.resumes += 1
 
-    def _preempt(self, req: Request) -> None:
+    # -- leaving the running: preemption, sampled tokens, finishing ---------------------
+    def _preempt(self, req: Request, step: _Step) -> None:
+        """``req`` loses its blocks (and its place in this step's batch): it waits to be
+        recomputed, or is handed back (recompute elsewhere)."""
+        step.drop(req)
         if self.recompute_elsewhere:
             self.finish(req, RequestStatus.FINISHED_RECOMPUTED)
             self.preemptions += 1

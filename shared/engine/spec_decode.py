@@ -367,52 +367,77 @@ def verify(probs: torch.Tensor | None, argmax: torch.Tensor, drafts: Drafts,
     the draws so far, and keeps every draft up to the last position that passes. A
     rejected position's token is drawn from norm(max(p - q, 0)); all kept: one more draw
     from p. Greedy requests keep the drafts that match the argmax, whatever the options."""
-    import torch
-
-    d = len(drafts.tokens)
     if greedy:
-        best = argmax.tolist()
-        kept = []
-        for j in range(d):
-            if drafts.tokens[j] != best[j]:
-                return [*kept, best[j]]
-            kept.append(best[j])
-        return [*kept, best[d]]
+        return _verify_greedy(drafts.tokens, argmax.tolist())
     assert probs is not None
-    tau = thresholds or [1.0] * d
+    draws = _Draws(probs, drafts, generator_for)
+    tau = thresholds or [1.0] * len(drafts.tokens)
+    return draws.block(tau) if block else draws.one_by_one(tau)
 
-    def ratio(j: int) -> float:  # p_j(x) / q_j(x); -1: q_j(x) = 0, never accepted
-        x = drafts.tokens[j]
-        q_x = 1.0 if drafts.probs is None else float(drafts.probs[j, x])
-        return float(probs[j, x]) / q_x if q_x > 0 else -1.0
 
-    def draw(j: int) -> tuple[float, Any]:
-        gen = generator_for(j)
+def _verify_greedy(drafts: list[int], best: list[int]) -> list[int]:
+    """The drafts that match the argmax, then the argmax after them."""
+    kept = []
+    for j, x in enumerate(drafts):
+        if x != best[j]:
+            return [*kept, best[j]]
+        kept.append(x)
+    return [*kept, best[len(drafts)]]
+
+
+class _Draws:
+    """A sampled request's verification draws, position by position."""
+
+    def __init__(self, probs: torch.Tensor, drafts: Drafts, generator_for: Any):
+        self.probs = probs  # [1 + d, V]
+        self.drafts = drafts
+        self.generator_for = generator_for
+
+    def ratio(self, j: int) -> float:
+        """p_j(x) / q_j(x); -1: q_j(x) = 0, never accepted."""
+        x = self.drafts.tokens[j]
+        q_x = 1.0 if self.drafts.probs is None else float(self.drafts.probs[j, x])
+        return float(self.probs[j, x]) / q_x if q_x > 0 else -1.0
+
+    def draw(self, j: int) -> tuple[float, Any]:
+        import torch
+
+        gen = self.generator_for(j)
         return float(torch.rand(1, generator=gen)), gen
 
-    if block:
+    def bonus(self) -> int:
+        """All drafts kept: one more draw from p, after them."""
+        import torch
+
+        d = len(self.drafts.tokens)
+        return int(torch.multinomial(self.probs[d], 1, generator=self.generator_for(d)))
+
+    def one_by_one(self, tau: list[float]) -> list[int]:
+        kept = []
+        for j, x in enumerate(self.drafts.tokens):
+            r = self.ratio(j)
+            u, gen = self.draw(j)
+            if r >= 0 and r >= tau[j] * u:
+                kept.append(x)
+                continue
+            return [*kept, _correction(self.probs, self.drafts, j, gen)]
+        return [*kept, self.bonus()]
+
+    def block(self, tau: list[float]) -> list[int]:
+        d = len(self.drafts.tokens)
         passed, pi, big_u = 0, 1.0, 1.0
         for j in range(d):
-            r = ratio(j)
-            u, _ = draw(j)
+            r = self.ratio(j)
+            u, _ = self.draw(j)
             big_u *= u
             pi = 0.0 if r < 0 else min(pi * r, 1.0)
             if r >= 0 and pi >= tau[j] * big_u:
                 passed = j + 1
-        kept = list(drafts.tokens[:passed])
+        kept = list(self.drafts.tokens[:passed])
         if passed == d:
-            return [*kept, int(torch.multinomial(probs[d], 1, generator=generator_for(d)))]
-        _, gen = draw(passed)  # (the position's draw again, then its correction)
-        return [*kept, _correction(probs, drafts, passed, gen)]
-    kept = []
-    for j in range(d):
-        r = ratio(j)
-        u, gen = draw(j)
-        if r >= 0 and r >= tau[j] * u:
-            kept.append(drafts.tokens[j])
-            continue
-        return [*kept, _correction(probs, drafts, j, gen)]
-    return [*kept, int(torch.multinomial(probs[d], 1, generator=generator_for(d)))]
+            return [*kept, self.bonus()]
+        _, gen = self.draw(passed)  # (the position's draw again, then its correction)
+        return [*kept, _correction(self.probs, self.drafts, passed, gen)]
 
 
 def _correction(probs: torch.Tensor, drafts: Drafts, j: int, gen: Any) -> int:

@@ -4,10 +4,14 @@ the registry) to keep prefill work off a decode instance whose TPOT it would bre
 
 from __future__ import annotations
 
+import time
+
+from pdmesh.shared.engine.step_hooks import StepHook, StepRecord
+
 ALPHA = 0.2  # weight of the newest step in the running averages
 
 
-class StepCosts:
+class StepCosts(StepHook):
     def __init__(self) -> None:
         self.decode_step_us = 0.0  # 0: not measured yet
         self.prefill_ns_per_token = 0.0
@@ -25,6 +29,9 @@ class StepCosts:
         extra = us - self.decode_step_us if decode_rows and self.decode_step_us else us
         self.prefill_ns_per_token = _ewma(self.prefill_ns_per_token,
                                           max(0.0, extra) * 1e3 / prefill_tokens)
+
+    def updated(self, step: StepRecord) -> None:
+        self.record(time.perf_counter() - step.started, step.prompt_tokens, step.num_decoding)
 
 
 def _ewma(old: float, new: float) -> float:

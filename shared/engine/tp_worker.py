@@ -95,7 +95,7 @@ class TensorParallelWorker:
         if kind == "step":
             self.runner.forward_arrays(*body)
         elif kind == "kv":
-            from pdmesh.shared.parallel.tp_kv import worker_transfer
+            from pdmesh.shared.engine.tp_kv import worker_transfer
 
             worker_transfer(body, self.caches, self.groups)
         elif kind == "mtp" and self.mtp_cache is not None:

@@ -11,9 +11,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pdmesh.shared.parallel.tensor_parallel import Shard
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -237,6 +240,27 @@ class ModelConfig:
         if own in ids:  # first: the model's own end of sequence (Llama 3's <|eot_id|>)
             ids = (own, *(t for t in ids if t != own))
         return dataclasses.replace(cfg, eos_token_ids=ids) if ids != cfg.eos_token_ids else cfg
+
+
+def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The model as one rank computes it: its query heads, K / V heads and MLP and
+    expert widths, DeepSeek-V4's output groups (everything else, the vocabulary
+    included, as it is)."""
+    heads = cfg.num_heads // shard.size
+    shard.part(cfg.num_heads, "num_attention_heads")
+    kv = shard.kv_heads(cfg.num_kv_heads)
+    changes: dict = {"num_heads": heads, "num_kv_heads": kv.stop - kv.start}
+    if cfg.intermediate_size:
+        shard.part(cfg.intermediate_size, "intermediate_size")
+        changes["intermediate_size"] = cfg.intermediate_size // shard.size
+    if cfg.moe is not None and shard.experts:
+        shard.part(cfg.moe.intermediate_size, "moe_intermediate_size")
+        changes["moe"] = dataclasses.replace(
+            cfg.moe, intermediate_size=cfg.moe.intermediate_size // shard.size)
+    if cfg.v4 is not None:  # DeepSeek-V4: its output projection's groups, whole heads each
+        shard.part(cfg.v4.o_groups, "o_groups")
+        changes["v4"] = dataclasses.replace(cfg.v4, o_groups=cfg.v4.o_groups // shard.size)
+    return dataclasses.replace(cfg, **changes)
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

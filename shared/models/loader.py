@@ -18,7 +18,7 @@ from pdmesh.shared.kernels import KernelBackend
 from pdmesh.shared.kernels.quant import QuantExperts, QuantLinear
 from pdmesh.shared.models import quantization
 from pdmesh.shared.models.checkpoint import CheckpointReader, open_checkpoint
-from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
+from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig, local_config
 from pdmesh.shared.models.deepseek_v4 import (
     CompressorWeights,
     DeepseekV4,
@@ -40,7 +40,7 @@ from pdmesh.shared.models.transformer import (
     MtpWeights,
 )
 from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
-from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallel, local_config
+from pdmesh.shared.parallel.tensor_parallel import Shard, TensorParallel
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""`pdmesh make-tiny-model`: a randomly initialized model folder, made offline.
+"""A randomly initialized model folder, made offline (``make_tiny_model``; the command,
+`pdmesh make-tiny-model`, and its ``--train`` are ``pdmesh.shared.cli.make_tiny_model``).
 
 No model hub is reachable here, so tests and demos use these. The folder is an ordinary
 Hugging Face checkpoint (config.json, model.safetensors, tokenizer.json,
@@ -10,7 +11,6 @@ generator, so the same seed and size give the same files.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,51 +473,3 @@ def _write_json(path: Path, obj: dict) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
 
-
-def add_args(m: argparse.ArgumentParser) -> None:
-    m.add_argument("out")
-    m.add_argument("--arch", choices=list(ARCHS), default="qwen3")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--size", choices=list(SIZES), default="tiny")
-    m.add_argument("--expert-skew", type=float, default=0.0,
-                   help="MoE archs: bias each layer's router toward a quarter of its "
-                        "experts (0: off; 0.3 sends them about 2/3 of the routed tokens)")
-    m.add_argument("--train", action="store_true",
-                   help="train the model briefly on the tokenizer's corpus (next-token "
-                        "prediction), so its text is predictable as a real model's is "
-                        "(not deepseek_v4; a few minutes on 2 CPU cores)")
-    m.add_argument("--train-steps", type=int, default=None,
-                   help="--train: optimizer steps (default 300)")
-    m.add_argument("--train-mtp", action="store_true",
-                   help="deepseek_v3: distil the MTP layer from the model's own greedy "
-                        "continuations (a draft head for --speculative-config "
-                        "'{\"method\": \"deepseek_mtp\"}' that gets accepted; a few "
-                        "minutes on 2 CPU cores)")
-
-
-def run(a: argparse.Namespace) -> int:
-    if a.train_mtp and a.arch != "deepseek_v3":
-        raise SystemExit(f"--train-mtp: needs --arch deepseek_v3 (the tiny model with an MTP "
-                         f"layer), got {a.arch}")
-    if a.train and a.arch == "deepseek_v4":
-        raise SystemExit("--train: not for --arch deepseek_v4 (its attention has no training "
-                         "path here)")
-    if a.train_steps is not None and (not a.train or a.train_steps < 1):
-        raise SystemExit(f"--train-steps: needs --train and a count >= 1, got {a.train_steps}")
-    out = make_tiny_model(a.out, a.arch, seed=a.seed, size=a.size, expert_skew=a.expert_skew)
-    print(f"wrote {a.size} {a.arch} model (seed {a.seed}) to {out}")
-    if a.train:
-        from pdmesh.shared.models.lm_train import LmTraining, train_model
-
-        settings = LmTraining(seed=a.seed)
-        if a.train_steps is not None:
-            settings.steps = a.train_steps
-        before, after = train_model(out, settings)
-        print(f"trained it on the corpus: held-out loss {before:.2f} -> {after:.2f} nats/token")
-    if a.train_mtp:
-        from pdmesh.shared.models.mtp_train import MtpTraining, train_mtp
-
-        before, after = train_mtp(out, MtpTraining(seed=a.seed))
-        print(f"trained its MTP layer: agrees with the model's greedy next token "
-              f"{100 * before:.0f}% -> {100 * after:.0f}% (held out)")
-    return 0

@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,18 @@ from pdmesh.shared.kernels.quant import (
     select_experts,
     with_expert_tensors,
 )
-from pdmesh.shared.models.transformer import MoEWeights
 
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 120
+
+
+class ExpertStacks(Protocol):
+    """A MoE layer's routed experts as a loaded model holds them, expert-major (the
+    models' ``MoEWeights`` is one): float, or quantized with their scales."""
+
+    w13: torch.Tensor | QuantExperts  # [E, hidden, 2I]  (gate | up)
+    w2: torch.Tensor | QuantExperts  # [E, I, hidden]
 
 
 def dist_backend(device: str) -> str:
@@ -135,7 +143,7 @@ class ExpertParallel:
     """The EP side of every MoE layer of one rank's model."""
 
     def __init__(self, rank: int, world: int, moe_layers: list[int],
-                 experts: list[MoEWeights], num_experts: int, num_redundant: int = 0,
+                 experts: list[ExpertStacks], num_experts: int, num_redundant: int = 0,
                  phy2log: torch.Tensor | None = None):
         """``experts``: each MoE layer's full expert weights (this rank keeps only its
         slots); ``phy2log`` [L, S]: a start placement (default: identity)."""

@@ -21,13 +21,13 @@ positions, block tables, slots). Every rank runs the same forward on its shard:
     LM head         vocabulary-parallel: the logits all-gathered once, for sampling
 
 so a layer costs two all-reduces (gloo on CPU, nccl / hccl on GPU / NPU). Each rank
-reads its slices straight from the safetensors (``CheckpointReader`` with a ``Shard``):
-no rank holds the whole checkpoint.
+reads its slices straight from the safetensors (``CheckpointReader`` with a ``Shard``;
+the model's shape on a rank: ``models.config.local_config``): no rank holds the whole
+checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -36,10 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # (the models import Shard from here)
+if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from pdmesh.shared.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +78,6 @@ class Shard:
         per = -(-vocab // self.size)
         start = min(self.rank * per, vocab)
         return start, min(per, vocab - start)
-
-
-def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
-    """The model as one rank computes it: its query heads, K / V heads and MLP and
-    expert widths, DeepSeek-V4's output groups (everything else, the vocabulary
-    included, as it is)."""
-    heads = cfg.num_heads // shard.size
-    shard.part(cfg.num_heads, "num_attention_heads")
-    kv = shard.kv_heads(cfg.num_kv_heads)
-    changes: dict = {"num_heads": heads, "num_kv_heads": kv.stop - kv.start}
-    if cfg.intermediate_size:
-        shard.part(cfg.intermediate_size, "intermediate_size")
-        changes["intermediate_size"] = cfg.intermediate_size // shard.size
-    if cfg.moe is not None and shard.experts:
-        shard.part(cfg.moe.intermediate_size, "moe_intermediate_size")
-        changes["moe"] = dataclasses.replace(
-            cfg.moe, intermediate_size=cfg.moe.intermediate_size // shard.size)
-    if cfg.v4 is not None:  # DeepSeek-V4: its output projection's groups, whole heads each
-        shard.part(cfg.v4.o_groups, "o_groups")
-        changes["v4"] = dataclasses.replace(cfg.v4, o_groups=cfg.v4.o_groups // shard.size)
-    return dataclasses.replace(cfg, **changes)
 
 
 class TensorParallel:

@@ -25,10 +25,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import grpc
+
 from pdmesh.shared.config.serve import ServeConfig
+from pdmesh.shared.infra import cluster_auth
+from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.infra.tracing import endpoint_from_args
 from pdmesh.shared.kvpool.base import KVPool
+from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from pdmesh.shared.runtime.edge import EdgeConfig, edge_port, start_edge, stop_edge
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
@@ -82,7 +87,7 @@ def host_settings(cfg: ServeConfig, role: str) -> HostSettings:
 def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
          edge_config: EdgeConfig) -> int:
     """Join the pool, load the engine, connect its edge, announce it, step."""
-    from pdmesh.shared.engine.engine import EngineCore
+    from pdmesh.shared.engine.build import build_engine
 
     pool = None
     if role.name != "mixed":
@@ -90,7 +95,7 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
         if pool is None:
             return 0  # stopped before a kvstore came
         host.at_close(pool.close)
-    engine = EngineCore(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
+    engine = build_engine(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
     host.at_close(engine.close)  # (its tensor-parallel ranks, once drained)
     eplb = _rank_eplb(cfg, role.name, engine)
     if edge is not None:
@@ -163,7 +168,6 @@ def _rank_eplb(a: ServeConfig, role: str, engine):
     config = engine.config
     if engine.ep is None or engine.model.load_recorder is None:
         return None
-    from pdmesh.shared.infra.registry import Registry
     from pdmesh.shared.parallel.eplb_rank import ControllerFinder, RankEplb
 
     finder = ControllerFinder(Registry(a.redis_url, a.registry_prefix),
@@ -227,8 +231,6 @@ class MasterFinder:
         return None
 
     def _registered(self) -> list[str]:
-        from pdmesh.shared.infra.registry import Registry
-
         try:
             if self._registry is None:
                 self._registry = Registry(self.redis_url, self.prefix)
@@ -240,11 +242,6 @@ class MasterFinder:
         return [i.address for i in stores if i.address != self.address and not i.draining]
 
     def _ask(self, address: str) -> tuple[str, str] | None:
-        import grpc
-
-        from pdmesh.shared.infra import cluster_auth
-        from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
-
         channel = cluster_auth.channel(address)
         try:
             stats = kvstore_pb2_grpc.KVStoreStub(channel).Stats(

@@ -108,8 +108,8 @@ def _rank_body(rank: int, world: int, address: str, opts: dict[str, Any], planne
     import torch
 
     from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
     from pdmesh.shared.engine.sampling_params import SamplingParams
     from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
     from pdmesh.shared.runtime.protocol import SubmitRequest
@@ -119,7 +119,7 @@ def _rank_body(rank: int, world: int, address: str, opts: dict[str, Any], planne
     lb = None if planner == "off" else DyntraLBConfig(
         enabled=True, mode="static", start_step=a.start_step,
         bubble_threshold=a.bubble_threshold)
-    eng = EngineCore(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=a.model, device="cpu", dtype="float32", block_size=a.block_size,
         max_num_seqs=a.max_num_seqs, data_parallel_size=world, data_parallel_rank=rank,
         data_parallel_address=address, enable_expert_parallel=True, dyntra_lb=lb))

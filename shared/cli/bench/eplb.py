@@ -77,14 +77,14 @@ def _rank_body(rank: int, world: int, address: str, model: str, opts: dict[str, 
                rebalance: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
     from pdmesh.shared.engine.sampling_params import SamplingParams
     from pdmesh.shared.parallel.expert_parallel import LayerPlacement
     from pdmesh.shared.parallel.rebalance import balancedness, rebalance_experts
 
     torch.set_num_threads(opts["threads"])
-    eng = EngineCore(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=model, device="cpu", dtype="float32", data_parallel_size=world,
         data_parallel_rank=rank, data_parallel_address=address, enable_expert_parallel=True,
         num_redundant_experts=opts["num_redundant_experts"], expert_load_window=100_000))

@@ -26,6 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from pdmesh.shared.cli.bench.offline import workload
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
     from pdmesh.shared.engine.engine import EngineCore
     from pdmesh.shared.engine.sampling_params import SamplingParams
@@ -37,10 +38,10 @@ def run(a: argparse.Namespace) -> int:
     prompts = workload(Tokenizer(a.model), a.runs, a.tokens)
 
     def engine(pool: MooncakePool, save: bool) -> EngineCore:
-        return EngineCore(EngineConfig(model=a.model, device="cpu", dtype=a.dtype,
-                                       block_size=a.block_size, max_model_len=a.tokens + 64,
-                                       kv_cache_dtype=a.kv_cache_dtype),
-                          kv_pool=pool, save_prompts=save)
+        return build_engine(EngineConfig(model=a.model, device="cpu", dtype=a.dtype,
+                                         block_size=a.block_size, max_model_len=a.tokens + 64,
+                                         kv_cache_dtype=a.kv_cache_dtype),
+                            kv_pool=pool, save_prompts=save)
 
     ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
     sup = MasterSupervisor(ports)

@@ -43,8 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from pdmesh.shared.cli.bench.offline import measure_turn, workload
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
     from pdmesh.shared.engine import LLM, SamplingParams
-    from pdmesh.shared.models.quantize import quantize_checkpoint
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -14,7 +14,7 @@ import pytest
 from pdmesh.shared.engine import SamplingParams
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
-from pdmesh.shared.proto.convert import sampling_to_proto
+from pdmesh.shared.runtime.proto_convert import sampling_to_proto
 from tests.processes import alive
 from tests.services.pd.session import OneRequest, prefill
 

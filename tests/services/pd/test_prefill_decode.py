@@ -17,7 +17,7 @@ from pdmesh.shared.proto import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdmesh.shared.proto.convert import sampling_to_proto
+from pdmesh.shared.runtime.proto_convert import sampling_to_proto
 from tests.mesh import stop_all
 from tests.services.pd.session import OneRequest, prefill
 

@@ -18,7 +18,7 @@ from pdmesh.services.prefill.server import PrefillServicer
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra.registry import Instance
 from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdmesh.shared.proto.convert import sampling_to_proto
+from pdmesh.shared.runtime.proto_convert import sampling_to_proto
 from pdmesh.shared.runtime.protocol import EngineLoad, QueueFull, TokenDelta, refused
 
 SAMPLING = sampling_to_proto(SamplingParams(max_tokens=4))

@@ -11,7 +11,7 @@ import pytest
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdmesh.shared.proto.convert import sampling_to_proto
+from pdmesh.shared.runtime.proto_convert import sampling_to_proto
 from tests.mesh import stop_all
 from tests.services.pd.session import OneRequest, prefill
 

@@ -65,7 +65,7 @@ def test_every_seed_line_runs_on_cpu_or_names_the_one_flag_it_cannot(case, qwen3
     that generates (the flags beyond cpu listed as without effect), or is refused with one
     line naming a flag of that line and why."""
     from pdmesh.shared.engine import SamplingParams
-    from pdmesh.shared.engine.engine import EngineCore
+    from pdmesh.shared.engine.build import build_engine
 
     words = [str(qwen3_path), *seed_words(case)[1:]]
     role = engine_role(parse_command_line("config check", words))
@@ -77,7 +77,7 @@ def test_every_seed_line_runs_on_cpu_or_names_the_one_flag_it_cannot(case, qwen3
         assert flag.startswith("--") and why and "\n" not in why
         assert flag in case.command.replace("_", "-")
         return
-    engine = EngineCore(config.engine)
+    engine = build_engine(config.engine)
     request = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4,
                                                               ignore_eos=True))
     while engine.has_unfinished():

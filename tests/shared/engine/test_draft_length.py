@@ -182,7 +182,7 @@ def test_the_engine_measures_its_steps_and_drafts_what_is_chosen(qwen3_path):
     # choices of none, then one, then none again: the output stays, only what is chosen
     # is drafted
     llm = LLM(str(qwen3_path), device="cpu", block_size=16, speculative_config=spec())
-    llm.engine.draft_length = scripted = Scripted(3, lambda i: 1 if 4 <= i < 12 else 0)
+    llm.engine.speculation.draft_length = scripted = Scripted(3, lambda i: 1 if 4 <= i < 12 else 0)
     outs = llm.generate(ps, params)
     assert [o.outputs[0].token_ids for o in outs] == want
     stats = llm.engine.spec_stats
@@ -204,7 +204,7 @@ def test_an_mtp_step_drafting_nothing_skips_the_mtp_layer(tiny_models):
     forwards = []  # the MTP layer's forwards (absorbing a step, or chaining drafts)
     real = proposer._run
     proposer._run = lambda *args: (forwards.append(1), real(*args))[1]
-    llm.engine.draft_length = scripted = Scripted(3, lambda i: 3 if i < 3 else 0)
+    llm.engine.speculation.draft_length = scripted = Scripted(3, lambda i: 3 if i < 3 else 0)
     first = llm.generate(ps, params)
     assert [o.outputs[0].token_ids for o in first] == want[:4]
     drafted = llm.engine.spec_stats.num_drafts
@@ -212,7 +212,7 @@ def test_an_mtp_step_drafting_nothing_skips_the_mtp_layer(tiny_models):
     # then none: the requests were gapped, and not offered for drafts again
     assert scripted.asked_for == [3, 3, 3, 0]
     assert 0 < drafted <= 3 * len(ps) and 0 < len(forwards) <= 3 * 3
-    llm.engine.draft_length = Scripted(3, lambda i: 3)
+    llm.engine.speculation.draft_length = Scripted(3, lambda i: 3)
     second = llm.generate(ps[:2], params)  # new requests: drafted for again
     assert [o.outputs[0].token_ids for o in second] == want[4:]
     assert llm.engine.spec_stats.num_drafts > drafted

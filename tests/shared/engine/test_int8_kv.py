@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmesh.shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from pdmesh.shared.engine import LLM, EngineConfig, SamplingParams, build_engine
 from pdmesh.shared.kvpool import InProcessPool
 
 PROMPTS = [list(range(40, 75)), [5, 9, 200, 14], list(range(300, 345)), [77] * 20]
@@ -63,10 +63,10 @@ def test_int8_cache_tracks_the_float_cache(tiny_models, arch, record_property):
 
 def test_int8_cache_takes_about_half_of_bfloat16(tiny_models):
     path = str(tiny_models["qwen3"])
-    bf16 = EngineCore(EngineConfig(model=path, device="cpu", dtype="bfloat16", block_size=16,
-                                   num_kv_blocks=64))
-    q8 = EngineCore(EngineConfig(model=path, device="cpu", dtype="bfloat16", block_size=16,
-                                 num_kv_blocks=64, kv_cache_dtype="int8"))
+    bf16 = build_engine(EngineConfig(model=path, device="cpu", dtype="bfloat16", block_size=16,
+                                     num_kv_blocks=64))
+    q8 = build_engine(EngineConfig(model=path, device="cpu", dtype="bfloat16", block_size=16,
+                                   num_kv_blocks=64, kv_cache_dtype="int8"))
     d = q8.model_config.head_dim
     # per head and token: d int8 bytes and one float32 scale, against 2 d bytes
     assert q8.kv_bytes_per_token / bf16.kv_bytes_per_token == pytest.approx((d + 4) / (2 * d))
@@ -104,8 +104,8 @@ def test_prefill_then_decode_through_the_pool_in_int8(tiny_models, arch):
         path, device="cpu", dtype="float32", block_size=16, kv_cache_dtype="int8").generate(
         PROMPTS, GREEDY)]
     pool = InProcessPool()
-    prefill = EngineCore(config, kv_pool=pool, save_prompts=True)
-    decode = EngineCore(config, kv_pool=pool, save_prompts=False)
+    prefill = build_engine(config, kv_pool=pool, save_prompts=True)
+    decode = build_engine(config, kv_pool=pool, save_prompts=False)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     pre = [prefill.add_request(p, first) for p in PROMPTS]
     while prefill.has_unfinished():

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdmesh.shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from pdmesh.shared.engine import LLM, EngineConfig, EngineCore, SamplingParams, build_engine
 from pdmesh.shared.kvpool import InProcessPool, KVPool
 from pdmesh.shared.kvpool.mooncake import MooncakePool
 
@@ -24,8 +24,8 @@ PROMPTS = [
 
 
 def engine(path, pool: KVPool | None, producer: bool) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32",
-                                   block_size=16), kv_pool=pool, save_prompts=producer)
+    return build_engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                     block_size=16), kv_pool=pool, save_prompts=producer)
 
 
 def run(eng: EngineCore, reqs: list) -> None:
@@ -187,7 +187,7 @@ def test_a_pool_read_past_its_timeout_is_given_up(qwen3_path, expected):
     config = EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
                           block_size=16, kv_load_timeout_s=0.3)
     prefill = engine(qwen3_path, pool, True)
-    decode = EngineCore(config, kv_pool=pool, save_prompts=False)
+    decode = build_engine(config, kv_pool=pool, save_prompts=False)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     pre = [prefill.add_request(p, first) for p in PROMPTS[:3]]
     run(prefill, pre)

@@ -45,7 +45,7 @@ def ds3(tiny_models):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, bpe_tokenizer):
     """A tiny DeepSeek-V3 whose MTP layer was distilled (briefly) from the model."""
-    from pdmesh.shared.models.mtp_train import MtpTraining, train_mtp
+    from pdmesh.shared.training.mtp import MtpTraining, train_mtp
 
     path = make_tiny_model(tmp_path_factory.mktemp("mtp") / "ds3", "deepseek_v3", seed=3,
                            tokenizer=bpe_tokenizer)
@@ -153,7 +153,7 @@ def test_chained_distillation_writes_back_only_the_mtp_layer(tmp_path, bpe_token
     a few steps change the MTP layer's weights alone, and the model still drafts."""
     from safetensors.torch import load_file
 
-    from pdmesh.shared.models.mtp_train import MtpTraining, train_mtp
+    from pdmesh.shared.training.mtp import MtpTraining, train_mtp
 
     path = make_tiny_model(tmp_path / "ds3", "deepseek_v3", seed=4, tokenizer=bpe_tokenizer)
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
@@ -245,7 +245,7 @@ def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
     is the checkpoint's, tensor for tensor."""
     from safetensors.torch import load_file
 
-    from pdmesh.shared.models.training import mla_checkpoint, mlp_checkpoint
+    from pdmesh.shared.training.trainable import mla_checkpoint, mlp_checkpoint
 
     llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
     cfg = llm.engine.model_config
@@ -268,7 +268,7 @@ def test_trained_attention_goes_back_in_the_checkpoints_form(ds3):
 def test_the_training_forward_is_the_engines_mlp(ds3):
     """The distillation trains through ``training.mlp_forward``; it computes what the
     engine's ``CausalLM._mlp`` does, for a dense layer and for routed plus shared experts."""
-    from pdmesh.shared.models.training import mlp_forward
+    from pdmesh.shared.training.trainable import mlp_forward
 
     llm = LLM(str(ds3), device="cpu", dtype="float32", block_size=16)
     model = llm.engine.model

@@ -190,15 +190,15 @@ def test_fingerprint_follows_content_not_path(tmp_path, qwen3_path, bpe_tokenize
 
 
 def test_expert_skew_makes_a_few_experts_hot(tmp_path, bpe_tokenizer):
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
     from pdmesh.shared.models.tiny import hot_experts
 
     def hot_share(skew: float) -> list[float]:
         path = make_tiny_model(tmp_path / f"skew-{skew}", "qwen3_moe", seed=0,
                                tokenizer=bpe_tokenizer, expert_skew=skew)
-        eng = EngineCore(EngineConfig(model=str(path), device="cpu", dtype="float32",
-                                      expert_load_window=100))
+        eng = build_engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                        expert_load_window=100))
         for i in range(8):
             eng.add_request(list(range(50 + 97 * i, 90 + 97 * i)),
                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

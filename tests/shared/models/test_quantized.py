@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdmesh.shared.cli.quantize import quantize_checkpoint
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.kernels import get_backend
 from pdmesh.shared.kernels import reference as ref
 from pdmesh.shared.kernels.quant import QuantExperts, QuantLinear, pack_int4, unpack_int4
 from pdmesh.shared.models import quantization
 from pdmesh.shared.models.loader import load_model
-from pdmesh.shared.models.quantize import quantize_checkpoint
 
 ARCHS = ["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v4"]
 SCHEMES = ["w8a8_dynamic", "w8a8", "w4a8_dynamic", "fp8_block"]

@@ -26,10 +26,10 @@ def rank_main(rank: int, world: int, address: str, model: str,
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
 
-    eng = EngineCore(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=model, device="cpu", dtype="float32", block_size=16,
         data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
         enable_expert_parallel=True, num_redundant_experts=redundant,
@@ -135,8 +135,8 @@ def test_quantized_experts_move_with_their_scales(tiny_models, tmp_path, scheme)
     """modelslim experts over two EP ranks, redundant slots and live moves: the int8
     weights travel with their per-channel scales (a scale left behind would change the
     answers), and the answers are the single-process quantized engine's."""
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
     from pdmesh.shared.models.config import ModelConfig
-    from pdmesh.shared.models.quantize import quantize_checkpoint
 
     path = str(tmp_path / scheme)
     quantize_checkpoint(tiny_models["qwen3_moe"], path, scheme)
@@ -276,12 +276,12 @@ def loop_rank_main(rank: int, world: int, address: str, model: str,
 
     torch.set_num_threads(1)
     from pdmesh.shared.config.scheduler_schema import DyntraLBConfig
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
     from tests.shared.runtime.driver import LoopDriver
 
     lb = DyntraLBConfig(enabled=True, mode="static", start_step=0, bubble_threshold=2.0)
-    eng = EngineCore(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=model, device="cpu", dtype="float32", block_size=16,
         max_num_seqs=max_num_seqs,
         data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,

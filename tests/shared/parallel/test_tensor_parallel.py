@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
-from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.models.config import ModelConfig, local_config
 from pdmesh.shared.models.transformer import weight_bytes
 from pdmesh.shared.parallel.ranks import lockstep, run_ranks
-from pdmesh.shared.parallel.tensor_parallel import Shard, local_config
+from pdmesh.shared.parallel.tensor_parallel import Shard
 from pdmesh.shared.parallel.tp_ranks import TensorParallelRanks
 
 PROMPTS = [list(range(40, 75)), [5, 9, 200, 14], list(range(300, 345)), [77] * 20]
@@ -166,7 +166,7 @@ def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, ar
     """A prefill engine at TP a puts whole blocks; a decode engine at TP b reads the heads
     it holds: decode computes no prompt token and answers as one engine does (MLA: the
     latent, the same on every rank; int8 KV: each head's scales travel with it)."""
-    from pdmesh.shared.engine import EngineConfig, EngineCore
+    from pdmesh.shared.engine import EngineConfig, EngineCore, build_engine
     from pdmesh.shared.kvpool import InProcessPool
 
     path = str(tiny_models[arch])
@@ -175,10 +175,10 @@ def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, ar
     pool = InProcessPool()
 
     def engine(tp: int, producer: bool) -> EngineCore:
-        return EngineCore(EngineConfig(model=path, device="cpu", dtype="float32",
-                                       block_size=16, tensor_parallel_size=tp,
-                                       kv_cache_dtype=kv),
-                          kv_pool=pool, save_prompts=producer)
+        return build_engine(EngineConfig(model=path, device="cpu", dtype="float32",
+                                         block_size=16, tensor_parallel_size=tp,
+                                         kv_cache_dtype=kv),
+                            kv_pool=pool, save_prompts=producer)
 
     prefill = engine(prefill_tp, True)
     try:
@@ -210,10 +210,10 @@ def dp_tp_rank(dp_rank: int, world: int, address: str, model: str,
     ``moves[i][0]`` steps every rank moves MoE layer moves[i][1] to moves[i][2]."""
     torch.set_num_threads(1)
 
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
 
-    eng = EngineCore(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=model, device="cpu", dtype="float32", block_size=16,
         data_parallel_size=world, data_parallel_rank=dp_rank, data_parallel_address=address,
         tensor_parallel_size=2, enable_expert_parallel=True,
@@ -267,10 +267,10 @@ def fine_rank(dp_rank: int, world: int, address: str, model: str,
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from pdmesh.shared.engine.build import build_engine
     from pdmesh.shared.engine.config import EngineConfig
-    from pdmesh.shared.engine.engine import EngineCore
 
-    eng = EngineCore(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=model, device="cpu", dtype="float32", block_size=16,
         data_parallel_size=world, data_parallel_rank=dp_rank, data_parallel_address=address,
         enable_expert_parallel=ep, finegrained_tp_config=fine))
@@ -332,8 +332,8 @@ def test_quantized_weights_split_with_their_scales(tiny_models, tmp_path, arch, 
     (row-parallel: the scales whole) of the quantized weights and computes them with
     the int8 kernels: the logits agree with TP1's on the same checkpoint up to what
     quantizing each rank's half of an activation row on its own changes."""
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
     from pdmesh.shared.kernels.quant import QuantLinear
-    from pdmesh.shared.models.quantize import quantize_checkpoint
 
     out = tmp_path / scheme
     quantize_checkpoint(tiny_models[arch], out, scheme)
@@ -358,7 +358,7 @@ def test_quantized_weights_split_with_their_scales(tiny_models, tmp_path, arch, 
 
 
 def test_static_w8a8_split_by_its_input_is_refused(tiny_models, tmp_path):
-    from pdmesh.shared.models.quantize import quantize_checkpoint
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
 
     out = tmp_path / "w8a8"
     quantize_checkpoint(tiny_models["qwen3"], out, "w8a8")

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from pdmesh.shared.engine import EngineConfig, EngineCore, SamplingParams
+from pdmesh.shared.engine import EngineConfig, SamplingParams, build_engine
 from pdmesh.shared.runtime.protocol import Status
 from tests.shared.runtime.driver import LoopDriver
 
 
 @pytest.fixture
 def engine(qwen3_path):
-    return EngineCore(EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
-                                   block_size=16, max_num_seqs=1, max_queued_requests=2))
+    return build_engine(EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
+                                     block_size=16, max_num_seqs=1, max_queued_requests=2))
 
 
 def refusal(stream):
@@ -49,8 +49,8 @@ def test_waiting_requests_beyond_the_limit_are_refused(engine):
 
 
 def test_no_limit_by_default(qwen3_path):
-    loop = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
-                                              dtype="float32", block_size=16)), start=False)
+    loop = LoopDriver(build_engine(EngineConfig(model=str(qwen3_path), device="cpu",
+                                                dtype="float32", block_size=16)), start=False)
     streams = [loop.submit([1 + i], SamplingParams(max_tokens=1)) for i in range(50)]
     loop.start()  # all fifty arrive together, before any step: none is refused
     try:
@@ -62,9 +62,9 @@ def test_no_limit_by_default(qwen3_path):
 def test_a_priority_the_engine_does_not_use_is_refused_when_asked(qwen3_path):
     """--abort-on-priority-when-disabled: a request that gives a priority to an engine
     that does not schedule by it is refused naming the field; one without runs."""
-    loop = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
-                                              dtype="float32", block_size=16,
-                                              abort_on_priority_when_disabled=True)))
+    loop = LoopDriver(build_engine(EngineConfig(model=str(qwen3_path), device="cpu",
+                                                dtype="float32", block_size=16,
+                                                abort_on_priority_when_disabled=True)))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     try:
         error = refusal(loop.submit([5, 6, 7], params, priority=1))

@@ -7,15 +7,15 @@ import threading
 
 import pytest
 
-from pdmesh.shared.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from pdmesh.shared.engine import LLM, EngineConfig, SamplingParams, build_engine
 from pdmesh.shared.runtime.protocol import Status
 from tests.shared.runtime.driver import LoopDriver
 
 
 @pytest.fixture
 def loop(qwen3_path):
-    driver = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
-                                                dtype="float32", block_size=16)))
+    driver = LoopDriver(build_engine(EngineConfig(model=str(qwen3_path), device="cpu",
+                                                  dtype="float32", block_size=16)))
     yield driver
     driver.stop()
 
@@ -62,8 +62,8 @@ def test_a_bad_request_ends_with_an_error_naming_the_field(loop):
 
 
 def test_stopping_fails_every_open_request(qwen3_path):
-    driver = LoopDriver(EngineCore(EngineConfig(model=str(qwen3_path), device="cpu",
-                                                dtype="float32", block_size=16)))
+    driver = LoopDriver(build_engine(EngineConfig(model=str(qwen3_path), device="cpu",
+                                                  dtype="float32", block_size=16)))
     s = driver.submit([1, 2, 3], SamplingParams(max_tokens=5000, ignore_eos=True))
     s.get(timeout=30)
     driver.stop()
@@ -78,8 +78,8 @@ def test_the_load_tells_a_stall(qwen3_path):
 
     from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
 
-    engine = EngineCore(EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
-                                     block_size=16))
+    engine = build_engine(EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
+                                       block_size=16))
     loop = EngineLoop(engine, LocalPort())
     assert loop.load().stalled_ms == 0  # nothing to do: never stalled
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))

@@ -24,8 +24,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdmesh.shared.engine.llm import LLM
+from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.models.corpus import corpus_files
-from pdmesh.shared.models.training import (
+from pdmesh.shared.models.tokenizer import Tokenizer
+from pdmesh.shared.models.transformer import LayerWeights, MLAWeights
+from pdmesh.shared.training.trainable import (
     Batch,
     attention_tensors,
     layer_checkpoint,
@@ -36,7 +40,6 @@ from pdmesh.shared.models.training import (
     trainable_attention,
     trainable_mlp,
 )
-from pdmesh.shared.models.transformer import LayerWeights, MLAWeights
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,6 @@ def train_mtp(folder: str | Path, settings: MtpTraining | None = None,
               corpus: list[str] | None = None) -> tuple[float, float]:
     """Train the first MTP layer of the model in ``folder`` and write it back. Returns the
     held-out greedy agreement of the MTP head with the target (before, after)."""
-    from pdmesh.shared.engine import LLM, SamplingParams
-    from pdmesh.shared.models.tokenizer import Tokenizer
-
     t = settings or MtpTraining()
     folder = Path(folder)
     torch.manual_seed(t.seed)

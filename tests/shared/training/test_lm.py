@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from pdmesh.shared.engine import LLM
 from pdmesh.shared.models.corpus import corpus_files
-from pdmesh.shared.models.lm_train import LmTraining, train_model
 from pdmesh.shared.models.tokenizer import Tokenizer
-from pdmesh.shared.models.training import Batch, layer_checkpoint
+from pdmesh.shared.training.lm import LmTraining, train_model
+from pdmesh.shared.training.trainable import Batch, layer_checkpoint
 
 SHORT = LmTraining(steps=12, batch=4, window=32, held_out=4, lr=3e-3)
 

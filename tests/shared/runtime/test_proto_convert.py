@@ -7,7 +7,7 @@ import pytest
 from pdmesh.shared.engine.request import Logprob
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.proto import common_pb2, decode_pb2, prefill_pb2
-from pdmesh.shared.proto.convert import (
+from pdmesh.shared.runtime.proto_convert import (
     delta_from_chunk,
     fill_chunk,
     sampling_from_proto,

@@ -19,7 +19,8 @@ modelslim checkpoints get ``quant_model_description.json`` naming every tensor's
 embeddings, the LM heads, the MoE routers and the two that no int8 kernel computes
 (DeepSeek's absorbed kv_b_proj and DeepSeek-V4's grouped wo_a), and those matching
 ``--keep-float``. Works for every architecture the engine serves: it reads tensors by
-name, and the static scheme's calibration runs the model through the engine.
+name, and the static scheme's calibration runs the model through the engine (so this
+sits with the commands, above the engine; ``models.quantization`` reads what it writes).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pdmesh.shared.engine.llm import LLM
+from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.kernels.quant import pack_int4, quantize_fp8_blocks, quantize_weight
 from pdmesh.shared.models.checkpoint import open_checkpoint
 from pdmesh.shared.models.config import ModelConfig
@@ -170,8 +173,6 @@ def _calibrate(tensors: dict[str, torch.Tensor], kinds: dict[str, str], src: Pat
     """Each static projection's input range over the calibration prompts, observed by
     running a dynamic-int8 copy of the model through the engine (the projections keep
     their checkpoint names through fusion)."""
-    from pdmesh.shared.engine import LLM, SamplingParams
-
     stats: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="pdmesh-calibrate-") as tmp:
         dyn = {n: ("w8a8_dynamic" if k == "w8a8" else k) for n, k in kinds.items()}

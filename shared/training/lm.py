@@ -8,8 +8,8 @@ the tiny model some of that: it continues code as code, and a distilled MTP head
 (``--train-mtp``, run after this) then agrees with it as a real one does.
 
 Trained: every weight of the decoder but the MoE routers (their bias and hash tables),
-by cross-entropy over windows of the corpus, through ``training.layer_forward`` (the
-serving computation, differentiable). The MTP layers are left to ``mtp_train``.
+by cross-entropy over windows of the corpus, through ``trainable.layer_forward`` (the
+serving computation, differentiable). The MTP layers are left to ``training.mtp``.
 Architectures served by ``CausalLM`` (llama, qwen3, qwen3_moe, deepseek_v3); DeepSeek-V4
 is refused.
 """
@@ -26,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from pdmesh.shared.engine.llm import LLM
 from pdmesh.shared.models.corpus import corpus_files
-from pdmesh.shared.models.training import (
+from pdmesh.shared.models.tokenizer import Tokenizer
+from pdmesh.shared.models.transformer import CausalLM, LayerWeights, ModelWeights
+from pdmesh.shared.training.trainable import (
     Batch,
     attention_tensors,
     layer_checkpoint,
@@ -39,7 +42,6 @@ from pdmesh.shared.models.training import (
     trainable_attention,
     trainable_mlp,
 )
-from pdmesh.shared.models.transformer import CausalLM, LayerWeights, ModelWeights
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +60,6 @@ def train_model(folder: str | Path, settings: LmTraining | None = None,
                 corpus: list[str] | None = None) -> tuple[float, float]:
     """Train the model in ``folder`` and write its weights back in place. Returns the
     held-out next-token loss in nats per token (before, after)."""
-    from pdmesh.shared.engine import LLM
-    from pdmesh.shared.models.tokenizer import Tokenizer
-
     t = settings or LmTraining()
     if t.steps < 1 or t.batch < 1 or t.window < 2 or t.held_out < 1:
         raise ValueError(f"train_model: steps, batch, held_out must be >= 1 and window >= 2, "
