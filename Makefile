@@ -15,7 +15,7 @@ up: install
 test: install
 	@bash scripts/ensure_redis.sh
 	.venv/bin/ruff check pdmesh shared services tests
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=30 tests --ignore=tests/compose
+	$(PY) -m pytest -q --durations=30 tests --ignore=tests/compose
 
 # the image (scripts/image.sh: offline, from a host-built wheelhouse; BASE=debian builds
 # the base with debootstrap), then the whole mesh under `docker compose`

@@ -99,7 +99,7 @@ def test_rank_memory_is_reported_at_start_up(tiny_models, caplog):
     path = str(tiny_models["qwen3"])
     one = LLM(path, device="cpu", dtype="float32", block_size=16, num_kv_blocks=64)
     whole = weight_bytes(one.engine.model.w)
-    with caplog.at_level(logging.INFO, logger="pdmesh.shared.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="pdmesh.shared.engine.build"):
         tp = LLM(path, device="cpu", dtype="float32", block_size=16, num_kv_blocks=64,
                  tensor_parallel_size=2)
     try:
