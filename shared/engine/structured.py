@@ -28,9 +28,10 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # (the gateway compiles grammars without torch)
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
                   ) -> torch.Tensor:
     """``logits`` with -inf on each of ``rows``' forbidden tokens (``bitmask`` holds one
     row per entry of ``rows``); the other rows as they were."""
+    import torch
+
     words = bitmask.to(logits.device)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :logits.shape[1]].bool()
@@ -257,6 +260,8 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
 
 
 def new_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    import torch
+
     return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 

@@ -13,24 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from pdmesh.shared.parallel.tensor_parallel import Shard
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype names (torch's names)
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "half": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype | None, default: str = "float32") -> torch.dtype:
-    """``--dtype`` value -> torch dtype; ValueError naming the field otherwise."""
+    """``--dtype`` value -> torch dtype; ValueError naming the field otherwise. (torch is
+    imported here, not with the module: the gateway reads model configs without it.)"""
+    import torch
+
     if isinstance(name, torch.dtype):
-        if name not in DTYPES.values():
+        if name not in {getattr(torch, d) for d in DTYPES}:
             raise ValueError(f"dtype: unsupported {name}; use float32, bfloat16 or float16")
         return name
     if name in (None, "auto"):
@@ -38,7 +37,7 @@ def parse_dtype(name: str | torch.dtype | None, default: str = "float32") -> tor
     key = DTYPE_ALIASES.get(str(name), str(name))
     if key not in DTYPES:
         raise ValueError(f"dtype: unsupported {name!r}; use auto, float32, bfloat16 or float16")
-    return DTYPES[key]
+    return getattr(torch, key)
 
 
 @dataclass(frozen=True)
