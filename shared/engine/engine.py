@@ -304,22 +304,6 @@ class EngineCore:
             r.prompt_logprobs.extend(entries[at:at + n])
             at += n
 
-    def _score_prompts(self) -> None:
-        """The logprobs of the prompt tokens this step's logits scored, onto the requests
-        that asked for them (``Request.prompt_logprobs``)."""
-        scored, self.runner.prompt_logits = self.runner.prompt_logits, None
-        if scored is None:
-            return
-        spans = scored.spans
-        tokens = [t for r, f, n in spans for t in r.prompt_token_ids[f:f + n]]
-        top = [r.sampling_params.prompt_logprobs for r, _, n in spans for _ in range(n)]
-        entries = ranked_logprobs(torch.log_softmax(scored.logits, dim=-1),
-                                  torch.tensor(tokens, device=scored.logits.device), top)
-        at = 0
-        for r, _, n in spans:
-            r.prompt_logprobs.extend(entries[at:at + n])
-            at += n
-
     def finish_saves(self) -> list[StepOutput]:
         """Put the prompts the last step completed into the pool (a prefill instance);
         each request comes out again (no new token) with its keys set, finished if it
