@@ -13,6 +13,7 @@ its own (``prompt_saves``, ``speculation``, ``expert_load_step``, ``step_costs``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from pdmesh.shared.engine.request import Request
@@ -43,18 +44,21 @@ class StepRecord:
     # they come out unfinished now and finish with the hook's own outputs
     held: set[int] = field(default_factory=set)
 
+    @cached_property
+    def _decoding(self) -> list[int]:
+        """The tokens of each request that decodes: one, or a token and its drafts."""
+        return [n for r, n in zip(self.sched.requests, self.sched.num_tokens, strict=True)
+                if n == 1 or r in self.sched.drafts]
+
     @property
     def num_decoding(self) -> int:
-        """Rows that decode: one token, or a token and its drafts."""
-        return sum(1 for r, n in zip(self.sched.requests, self.sched.num_tokens, strict=True)
-                   if n == 1 or r in self.sched.drafts)
+        """Rows that decode."""
+        return len(self._decoding)
 
     @property
     def prompt_tokens(self) -> int:
         """Tokens of prompts (and of carried outputs) this step computed."""
-        return self.sched.total_tokens - sum(
-            n for r, n in zip(self.sched.requests, self.sched.num_tokens, strict=True)
-            if n == 1 or r in self.sched.drafts)
+        return self.sched.total_tokens - sum(self._decoding)
 
     def outputs(self) -> list[StepOutput]:
         """What the step gives its caller: each sampled request's new token(s), finished
