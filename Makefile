@@ -1,6 +1,10 @@
 # pdmesh: `make up` installs and runs the main job; `make test` installs and runs the suite.
 PY := .venv/bin/python
 MODEL_DIR ?= .cache/models/tiny-qwen3
+# make test's pytest workers: one more than the cores (a worker waiting on processes that
+# start and stop leaves its core to the others), at most 6; a file's tests stay on one
+# worker (they share its meshes)
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n + 1 < 6 ? n + 1 : 6 )))
 
 .PHONY: install up test test-compose image compose-up compose-down lint bench proto docs \
 	reference clean
@@ -15,7 +19,8 @@ up: install
 test: install
 	@bash scripts/ensure_redis.sh
 	.venv/bin/ruff check pdmesh shared services tests
-	$(PY) -m pytest -q --durations=30 tests --ignore=tests/compose
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests \
+		--ignore=tests/compose
 
 # the image (scripts/image.sh: offline, from a host-built wheelhouse; BASE=debian builds
 # the base with debootstrap), then the whole mesh under `docker compose`

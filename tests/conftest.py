@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
-import pytest
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several workers on few cores (make test): torch at one thread in each worker and
+    # in every service it starts, or their threads spin waiting for cores the others hold
+    # (two workers at torch's default took 41 min of CPU for the suite's 17). Set before
+    # torch is imported.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 from pdmesh.shared.models.tiny import ARCHS, SIZES, make_tiny_model
 from pdmesh.shared.models.tiny_tokenizer import DSV4_TOKENS, tokenizer_spec, train_tokenizer

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (the kvstore serves the pool without torch)
+    import torch
+
 
 Region = tuple[int, int]  # (address, nbytes)
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.shared.kvpool.base import KVPool, PoolStats, Region
+
+if TYPE_CHECKING:  # (the kvstore serves the pool without torch)
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,13 @@ import sys
 import threading
 import time
 import urllib.parse
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdmesh.shared.infra.bindhost import is_address
 from pdmesh.shared.kvpool.base import KVPool, PoolStats, Region
+
+if TYPE_CHECKING:  # (the kvstore serves the pool without torch)
+    import torch
 
 log = logging.getLogger(__name__)
 

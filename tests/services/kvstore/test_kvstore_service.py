@@ -82,6 +82,15 @@ def test_oversized_lookup_is_invalid_argument(kvstore):
     assert "keys" in e.value.details()
 
 
+def test_the_kvstore_serves_without_torch(kvstore):
+    """It indexes and hands out addresses, never tensors; every mesh start pays for its
+    imports (torch alone is ~2 s of CPU)."""
+    proc, info = kvstore
+    assert stub(info).Health(common_pb2.HealthRequest(), timeout=5).role == "kvstore"
+    maps = open(f"/proc/{proc.pid}/maps").read()
+    assert "libtorch" not in maps
+
+
 def test_service_restarts_its_master(kvstore):
     _, info = kvstore
     s = stub(info)
