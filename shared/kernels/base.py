@@ -195,6 +195,24 @@ class KernelBackend(ABC):
             out.append(rows.mul_(scales.index_select(0, ids).to(dtype)))
         return out, sub
 
+    def paged_attention_decode_int8(
+        self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
+        scales: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """paged_attention_decode over int8 caches (k, v) with their scales: here through
+        dequantized views of the blocks read; a backend may read them in place."""
+        (k_cache, v_cache), sub = self.int8_cache_view(list(zip(caches, scales, strict=True)),
+                                                       meta, q.dtype)
+        return self.paged_attention_decode(q, k_cache, v_cache, sub, scale)
+
+    def latent_attention_decode_int8(
+        self, q: torch.Tensor, cache: torch.Tensor, cache_scale: torch.Tensor,
+        meta: AttentionMetadata, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        """latent_attention_decode over an int8 latent cache and its scales."""
+        (view,), sub = self.int8_cache_view([(cache, cache_scale)], meta, q.dtype)
+        return self.latent_attention_decode(q, view, sub, scale, value_dim)
+
     def _renumbered(self, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
         import numpy as np
 

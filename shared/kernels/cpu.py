@@ -1,7 +1,14 @@
 """CPU backend: vectorized torch, one batched call per op, no per-token Python loops.
 
-Paged attention reads each sequence's keys as a dense [B, KVH, L, D] view and runs
-torch's fused scaled-dot-product attention:
+Decode attention (one new token per sequence, and speculative verification's rows) runs
+the C kernel in cpu_ops.c: each sequence's K / V blocks read in place through its block
+table, online softmax, the query heads of a KV head together; float32, bfloat16,
+float16 and int8 caches (the int8 dequantized as read), MLA's latent cache. No gathered
+copy, no padding to the longest sequence, no mask.
+
+Prefill, and decode where the kernel is not built (no C compiler) or on the cuda
+backend, reads each sequence's keys as a dense [B, KVH, L, D] view and runs torch's
+fused scaled-dot-product attention:
 
 - a lone sequence whose blocks are consecutive is a plain slice of the cache (no copy);
 - decode steps read a mirror of the batch's keys carried over from the previous step,
@@ -42,6 +49,20 @@ AS_DECODE_MAX_KEYS = 1 << 20
 # weight once per 4 rows; beyond this torch._int_mm's blocked GEMM is faster, measured)
 INT8_TILE = 64
 INT8_TILE_ROWS = 32
+# cache dtypes the C paged decode kernel reads (cpu_ops.c's KV_F32 ... KV_F16)
+PAGED_DECODE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3}
+
+
+class _PagedDecodeArgs(ctypes.Structure):
+    """cpu_ops.c's paged_decode_args."""
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+                ("tables", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+                ("out", ctypes.c_void_p),
+                *[(name, ctypes.c_int64) for name in ("b", "h", "kvh", "d", "v_row", "vd",
+                                                       "block_size", "table_stride",
+                                                       "dtype", "portable")],
+                ("scale", ctypes.c_float)]
 
 
 class CPUBackend(KernelBackend):
@@ -55,6 +76,11 @@ class CPUBackend(KernelBackend):
         # the int8 / int4 kernels: AVX-512 VNNI on this CPU, and a build that has them
         self._int8 = self._ops is not None and hasattr(
             self._ops, "pdmesh_int8_static_linear") and bool(self._ops.pdmesh_int8_supported())
+        # decode attention read in place through the block tables (cpu_ops.c); host
+        # memory only (the cuda backend decodes through the dense path below)
+        self._paged = (device.type == "cpu" and self._ops is not None
+                       and hasattr(self._ops, "pdmesh_paged_decode"))
+        self.portable_decode = False  # True: its portable path where AVX-512 is (tests)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -184,14 +210,8 @@ class CPUBackend(KernelBackend):
                     self._mirror.invalidate()
                     return
         if meta.is_decode:
-            ragged = bool(seq_lens.min() < meta.max_seq_len)
-            in_seq = np.arange(meta.max_seq_len) < seq_lens[:, None]  # [B, Lk]
-            # [B, 1, 1, Lk] additive mask (faster than a boolean one in torch's CPU flash
-            # attention); none at all when every sequence has the same length
-            state["mask"] = _additive(in_seq[:, None, None, :], self.device) if ragged else None
-            if not state.get("transient_caches"):  # (int8 views are new every layer)
-                state["mirror"] = self._mirror.plan(tables, seq_lens, bs, meta.slot_mapping,
-                                                    self.device)
+            if not self._paged:  # (the C kernel reads the block tables as they are)
+                self._plan_dense_decode(meta, tables, seq_lens)
             return
         qlens = np.asarray(meta.query_lens_host)
         if not meta.has_context and bool((qlens == qlens[0]).all()):
@@ -223,6 +243,19 @@ class CPUBackend(KernelBackend):
             plan.append((int(starts[b]), ql, c, keys, mask))
         state["varlen"] = plan
 
+    def _plan_dense_decode(self, meta: AttentionMetadata, tables: np.ndarray,
+                           seq_lens: np.ndarray) -> None:
+        """Decode without the C kernel: masks for the dense keys, and the mirror."""
+        state = meta.backend_state
+        ragged = bool(seq_lens.min() < meta.max_seq_len)
+        in_seq = np.arange(meta.max_seq_len) < seq_lens[:, None]  # [B, Lk]
+        # [B, 1, 1, Lk] additive mask (faster than a boolean one in torch's CPU flash
+        # attention); none at all when every sequence has the same length
+        state["mask"] = _additive(in_seq[:, None, None, :], self.device) if ragged else None
+        if not state.get("transient_caches"):  # (int8 views are new every layer)
+            state["mirror"] = self._mirror.plan(tables, seq_lens, meta.block_size,
+                                                meta.slot_mapping, self.device)
+
     def _token_rows(self, meta: AttentionMetadata, tables: np.ndarray, seq_lens: np.ndarray,
                     qlens: np.ndarray) -> AttentionMetadata:
         """The step as decode metadata with one row per token: token j of sequence b
@@ -243,10 +276,11 @@ class CPUBackend(KernelBackend):
             context_lens_host=(lens - 1).tolist(), max_query_len=1,
             max_seq_len=meta.max_seq_len, block_size=meta.block_size,
             block_tables_host=rows)
-        ragged = bool(lens.min() < meta.max_seq_len)
-        in_seq = np.arange(meta.max_seq_len) < lens[:, None]
-        sub.backend_state["mask"] = (_additive(in_seq[:, None, None, :], self.device)
-                                     if ragged else None)
+        if not self._paged:
+            ragged = bool(lens.min() < meta.max_seq_len)
+            in_seq = np.arange(meta.max_seq_len) < lens[:, None]
+            sub.backend_state["mask"] = (_additive(in_seq[:, None, None, :], self.device)
+                                         if ragged else None)
         return sub
 
     def _key_slots(self, meta: AttentionMetadata) -> torch.Tensor:
@@ -335,9 +369,15 @@ class CPUBackend(KernelBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if self._reads_in_place(k_cache, v_cache):
+            return self._paged_decode(q, k_cache, v_cache, meta, scale)
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         qg = q.view(b, kvh, h // kvh, d)  # query heads of one KV head side by side
+        if "mask" not in meta.backend_state:  # (planned for the C kernel: a cache it cannot read)
+            tables = meta.block_tables_host
+            self._plan_dense_decode(meta, meta.block_tables.cpu().numpy() if tables is None
+                                    else tables, np.asarray(meta.seq_lens_host))
         mask = meta.backend_state["mask"]
         kv = None
         plan = meta.backend_state.get("mirror")
@@ -352,6 +392,75 @@ class CPUBackend(KernelBackend):
             scale=scale,
         )
         return out.reshape(b, h, d)
+
+    def latent_attention_decode(self, q: torch.Tensor, cache: torch.Tensor,
+                                meta: AttentionMetadata, scale: float, value_dim: int
+                                ) -> torch.Tensor:
+        if self._reads_in_place(cache, cache):
+            return self._paged_decode(q, cache, cache, meta, scale, value_dim)
+        return super().latent_attention_decode(q, cache, meta, scale, value_dim)
+
+    def paged_attention_decode_int8(
+        self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
+        scales: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        if self._reads_int8_in_place(caches, scales):
+            return self._paged_decode(q, *caches, meta, scale, scales=scales)
+        return super().paged_attention_decode_int8(q, caches, scales, meta, scale)
+
+    def latent_attention_decode_int8(
+        self, q: torch.Tensor, cache: torch.Tensor, cache_scale: torch.Tensor,
+        meta: AttentionMetadata, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        if self._reads_int8_in_place((cache,), (cache_scale,)):
+            return self._paged_decode(q, cache, cache, meta, scale, value_dim,
+                                      scales=(cache_scale, cache_scale))
+        return super().latent_attention_decode_int8(q, cache, cache_scale, meta, scale,
+                                                    value_dim)
+
+    def _reads_int8_in_place(self, caches: tuple[torch.Tensor, ...],
+                             scales: tuple[torch.Tensor, ...]) -> bool:
+        return self._paged and all(
+            c.dtype == torch.int8 and c.is_contiguous() and s.dtype == torch.float32
+            and s.is_contiguous() for c, s in zip(caches, scales, strict=True))
+
+    def _reads_in_place(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """The C kernel takes these caches (float ones here: an int8 cache comes with its
+        scales through ``_paged_decode(scales=...)``)."""
+        return (self._paged and k_cache.dtype == v_cache.dtype and k_cache.dtype
+                in PAGED_DECODE_DTYPES and k_cache.dtype != torch.int8
+                and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+    def _paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, value_dim: int | None = None,
+                      scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        """q [B, H, D] over the caches in place (cpu_ops.c): -> [B, H, value_dim]
+        (value_dim: the value rows' first dims, MLA's latent; else all of them).
+        ``scales``: an int8 cache's per-token-and-head scales (k, v)."""
+        state = meta.backend_state
+        if "paged" not in state:  # once a step: every layer reads the same tables
+            tables = meta.block_tables_host
+            if tables is None:
+                tables = meta.block_tables.cpu().numpy()
+            state["paged"] = (np.ascontiguousarray(tables, dtype=np.int32),
+                              np.ascontiguousarray(meta.seq_lens_host, dtype=np.int32))
+        tables, lens = state["paged"]
+        b, h, d = q.shape
+        kvh, v_row = k_cache.shape[2], v_cache.shape[3]
+        vd = v_row if value_dim is None else value_dim
+        qf = q.float().contiguous()
+        out = torch.empty((b, h, vd), dtype=torch.float32)
+        k_scale, v_scale = (None, None) if scales is None else (
+            scales[0].data_ptr(), scales[1].data_ptr())
+        args = _PagedDecodeArgs(
+            qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale, v_scale,
+            tables.ctypes.data, lens.ctypes.data, out.data_ptr(), b, h, kvh, d, v_row, vd,
+            meta.block_size, tables.shape[1], PAGED_DECODE_DTYPES[k_cache.dtype],
+            int(self.portable_decode), scale)
+        if self._ops.pdmesh_paged_decode(ctypes.byref(args)) != 0:
+            raise MemoryError("paged decode attention: no memory for its scratch")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def hc_sinkhorn(self, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         # one C loop over every token's n x n matrix instead of ~6 x iters torch ops
@@ -383,6 +492,9 @@ def _cpu_ops() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_float]
     fn.restype = None
+    if hasattr(lib, "pdmesh_paged_decode"):
+        lib.pdmesh_paged_decode.argtypes = [ctypes.POINTER(_PagedDecodeArgs)]
+        lib.pdmesh_paged_decode.restype = ctypes.c_int
     if hasattr(lib, "pdmesh_int8_static_linear"):  # (an older build: none of them)
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         signatures = {

@@ -3,7 +3,10 @@
  * optional extension; without a C compiler the backend runs the same math as torch ops.
  */
 
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Normalise each row (sum over j) of an n x n matrix a: a / (sum + eps). */
 static void rows_f32(float *a, int64_t n, float eps) {
@@ -306,4 +309,381 @@ void pdmesh_int8_static_linear(const float *x, int64_t m, int64_t k, int64_t n,
                 }
         }
     }
+}
+
+/* -- Paged decode attention ----------------------------------------------------------
+ *
+ * One new query token per sequence, over the keys and values its block table points to,
+ * read in place from the paged caches [num_blocks, block_size, KVH, D]: no gathered copy,
+ * no padding to the longest sequence, no mask. A task is one (sequence, KV head): the G
+ * query heads that share the KV head go together, so each K / V row is read once for all
+ * of them. Online softmax a block at a time (FlashAttention's recurrence): scores of the
+ * block, the running maximum and sum rescaled, then the block's values accumulated.
+ * Caches in float32, bfloat16 or float16 (widened as read) or int8 with a float32 scale
+ * per token and head ([num_blocks, block_size, KVH, 1], dequantized as read). MLA's absorbed form
+ * is the case KVH = 1 with the values the first vd dims of the same rows.
+ */
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_F16 = 3 };
+
+typedef struct {
+    const float *q;              /* [B, H, D] float32, contiguous */
+    const void *k, *v;           /* [num_blocks, block_size, KVH, D] / [..., VD_ROW] */
+    const float *k_scale, *v_scale; /* int8 caches: [num_blocks, block_size, KVH, 1] */
+    const int32_t *tables;       /* [B, table_stride] block ids */
+    const int32_t *lens;         /* [B] keys of each sequence */
+    float *out;                  /* [B, H, VD] float32 */
+    int64_t b, h, kvh, d;        /* sequences, query heads, KV heads, key dims */
+    int64_t v_row, vd;           /* the value cache's row length; values read (<= v_row) */
+    int64_t block_size, table_stride;
+    int64_t dtype;               /* KV_F32, KV_BF16, KV_INT8 or KV_F16 */
+    int64_t portable;            /* 1: the portable path even where AVX-512 is (tests) */
+    float scale;
+} paged_decode_args;
+
+/* Row `row` of a cache (row = slot * KVH + head, `n` numbers of a row of `len`) as float32:
+ * the row itself (float32), or widened / dequantized into buf. */
+static inline const float *cache_row(const void *cache, const float *scales, int64_t dtype,
+                                     int64_t row, int64_t len, int64_t n, float *buf) {
+    if (dtype == KV_F32)
+        return (const float *)cache + row * len;
+    if (dtype == KV_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + row * len;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            union { uint32_t u; float f; } c = {(uint32_t)src[i] << 16};
+            buf[i] = c.f;
+        }
+        return buf;
+    }
+    if (dtype == KV_F16) {
+        const uint16_t *src = (const uint16_t *)cache + row * len;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            /* exponent and mantissa moved into place, then rebiased by 2^(127 - 15):
+             * exact for normal and subnormal halves; infinities and NaNs kept */
+            const uint32_t em = src[i] & 0x7fffu;
+            union { uint32_t u; float f; } c = {em << 13};
+            c.f *= 0x1.0p112f;
+            if (em >= 0x7c00u)
+                c.u |= 0x7f800000u;
+            c.u |= (uint32_t)(src[i] & 0x8000u) << 16;
+            buf[i] = c.f;
+        }
+        return buf;
+    }
+    const int8_t *src = (const int8_t *)cache + row * len;
+    const float s = scales[row];
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        buf[i] = (float)src[i] * s;
+    return buf;
+}
+
+/* A block's rows of one head as float32 rows `*stride` apart: the cache's own rows
+ * (float32), or widened / dequantized into buf (`cols` of each row of `len`). */
+static inline const float *block_rows(const void *cache, const float *scales, int64_t dtype,
+                                      int64_t slot0, int64_t kvh, int64_t head, int64_t len,
+                                      int64_t n, int64_t cols, float *buf, int64_t *stride) {
+    if (dtype == KV_F32) {
+        *stride = kvh * len;
+        return (const float *)cache + (slot0 * kvh + head) * len;
+    }
+    for (int64_t t = 0; t < n; t++)
+        cache_row(cache, scales, dtype, (slot0 + t) * kvh + head, len, cols, buf + t * cols);
+    *stride = cols;
+    return buf;
+}
+
+/* A task: KV heads [h0, h1) of one sequence (all of them when there are sequences
+ * enough for every thread: each block's rows are then read whole, in order). */
+typedef struct {
+    float *s, *acc, *m, *l, *alpha, *kbuf, *vbuf;
+} decode_scratch;
+
+/* Floats of scratch a task needs: per query head a block's scores, an accumulator, the
+ * running maximum, sum and last rescaling; a block's K and V rows widened. */
+static int64_t decode_work(const paged_decode_args *a) {
+    return a->h * (a->block_size + a->vd + 3) + a->block_size * (a->d + a->v_row);
+}
+
+static decode_scratch scratch(const paged_decode_args *a, float *work) {
+    decode_scratch w;
+    w.s = work;
+    w.acc = w.s + a->h * a->block_size;
+    w.m = w.acc + a->h * a->vd;
+    w.l = w.m + a->h;
+    w.alpha = w.l + a->h;
+    w.kbuf = w.alpha + a->h;
+    w.vbuf = w.kbuf + a->block_size * a->d;
+    return w;
+}
+
+static void start_heads(const paged_decode_args *a, decode_scratch *w, int64_t j0,
+                        int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) {
+        w->m[j] = -INFINITY;
+        w->l[j] = 0.0f;
+        for (int64_t i = 0; i < a->vd; i++)
+            w->acc[j * a->vd + i] = 0.0f;
+    }
+}
+
+static void finish_heads(const paged_decode_args *a, const decode_scratch *w, int64_t seq,
+                         int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) {
+        float *dst = a->out + (seq * a->h + j) * a->vd;
+        const float inv = 1.0f / w->l[j];
+        for (int64_t i = 0; i < a->vd; i++)
+            dst[i] = w->acc[j * a->vd + i] * inv;
+    }
+}
+
+static const int64_t KV_BYTES[] = {4, 2, 1, 2}; /* by dtype: KV_F32 ... KV_F16 */
+
+/* The next block's K and V rows asked for while this one is computed: blocks are pages
+ * apart (the hardware prefetcher starts again at each), so without this every block
+ * begins with a wait for memory. */
+static inline void prefetch_block(const paged_decode_args *a, int64_t seq, int64_t start) {
+    const int64_t next = start + a->block_size;
+    if (next >= a->lens[seq])
+        return;
+    const int64_t slot0 = (int64_t)a->tables[seq * a->table_stride + next / a->block_size] *
+                          a->block_size;
+    const int64_t rows = a->block_size * a->kvh, size = KV_BYTES[a->dtype];
+    const char *k = (const char *)a->k + slot0 * a->kvh * a->d * size;
+    const char *v = (const char *)a->v + slot0 * a->kvh * a->v_row * size;
+    for (int64_t off = 0; off < rows * a->d * size; off += 64)
+        __builtin_prefetch(k + off, 0, 3);
+    if (a->v != a->k)
+        for (int64_t off = 0; off < rows * a->v_row * size; off += 64)
+            __builtin_prefetch(v + off, 0, 3);
+}
+
+/* The portable path (any x86-64; AVX2 where the CPU has it, by target clones). */
+__attribute__((target_clones("avx2", "default")))
+static void decode_task(const paged_decode_args *a, int64_t seq, int64_t h0, int64_t h1,
+                        float *work) {
+    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, bs = a->block_size;
+    const int64_t len = a->lens[seq];
+    decode_scratch w = scratch(a, work);
+    start_heads(a, &w, h0 * g, h1 * g);
+    for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = len - start < bs ? len - start : bs;
+        const int64_t slot0 = (int64_t)a->tables[seq * a->table_stride + start / bs] * bs;
+        prefetch_block(a, seq, start);
+        for (int64_t head = h0; head < h1; head++) {
+            int64_t ks, vs;
+            const float *k = block_rows(a->k, a->k_scale, a->dtype, slot0, a->kvh, head, d, n,
+                                        d, w.kbuf, &ks);
+            const float *v = block_rows(a->v, a->v_scale, a->dtype, slot0, a->kvh, head,
+                                        a->v_row, n, vd, w.vbuf, &vs);
+            for (int64_t j = head * g; j < (head + 1) * g; j++) {
+                const float *qj = a->q + (seq * a->h + j) * d;
+                float *sj = w.s + j * bs, *aj = w.acc + j * vd, top = w.m[j], sum = 0.0f;
+                for (int64_t t = 0; t < n; t++) {
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t i = 0; i < d; i++)
+                        dot += qj[i] * k[t * ks + i];
+                    sj[t] = dot * a->scale;
+                    top = sj[t] > top ? sj[t] : top;
+                }
+                const float alpha = expf(w.m[j] - top); /* 0 at the first block */
+                for (int64_t t = 0; t < n; t++) {
+                    sj[t] = expf(sj[t] - top);
+                    sum += sj[t];
+                }
+                w.l[j] = w.l[j] * alpha + sum;
+                w.m[j] = top;
+#pragma omp simd
+                for (int64_t i = 0; i < vd; i++)
+                    aj[i] *= alpha;
+                for (int64_t t = 0; t < n; t++) {
+                    const float pt = sj[t];
+#pragma omp simd
+                    for (int64_t i = 0; i < vd; i++)
+                        aj[i] += pt * v[t * vs + i];
+                }
+            }
+        }
+    }
+    finish_heads(a, &w, seq, h0 * g, h1 * g);
+}
+
+/* -- the AVX-512 path: 16 lanes, masked tails, exp as a polynomial in registers -- */
+
+/* e^x for x <= 0 (a score less the running maximum): 2^n * p(r), x = n ln2 + r, with
+ * Cephes' expf polynomial for p; ~1 ulp; below -87 it gives ~1e-38 rather than 0. */
+__attribute__((target("avx512f")))
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* Lane t of the result: the sum of v[t]'s 16 lanes (halves added, then quarters, then
+ * a 4 x 4 transpose-add within each quarter; the lanes come out as 4c + m for vector
+ * 4m + c, which the last permutation puts back). */
+__attribute__((target("avx512f")))
+static inline __m512 sum16(const __m512 *v) {
+    __m512 r[8], s[4];
+    for (int k = 0; k < 8; k++)
+        r[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++)
+        s[k] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(r[2 * k], r[2 * k + 1], 0xDD));
+    const __m512 u0 = _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]),
+                                    _mm512_unpackhi_ps(s[0], s[1]));
+    const __m512 u1 = _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]),
+                                    _mm512_unpackhi_ps(s[2], s[3]));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i back = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
+                                           11, 15);
+    return _mm512_permutexvar_ps(back, t);
+}
+
+/* Scores of up to 16 keys (rows ks apart) for one query row: q . k * scale. Always 16
+ * rows (the missing ones read row 0 again, their lanes not stored): the accumulators
+ * then stay in registers. */
+__attribute__((target("avx512f")))
+static inline void scores16(const float *q, const float *k, int64_t ks, int64_t c,
+                            int64_t d, float scale, float *out) {
+    __m512 acc[16];
+    const float *row[16];
+    for (int t = 0; t < 16; t++) {
+        acc[t] = _mm512_setzero_ps();
+        row[t] = k + (t < c ? t : 0) * ks;
+    }
+    for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 mk = lanes(d - i);
+        const __m512 qv = _mm512_maskz_loadu_ps(mk, q + i);
+        for (int t = 0; t < 16; t++)
+            acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(mk, row[t] + i), acc[t]);
+    }
+    _mm512_mask_storeu_ps(out, lanes(c), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+/* acc[j] = acc[j] * alpha[j] + sum_t p[j][t] v[t] for query heads [j0, j1): four heads
+ * at a time, each value chunk loaded once for the four (a head or three left: alone). */
+__attribute__((target("avx512f")))
+static void accumulate_values(const decode_scratch *w, const float *v, int64_t vs,
+                              int64_t n, int64_t j0, int64_t j1, int64_t bs, int64_t vd) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4)
+        for (int64_t i = 0; i < vd; i += 16) {
+            const __mmask16 mv = lanes(vd - i);
+            __m512 acc[4];
+            for (int r = 0; r < 4; r++)
+                acc[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv, w->acc + (j + r) * vd + i),
+                                       _mm512_set1_ps(w->alpha[j + r]));
+            for (int64_t t = 0; t < n; t++) {
+                const __m512 vt = _mm512_maskz_loadu_ps(mv, v + t * vs + i);
+                for (int r = 0; r < 4; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->s[(j + r) * bs + t]), vt, acc[r]);
+            }
+            for (int r = 0; r < 4; r++)
+                _mm512_mask_storeu_ps(w->acc + (j + r) * vd + i, mv, acc[r]);
+        }
+    for (; j < j1; j++)
+        for (int64_t i = 0; i < vd; i += 16) {
+            const __mmask16 mv = lanes(vd - i);
+            __m512 acc = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv, w->acc + j * vd + i),
+                                       _mm512_set1_ps(w->alpha[j]));
+            for (int64_t t = 0; t < n; t++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w->s[j * bs + t]),
+                                      _mm512_maskz_loadu_ps(mv, v + t * vs + i), acc);
+            _mm512_mask_storeu_ps(w->acc + j * vd + i, mv, acc);
+        }
+}
+
+__attribute__((target("avx512f")))
+static void decode_task_avx512(const paged_decode_args *a, int64_t seq, int64_t h0,
+                               int64_t h1, float *work) {
+    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, bs = a->block_size;
+    const int64_t len = a->lens[seq];
+    decode_scratch w = scratch(a, work);
+    start_heads(a, &w, h0 * g, h1 * g);
+    for (int64_t start = 0; start < len; start += bs) {
+        const int64_t n = len - start < bs ? len - start : bs;
+        const int64_t slot0 = (int64_t)a->tables[seq * a->table_stride + start / bs] * bs;
+        prefetch_block(a, seq, start);
+        for (int64_t head = h0; head < h1; head++) {
+            int64_t ks, vs;
+            const float *k = block_rows(a->k, a->k_scale, a->dtype, slot0, a->kvh, head, d, n,
+                                        d, w.kbuf, &ks);
+            const float *v = block_rows(a->v, a->v_scale, a->dtype, slot0, a->kvh, head,
+                                        a->v_row, n, vd, w.vbuf, &vs);
+            for (int64_t j = head * g; j < (head + 1) * g; j++) {
+                const float *qj = a->q + (seq * a->h + j) * d;
+                float *sj = w.s + j * bs;
+                for (int64_t t0 = 0; t0 < n; t0 += 16)
+                    scores16(qj, k + t0 * ks, ks, n - t0 < 16 ? n - t0 : 16, d, a->scale,
+                             sj + t0);
+                __m512 top16 = _mm512_set1_ps(w.m[j]);
+                for (int64_t t = 0; t < n; t += 16)
+                    top16 = _mm512_mask_max_ps(top16, lanes(n - t), top16,
+                                               _mm512_maskz_loadu_ps(lanes(n - t), sj + t));
+                const float top = _mm512_reduce_max_ps(top16);
+                const float alpha = expf(w.m[j] - top); /* 0 at the first block */
+                __m512 total = _mm512_setzero_ps();
+                for (int64_t t = 0; t < n; t += 16) {
+                    const __mmask16 mt = lanes(n - t);
+                    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sj + t),
+                                                          _mm512_set1_ps(top)));
+                    _mm512_mask_storeu_ps(sj + t, mt, e);
+                    total = _mm512_mask_add_ps(total, mt, total, e);
+                }
+                w.l[j] = w.l[j] * alpha + _mm512_reduce_add_ps(total);
+                w.m[j] = top;
+                w.alpha[j] = alpha;
+            }
+            accumulate_values(&w, v, vs, n, head * g, (head + 1) * g, bs, vd);
+        }
+    }
+    finish_heads(a, &w, seq, h0 * g, h1 * g);
+}
+
+/* Tasks shared out over OpenMP's threads (torch's pool): a sequence each when there are
+ * twice as many as threads, else a (sequence, KV head) each. Returns 0, or -1 when a
+ * thread's scratch could not be allocated (out not written). */
+int pdmesh_paged_decode(const paged_decode_args *a) {
+    const int64_t per_seq = a->b >= 2 * omp_get_max_threads();
+    const int64_t tasks = per_seq ? a->b : a->b * a->kvh, need = decode_work(a);
+    __builtin_cpu_init();
+    void (*task)(const paged_decode_args *, int64_t, int64_t, int64_t, float *) =
+        __builtin_cpu_supports("avx512f") && !a->portable ? decode_task_avx512 : decode_task;
+    int failed = 0;
+#pragma omp parallel if (tasks > 1) reduction(| : failed)
+    {
+        float *work = (float *)malloc((size_t)need * sizeof(float));
+        failed = work == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (work == NULL)
+                continue;
+            if (per_seq)
+                task(a, t, 0, a->kvh, work);
+            else
+                task(a, t / a->kvh, t % a->kvh, t % a->kvh + 1, work);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
 }

@@ -318,10 +318,15 @@ class CausalLM:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         k_cache, v_cache = kv["k"], kv["v"]
         if "k_scale" in kv:  # --kv-cache-dtype int8
-            be.write_int8_cache(k, k_cache, kv["k_scale"], meta.slot_mapping)
-            be.write_int8_cache(v, v_cache, kv["v_scale"], meta.slot_mapping)
+            scales = kv["k_scale"], kv["v_scale"]
+            be.write_int8_cache(k, k_cache, scales[0], meta.slot_mapping)
+            be.write_int8_cache(v, v_cache, scales[1], meta.slot_mapping)
+            if meta.is_decode:
+                o = be.paged_attention_decode_int8(q, (k_cache, v_cache), scales, meta,
+                                                   self.scale)
+                return self._o_proj(w, o.reshape(t, self.q_size))
             (k_cache, v_cache), meta = be.int8_cache_view(
-                [(k_cache, kv["k_scale"]), (v_cache, kv["v_scale"])], meta, x.dtype)
+                [(k_cache, scales[0]), (v_cache, scales[1])], meta, x.dtype)
         else:
             be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
@@ -355,16 +360,20 @@ class CausalLM:
         rope = be.rotary_embedding(torch.cat((q[:, :, nope:], latent[:, None, lat:]), dim=1),
                                    cos, sin)  # [T, H + 1, R]
         entry = torch.cat((c, rope[:, h]), dim=-1).unsqueeze(1)  # [T, 1, L + R]
-        cache = kv["latent"]
-        if "latent_scale" in kv:  # --kv-cache-dtype int8
-            be.write_int8_cache(entry, cache, kv["latent_scale"], meta.slot_mapping)
-            (cache,), meta = be.int8_cache_view([(cache, kv["latent_scale"])], meta, x.dtype)
+        cache, cache_scale = kv["latent"], kv.get("latent_scale")
+        if cache_scale is not None:  # --kv-cache-dtype int8
+            be.write_int8_cache(entry, cache, cache_scale, meta.slot_mapping)
+            if not meta.is_decode:  # (decode reads the int8 cache as it is)
+                (cache,), meta = be.int8_cache_view([(cache, cache_scale)], meta, x.dtype)
         else:
             be.write_cache(entry, cache, meta.slot_mapping)
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk).transpose(0, 1)
         query = torch.cat((q_latent, rope[:, :h]), dim=-1)  # [T, H, L + R]
         # the values are the latents: their rope dims are not part of them
-        if meta.is_decode:
+        if meta.is_decode and cache_scale is not None:
+            o = be.latent_attention_decode_int8(query, cache, cache_scale, meta, self.scale,
+                                                lat)
+        elif meta.is_decode:
             o = be.latent_attention_decode(query, cache, meta, self.scale, lat)
         else:
             o = be.latent_attention_prefill(query, entry, cache, meta, self.scale, lat)

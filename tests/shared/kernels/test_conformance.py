@@ -178,6 +178,71 @@ def test_paged_attention_consecutive_blocks(backend, dtype, ctx_lens, q_lens):
     _run_attention(backend, ctx_lens, q_lens, 16, dtype, consecutive=True)
 
 
+# many sequences of odd lengths (one key; a block and one; several blocks and a part)
+MANY_LENS = [1, 17, 3, 129, 64, 250, 2, 31, 95, 16, 200, 7]
+
+
+@pytest.fixture(params=["best", "portable"])
+def decode_path(backend, request):
+    """The cpu backend's C decode kernel has an AVX-512 path and a portable one (AVX2 or
+    plain x86-64): both are checked where the CPU has AVX-512 (elsewhere both are the
+    portable one). Other backends have one path."""
+    if not hasattr(backend, "portable_decode"):
+        yield backend
+        return
+    backend.portable_decode = request.param == "portable"
+    yield backend
+    backend.portable_decode = False
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize(("kvh", "h", "d"), [(2, 8, 32), (1, 6, 64), (4, 4, 48), (2, 4, 40)])
+def test_decode_over_many_sequences_and_every_cache(decode_path, cache, block_size, kvh, h,
+                                                    d):
+    """Decode rows of many sequences of odd lengths over caches as the engine keeps them
+    (float32, bfloat16, float16, int8 with its per-token-and-head scales), grouped-query,
+    multi-query and one query head per KV head: the reference over the same numbers."""
+    backend = decode_path
+    dtype = torch.float32 if cache == "int8" else getattr(torch, cache)
+    q, k, v, kc, vc, meta = _paged_batch([n - 1 for n in MANY_LENS], [1] * len(MANY_LENS),
+                                         block_size, kvh=kvh, h=h, d=d, dtype=dtype, seed=21)
+    dev = backend.device
+    dmeta = _to(meta, dev)
+    if cache == "int8":
+        (kq, ks), (vq, vs) = backend.quantize_kv(kc.to(dev)), backend.quantize_kv(vc.to(dev))
+        backend.prepare_attention(dmeta)
+        out = backend.paged_attention_decode_int8(q.to(dev), (kq, vq), (ks, vs), dmeta,
+                                                  d ** -0.5)
+        kc, vc = (kq.cpu().float() * ks.cpu()), (vq.cpu().float() * vs.cpu())
+    else:
+        backend.prepare_attention(dmeta)
+        out = backend.paged_attention_decode(q.to(dev), kc.to(dev), vc.to(dev), dmeta,
+                                             d ** -0.5)
+    close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+def test_latent_decode_over_many_sequences(decode_path, cache):
+    """MLA's absorbed decode (one latent row of L + R per token, values its first L) over
+    many sequences, an int8 latent cache read with its scales."""
+    backend = decode_path
+    dtype = torch.float32 if cache == "int8" else getattr(torch, cache)
+    q, _, _, kc, _, meta = _paged_batch([n - 1 for n in MANY_LENS], [1] * len(MANY_LENS),
+                                        16, kvh=1, h=16, d=80, dtype=dtype, seed=22)
+    dev = backend.device
+    dmeta = _to(meta, dev)
+    backend.prepare_attention(dmeta)
+    if cache == "int8":
+        cq, cs = backend.quantize_kv(kc.to(dev))
+        out = backend.latent_attention_decode_int8(q.to(dev), cq, cs, dmeta, 0.1, 64)
+        kc = cq.cpu().float() * cs.cpu()
+    else:
+        out = backend.latent_attention_decode(q.to(dev), kc.to(dev), dmeta, 0.1, 64)
+    assert out.shape == (len(MANY_LENS), 16, 64)
+    close(out, ref.paged_attention(q, kc, kc, meta, 0.1)[..., :64], dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["decode", "chunked_prefill", "fresh_prefill", "mixed",
                                   "verify"])
@@ -405,8 +470,10 @@ def test_decode_steps_in_sequence(backend, dtype):
         close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
         for i, n in zip(active, lens, strict=True):
             seqs[i]["len"] = n
-    mirror = getattr(backend, "_mirror", None)  # the CPU backend's; others keep no state
-    if mirror is not None:
+    mirror = getattr(backend, "_mirror", None)  # the dense path's; others keep no state
+    if getattr(backend, "_paged", False):  # the cpu backend's C kernel: read in place
+        assert mirror.appends == mirror.rebuilds == 0
+    elif mirror is not None:
         assert mirror.appends >= 6 and mirror.rebuilds >= 3
 
 
