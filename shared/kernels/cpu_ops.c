@@ -460,12 +460,55 @@ static inline void prefetch_block(const paged_decode_args *a, int64_t seq, int64
             __builtin_prefetch(v + off, 0, 3);
 }
 
+/* One block of one KV head: its n keys' scores for the g query heads of the head, the
+ * running maxima and sums brought up to date, the values added into the accumulators.
+ * k / v: the block's rows, ks / vs floats apart. Each ISA path is one of these. */
+typedef void (*block_step)(const paged_decode_args *a, const decode_scratch *w,
+                           const float *q, int64_t j0, const float *k, int64_t ks,
+                           const float *v, int64_t vs, int64_t n);
+
 /* The portable path (any x86-64; AVX2 where the CPU has it, by target clones). */
 __attribute__((target_clones("avx2", "default")))
-static void decode_task(const paged_decode_args *a, int64_t seq, int64_t h0, int64_t h1,
-                        float *work) {
+static void block_portable(const paged_decode_args *a, const decode_scratch *w,
+                           const float *q, int64_t j0, const float *k, int64_t ks,
+                           const float *v, int64_t vs, int64_t n) {
     const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, bs = a->block_size;
-    const int64_t len = a->lens[seq];
+    for (int64_t j = j0; j < j0 + g; j++) {
+        const float *qj = q + j * d;
+        float *sj = w->s + j * bs, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < d; i++)
+                dot += qj[i] * k[t * ks + i];
+            sj[t] = dot * a->scale;
+            top = sj[t] > top ? sj[t] : top;
+        }
+        const float alpha = expf(w->m[j] - top); /* 0 at the first block */
+        for (int64_t t = 0; t < n; t++) {
+            sj[t] = expf(sj[t] - top);
+            sum += sj[t];
+        }
+        w->l[j] = w->l[j] * alpha + sum;
+        w->m[j] = top;
+#pragma omp simd
+        for (int64_t i = 0; i < vd; i++)
+            aj[i] *= alpha;
+        for (int64_t t = 0; t < n; t++) {
+            const float pt = sj[t];
+#pragma omp simd
+            for (int64_t i = 0; i < vd; i++)
+                aj[i] += pt * v[t * vs + i];
+        }
+    }
+}
+
+/* KV heads [h0, h1) of one sequence, a block at a time (all the task's heads of a block
+ * before the next block, which is asked for from memory meanwhile). */
+static void decode_task(const paged_decode_args *a, block_step step, int64_t seq,
+                        int64_t h0, int64_t h1, float *work) {
+    const int64_t g = a->h / a->kvh, bs = a->block_size, len = a->lens[seq];
+    const float *q = a->q + seq * a->h * a->d; /* [H, d] */
     decode_scratch w = scratch(a, work);
     start_heads(a, &w, h0 * g, h1 * g);
     for (int64_t start = 0; start < len; start += bs) {
@@ -474,38 +517,11 @@ static void decode_task(const paged_decode_args *a, int64_t seq, int64_t h0, int
         prefetch_block(a, seq, start);
         for (int64_t head = h0; head < h1; head++) {
             int64_t ks, vs;
-            const float *k = block_rows(a->k, a->k_scale, a->dtype, slot0, a->kvh, head, d, n,
-                                        d, w.kbuf, &ks);
+            const float *k = block_rows(a->k, a->k_scale, a->dtype, slot0, a->kvh, head,
+                                        a->d, n, a->d, w.kbuf, &ks);
             const float *v = block_rows(a->v, a->v_scale, a->dtype, slot0, a->kvh, head,
-                                        a->v_row, n, vd, w.vbuf, &vs);
-            for (int64_t j = head * g; j < (head + 1) * g; j++) {
-                const float *qj = a->q + (seq * a->h + j) * d;
-                float *sj = w.s + j * bs, *aj = w.acc + j * vd, top = w.m[j], sum = 0.0f;
-                for (int64_t t = 0; t < n; t++) {
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < d; i++)
-                        dot += qj[i] * k[t * ks + i];
-                    sj[t] = dot * a->scale;
-                    top = sj[t] > top ? sj[t] : top;
-                }
-                const float alpha = expf(w.m[j] - top); /* 0 at the first block */
-                for (int64_t t = 0; t < n; t++) {
-                    sj[t] = expf(sj[t] - top);
-                    sum += sj[t];
-                }
-                w.l[j] = w.l[j] * alpha + sum;
-                w.m[j] = top;
-#pragma omp simd
-                for (int64_t i = 0; i < vd; i++)
-                    aj[i] *= alpha;
-                for (int64_t t = 0; t < n; t++) {
-                    const float pt = sj[t];
-#pragma omp simd
-                    for (int64_t i = 0; i < vd; i++)
-                        aj[i] += pt * v[t * vs + i];
-                }
-            }
+                                        a->v_row, n, a->vd, w.vbuf, &vs);
+            step(a, &w, q, head * g, k, ks, v, vs, n);
         }
     }
     finish_heads(a, &w, seq, h0 * g, h1 * g);
@@ -614,50 +630,34 @@ static void accumulate_values(const decode_scratch *w, const float *v, int64_t v
 }
 
 __attribute__((target("avx512f")))
-static void decode_task_avx512(const paged_decode_args *a, int64_t seq, int64_t h0,
-                               int64_t h1, float *work) {
-    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, bs = a->block_size;
-    const int64_t len = a->lens[seq];
-    decode_scratch w = scratch(a, work);
-    start_heads(a, &w, h0 * g, h1 * g);
-    for (int64_t start = 0; start < len; start += bs) {
-        const int64_t n = len - start < bs ? len - start : bs;
-        const int64_t slot0 = (int64_t)a->tables[seq * a->table_stride + start / bs] * bs;
-        prefetch_block(a, seq, start);
-        for (int64_t head = h0; head < h1; head++) {
-            int64_t ks, vs;
-            const float *k = block_rows(a->k, a->k_scale, a->dtype, slot0, a->kvh, head, d, n,
-                                        d, w.kbuf, &ks);
-            const float *v = block_rows(a->v, a->v_scale, a->dtype, slot0, a->kvh, head,
-                                        a->v_row, n, vd, w.vbuf, &vs);
-            for (int64_t j = head * g; j < (head + 1) * g; j++) {
-                const float *qj = a->q + (seq * a->h + j) * d;
-                float *sj = w.s + j * bs;
-                for (int64_t t0 = 0; t0 < n; t0 += 16)
-                    scores16(qj, k + t0 * ks, ks, n - t0 < 16 ? n - t0 : 16, d, a->scale,
-                             sj + t0);
-                __m512 top16 = _mm512_set1_ps(w.m[j]);
-                for (int64_t t = 0; t < n; t += 16)
-                    top16 = _mm512_mask_max_ps(top16, lanes(n - t), top16,
-                                               _mm512_maskz_loadu_ps(lanes(n - t), sj + t));
-                const float top = _mm512_reduce_max_ps(top16);
-                const float alpha = expf(w.m[j] - top); /* 0 at the first block */
-                __m512 total = _mm512_setzero_ps();
-                for (int64_t t = 0; t < n; t += 16) {
-                    const __mmask16 mt = lanes(n - t);
-                    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sj + t),
-                                                          _mm512_set1_ps(top)));
-                    _mm512_mask_storeu_ps(sj + t, mt, e);
-                    total = _mm512_mask_add_ps(total, mt, total, e);
-                }
-                w.l[j] = w.l[j] * alpha + _mm512_reduce_add_ps(total);
-                w.m[j] = top;
-                w.alpha[j] = alpha;
-            }
-            accumulate_values(&w, v, vs, n, head * g, (head + 1) * g, bs, vd);
+static void block_avx512(const paged_decode_args *a, const decode_scratch *w,
+                         const float *q, int64_t j0, const float *k, int64_t ks,
+                         const float *v, int64_t vs, int64_t n) {
+    const int64_t g = a->h / a->kvh, d = a->d, bs = a->block_size;
+    for (int64_t j = j0; j < j0 + g; j++) {
+        float *sj = w->s + j * bs;
+        for (int64_t t0 = 0; t0 < n; t0 += 16)
+            scores16(q + j * d, k + t0 * ks, ks, n - t0 < 16 ? n - t0 : 16, d, a->scale,
+                     sj + t0);
+        __m512 top16 = _mm512_set1_ps(w->m[j]);
+        for (int64_t t = 0; t < n; t += 16)
+            top16 = _mm512_mask_max_ps(top16, lanes(n - t), top16,
+                                       _mm512_maskz_loadu_ps(lanes(n - t), sj + t));
+        const float top = _mm512_reduce_max_ps(top16);
+        const float alpha = expf(w->m[j] - top); /* 0 at the first block */
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 mt = lanes(n - t);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sj + t),
+                                                  _mm512_set1_ps(top)));
+            _mm512_mask_storeu_ps(sj + t, mt, e);
+            total = _mm512_mask_add_ps(total, mt, total, e);
         }
+        w->l[j] = w->l[j] * alpha + _mm512_reduce_add_ps(total);
+        w->m[j] = top;
+        w->alpha[j] = alpha;
     }
-    finish_heads(a, &w, seq, h0 * g, h1 * g);
+    accumulate_values(w, v, vs, n, j0, j0 + g, bs, a->vd);
 }
 
 /* Tasks shared out over OpenMP's threads (torch's pool): a sequence each when there are
@@ -667,8 +667,8 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
     const int64_t per_seq = a->b >= 2 * omp_get_max_threads();
     const int64_t tasks = per_seq ? a->b : a->b * a->kvh, need = decode_work(a);
     __builtin_cpu_init();
-    void (*task)(const paged_decode_args *, int64_t, int64_t, int64_t, float *) =
-        __builtin_cpu_supports("avx512f") && !a->portable ? decode_task_avx512 : decode_task;
+    const block_step step =
+        __builtin_cpu_supports("avx512f") && !a->portable ? block_avx512 : block_portable;
     int failed = 0;
 #pragma omp parallel if (tasks > 1) reduction(| : failed)
     {
@@ -679,9 +679,9 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
             if (work == NULL)
                 continue;
             if (per_seq)
-                task(a, t, 0, a->kvh, work);
+                decode_task(a, step, t, 0, a->kvh, work);
             else
-                task(a, t / a->kvh, t % a->kvh, t % a->kvh + 1, work);
+                decode_task(a, step, t / a->kvh, t % a->kvh, t % a->kvh + 1, work);
         }
         free(work);
     }
