@@ -61,7 +61,7 @@ class _PagedDecodeArgs(ctypes.Structure):
                 ("out", ctypes.c_void_p),
                 *[(name, ctypes.c_int64) for name in ("b", "h", "kvh", "d", "v_row", "vd",
                                                        "block_size", "table_stride",
-                                                       "dtype", "portable")],
+                                                       "dtype", "q_stride", "portable")],
                 ("scale", ctypes.c_float)]
 
 
@@ -449,7 +449,9 @@ class CPUBackend(KernelBackend):
         b, h, d = q.shape
         kvh, v_row = k_cache.shape[2], v_cache.shape[3]
         vd = v_row if value_dim is None else value_dim
-        qf = q.float().contiguous()
+        qf = q  # (a slice of the step's q / k projection: its rows as they are)
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            qf = q.float().contiguous()
         out = torch.empty((b, h, vd), dtype=torch.float32)
         k_scale, v_scale = (None, None) if scales is None else (
             scales[0].data_ptr(), scales[1].data_ptr())
@@ -457,7 +459,7 @@ class CPUBackend(KernelBackend):
             qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale, v_scale,
             tables.ctypes.data, lens.ctypes.data, out.data_ptr(), b, h, kvh, d, v_row, vd,
             meta.block_size, tables.shape[1], PAGED_DECODE_DTYPES[k_cache.dtype],
-            int(self.portable_decode), scale)
+            qf.stride(0), int(self.portable_decode), scale)
         if self._ops.pdmesh_paged_decode(ctypes.byref(args)) != 0:
             raise MemoryError("paged decode attention: no memory for its scratch")
         return out if q.dtype == torch.float32 else out.to(q.dtype)

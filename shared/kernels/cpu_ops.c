@@ -327,7 +327,7 @@ void pdmesh_int8_static_linear(const float *x, int64_t m, int64_t k, int64_t n,
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_F16 = 3 };
 
 typedef struct {
-    const float *q;              /* [B, H, D] float32, contiguous */
+    const float *q;              /* [B, H, D] float32, a head's D contiguous, heads D apart */
     const void *k, *v;           /* [num_blocks, block_size, KVH, D] / [..., VD_ROW] */
     const float *k_scale, *v_scale; /* int8 caches: [num_blocks, block_size, KVH, 1] */
     const int32_t *tables;       /* [B, table_stride] block ids */
@@ -337,6 +337,7 @@ typedef struct {
     int64_t v_row, vd;           /* the value cache's row length; values read (<= v_row) */
     int64_t block_size, table_stride;
     int64_t dtype;               /* KV_F32, KV_BF16, KV_INT8 or KV_F16 */
+    int64_t q_stride;            /* floats from one sequence's query row to the next */
     int64_t portable;            /* 1: the portable path even where AVX-512 is (tests) */
     float scale;
 } paged_decode_args;
@@ -380,42 +381,46 @@ static inline const float *cache_row(const void *cache, const float *scales, int
     return buf;
 }
 
-/* A block's rows of one head as float32 rows `*stride` apart: the cache's own rows
- * (float32), or widened / dequantized into buf (`cols` of each row of `len`). */
-static inline const float *block_rows(const void *cache, const float *scales, int64_t dtype,
-                                      int64_t slot0, int64_t kvh, int64_t head, int64_t len,
-                                      int64_t n, int64_t cols, float *buf, int64_t *stride) {
-    if (dtype == KV_F32) {
-        *stride = kvh * len;
-        return (const float *)cache + (slot0 * kvh + head) * len;
-    }
-    for (int64_t t = 0; t < n; t++)
-        cache_row(cache, scales, dtype, (slot0 + t) * kvh + head, len, cols, buf + t * cols);
-    *stride = cols;
-    return buf;
+/* Keys the softmax update takes together: whole blocks, at least this many (the
+ * running maximum's reductions and rescaling are paid once per chunk, not per block). */
+#define CHUNK_KEYS 64
+
+static int64_t chunk_keys(const paged_decode_args *a) {
+    const int64_t blocks = a->block_size >= CHUNK_KEYS ? 1 : CHUNK_KEYS / a->block_size;
+    return blocks * a->block_size;
 }
 
 /* A task: KV heads [h0, h1) of one sequence (all of them when there are sequences
- * enough for every thread: each block's rows are then read whole, in order). */
+ * enough for every thread: each block's rows are then read whole, in order). Scratch:
+ * a chunk's cache slots and its K / V row pointers (8-byte items first), then per query
+ * head the chunk's scores, an accumulator, the running maximum, sum and last rescaling,
+ * then the chunk's K and V rows where they are widened. */
 typedef struct {
+    int64_t *slots;
+    const float **krow, **vrow;
     float *s, *acc, *m, *l, *alpha, *kbuf, *vbuf;
+    int64_t keys; /* chunk_keys */
 } decode_scratch;
 
-/* Floats of scratch a task needs: per query head a block's scores, an accumulator, the
- * running maximum, sum and last rescaling; a block's K and V rows widened. */
+/* Floats of scratch a task needs. */
 static int64_t decode_work(const paged_decode_args *a) {
-    return a->h * (a->block_size + a->vd + 3) + a->block_size * (a->d + a->v_row);
+    const int64_t c = chunk_keys(a);
+    return 6 * c + a->h * (c + a->vd + 3) + c * (a->d + a->vd);
 }
 
 static decode_scratch scratch(const paged_decode_args *a, float *work) {
     decode_scratch w;
-    w.s = work;
-    w.acc = w.s + a->h * a->block_size;
+    w.keys = chunk_keys(a);
+    w.slots = (int64_t *)work;
+    w.krow = (const float **)(w.slots + w.keys);
+    w.vrow = w.krow + w.keys;
+    w.s = work + 6 * w.keys;
+    w.acc = w.s + a->h * w.keys;
     w.m = w.acc + a->h * a->vd;
     w.l = w.m + a->h;
     w.alpha = w.l + a->h;
     w.kbuf = w.alpha + a->h;
-    w.vbuf = w.kbuf + a->block_size * a->d;
+    w.vbuf = w.kbuf + w.keys * a->d;
     return w;
 }
 
@@ -439,52 +444,40 @@ static void finish_heads(const paged_decode_args *a, const decode_scratch *w, in
     }
 }
 
-static const int64_t KV_BYTES[] = {4, 2, 1, 2}; /* by dtype: KV_F32 ... KV_F16 */
-
-/* The next block's K and V rows asked for while this one is computed: blocks are pages
- * apart (the hardware prefetcher starts again at each), so without this every block
- * begins with a wait for memory. */
-static inline void prefetch_block(const paged_decode_args *a, int64_t seq, int64_t start) {
-    const int64_t next = start + a->block_size;
-    if (next >= a->lens[seq])
-        return;
-    const int64_t slot0 = (int64_t)a->tables[seq * a->table_stride + next / a->block_size] *
-                          a->block_size;
-    const int64_t rows = a->block_size * a->kvh, size = KV_BYTES[a->dtype];
-    const char *k = (const char *)a->k + slot0 * a->kvh * a->d * size;
-    const char *v = (const char *)a->v + slot0 * a->kvh * a->v_row * size;
-    for (int64_t off = 0; off < rows * a->d * size; off += 64)
-        __builtin_prefetch(k + off, 0, 3);
-    if (a->v != a->k)
-        for (int64_t off = 0; off < rows * a->v_row * size; off += 64)
-            __builtin_prefetch(v + off, 0, 3);
+/* A chunk's n rows of one head as float32: the cache's own rows (float32), or widened /
+ * dequantized into buf (`cols` numbers of each row of `len`). */
+static inline void chunk_rows(const void *cache, const float *scales, int64_t dtype,
+                              const int64_t *slots, int64_t n, int64_t kvh, int64_t head,
+                              int64_t len, int64_t cols, float *buf, const float **rows) {
+    for (int64_t t = 0; t < n; t++)
+        rows[t] = cache_row(cache, scales, dtype, slots[t] * kvh + head, len, cols,
+                            buf + t * cols);
 }
 
-/* One block of one KV head: its n keys' scores for the g query heads of the head, the
- * running maxima and sums brought up to date, the values added into the accumulators.
- * k / v: the block's rows, ks / vs floats apart. Each ISA path is one of these. */
-typedef void (*block_step)(const paged_decode_args *a, const decode_scratch *w,
-                           const float *q, int64_t j0, const float *k, int64_t ks,
-                           const float *v, int64_t vs, int64_t n);
+/* One chunk of one KV head: its n keys' scores for the g query heads j0.. of the head,
+ * the running maxima and sums brought up to date, the values added into the
+ * accumulators (the rows in w->krow / w->vrow). Each ISA path is one of these. */
+typedef void (*chunk_step)(const paged_decode_args *a, const decode_scratch *w,
+                           const float *q, int64_t j0, int64_t n);
 
 /* The portable path (any x86-64; AVX2 where the CPU has it, by target clones). */
 __attribute__((target_clones("avx2", "default")))
-static void block_portable(const paged_decode_args *a, const decode_scratch *w,
-                           const float *q, int64_t j0, const float *k, int64_t ks,
-                           const float *v, int64_t vs, int64_t n) {
-    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, bs = a->block_size;
+static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
+                           const float *q, int64_t j0, int64_t n) {
+    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, c = w->keys;
     for (int64_t j = j0; j < j0 + g; j++) {
         const float *qj = q + j * d;
-        float *sj = w->s + j * bs, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
+        float *sj = w->s + j * c, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
         for (int64_t t = 0; t < n; t++) {
+            const float *k = w->krow[t];
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t i = 0; i < d; i++)
-                dot += qj[i] * k[t * ks + i];
+                dot += qj[i] * k[i];
             sj[t] = dot * a->scale;
             top = sj[t] > top ? sj[t] : top;
         }
-        const float alpha = expf(w->m[j] - top); /* 0 at the first block */
+        const float alpha = expf(w->m[j] - top); /* 0 at the first chunk (m = -inf) */
         for (int64_t t = 0; t < n; t++) {
             sj[t] = expf(sj[t] - top);
             sum += sj[t];
@@ -495,33 +488,33 @@ static void block_portable(const paged_decode_args *a, const decode_scratch *w,
         for (int64_t i = 0; i < vd; i++)
             aj[i] *= alpha;
         for (int64_t t = 0; t < n; t++) {
-            const float pt = sj[t];
+            const float pt = sj[t], *v = w->vrow[t];
 #pragma omp simd
             for (int64_t i = 0; i < vd; i++)
-                aj[i] += pt * v[t * vs + i];
+                aj[i] += pt * v[i];
         }
     }
 }
 
-/* KV heads [h0, h1) of one sequence, a block at a time (all the task's heads of a block
- * before the next block, which is asked for from memory meanwhile). */
-static void decode_task(const paged_decode_args *a, block_step step, int64_t seq,
+/* KV heads [h0, h1) of one sequence, a chunk of whole blocks at a time (all the task's
+ * heads of a chunk before the next one). */
+static void decode_task(const paged_decode_args *a, chunk_step step, int64_t seq,
                         int64_t h0, int64_t h1, float *work) {
     const int64_t g = a->h / a->kvh, bs = a->block_size, len = a->lens[seq];
-    const float *q = a->q + seq * a->h * a->d; /* [H, d] */
+    const int32_t *table = a->tables + seq * a->table_stride;
+    const float *q = a->q + seq * a->q_stride; /* [H, d] */
     decode_scratch w = scratch(a, work);
     start_heads(a, &w, h0 * g, h1 * g);
-    for (int64_t start = 0; start < len; start += bs) {
-        const int64_t n = len - start < bs ? len - start : bs;
-        const int64_t slot0 = (int64_t)a->tables[seq * a->table_stride + start / bs] * bs;
-        prefetch_block(a, seq, start);
+    for (int64_t start = 0; start < len; start += w.keys) {
+        const int64_t n = len - start < w.keys ? len - start : w.keys;
+        for (int64_t t = 0; t < n; t++)
+            w.slots[t] = (int64_t)table[(start + t) / bs] * bs + (start + t) % bs;
         for (int64_t head = h0; head < h1; head++) {
-            int64_t ks, vs;
-            const float *k = block_rows(a->k, a->k_scale, a->dtype, slot0, a->kvh, head,
-                                        a->d, n, a->d, w.kbuf, &ks);
-            const float *v = block_rows(a->v, a->v_scale, a->dtype, slot0, a->kvh, head,
-                                        a->v_row, n, a->vd, w.vbuf, &vs);
-            step(a, &w, q, head * g, k, ks, v, vs, n);
+            chunk_rows(a->k, a->k_scale, a->dtype, w.slots, n, a->kvh, head, a->d, a->d,
+                       w.kbuf, w.krow);
+            chunk_rows(a->v, a->v_scale, a->dtype, w.slots, n, a->kvh, head, a->v_row,
+                       a->vd, w.vbuf, w.vrow);
+            step(a, &w, q, head * g, n);
         }
     }
     finish_heads(a, &w, seq, h0 * g, h1 * g);
@@ -575,17 +568,17 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_permutexvar_ps(back, t);
 }
 
-/* Scores of up to 16 keys (rows ks apart) for one query row: q . k * scale. Always 16
- * rows (the missing ones read row 0 again, their lanes not stored): the accumulators
- * then stay in registers. */
+/* Scores of up to 16 keys (c of rows) for one query row: q . k * scale. Always 16 rows
+ * (the missing ones read the first again, their lanes not stored): the accumulators then
+ * stay in registers. */
 __attribute__((target("avx512f")))
-static inline void scores16(const float *q, const float *k, int64_t ks, int64_t c,
-                            int64_t d, float scale, float *out) {
+static inline void scores16(const float *q, const float *const *rows, int64_t c, int64_t d,
+                            float scale, float *out) {
     __m512 acc[16];
     const float *row[16];
     for (int t = 0; t < 16; t++) {
         acc[t] = _mm512_setzero_ps();
-        row[t] = k + (t < c ? t : 0) * ks;
+        row[t] = rows[t < c ? t : 0];
     }
     for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 mk = lanes(d - i);
@@ -599,8 +592,9 @@ static inline void scores16(const float *q, const float *k, int64_t ks, int64_t 
 /* acc[j] = acc[j] * alpha[j] + sum_t p[j][t] v[t] for query heads [j0, j1): four heads
  * at a time, each value chunk loaded once for the four (a head or three left: alone). */
 __attribute__((target("avx512f")))
-static void accumulate_values(const decode_scratch *w, const float *v, int64_t vs,
-                              int64_t n, int64_t j0, int64_t j1, int64_t bs, int64_t vd) {
+static void accumulate_values(const decode_scratch *w, int64_t n, int64_t j0, int64_t j1,
+                              int64_t vd) {
+    const int64_t c = w->keys;
     int64_t j = j0;
     for (; j + 4 <= j1; j += 4)
         for (int64_t i = 0; i < vd; i += 16) {
@@ -610,9 +604,9 @@ static void accumulate_values(const decode_scratch *w, const float *v, int64_t v
                 acc[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv, w->acc + (j + r) * vd + i),
                                        _mm512_set1_ps(w->alpha[j + r]));
             for (int64_t t = 0; t < n; t++) {
-                const __m512 vt = _mm512_maskz_loadu_ps(mv, v + t * vs + i);
+                const __m512 vt = _mm512_maskz_loadu_ps(mv, w->vrow[t] + i);
                 for (int r = 0; r < 4; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->s[(j + r) * bs + t]), vt, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->s[(j + r) * c + t]), vt, acc[r]);
             }
             for (int r = 0; r < 4; r++)
                 _mm512_mask_storeu_ps(w->acc + (j + r) * vd + i, mv, acc[r]);
@@ -623,28 +617,27 @@ static void accumulate_values(const decode_scratch *w, const float *v, int64_t v
             __m512 acc = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv, w->acc + j * vd + i),
                                        _mm512_set1_ps(w->alpha[j]));
             for (int64_t t = 0; t < n; t++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(w->s[j * bs + t]),
-                                      _mm512_maskz_loadu_ps(mv, v + t * vs + i), acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w->s[j * c + t]),
+                                      _mm512_maskz_loadu_ps(mv, w->vrow[t] + i), acc);
             _mm512_mask_storeu_ps(w->acc + j * vd + i, mv, acc);
         }
 }
 
 __attribute__((target("avx512f")))
-static void block_avx512(const paged_decode_args *a, const decode_scratch *w,
-                         const float *q, int64_t j0, const float *k, int64_t ks,
-                         const float *v, int64_t vs, int64_t n) {
-    const int64_t g = a->h / a->kvh, d = a->d, bs = a->block_size;
+static void chunk_avx512(const paged_decode_args *a, const decode_scratch *w,
+                         const float *q, int64_t j0, int64_t n) {
+    const int64_t g = a->h / a->kvh, d = a->d, c = w->keys;
     for (int64_t j = j0; j < j0 + g; j++) {
-        float *sj = w->s + j * bs;
+        float *sj = w->s + j * c;
         for (int64_t t0 = 0; t0 < n; t0 += 16)
-            scores16(q + j * d, k + t0 * ks, ks, n - t0 < 16 ? n - t0 : 16, d, a->scale,
+            scores16(q + j * d, w->krow + t0, n - t0 < 16 ? n - t0 : 16, d, a->scale,
                      sj + t0);
         __m512 top16 = _mm512_set1_ps(w->m[j]);
         for (int64_t t = 0; t < n; t += 16)
             top16 = _mm512_mask_max_ps(top16, lanes(n - t), top16,
                                        _mm512_maskz_loadu_ps(lanes(n - t), sj + t));
         const float top = _mm512_reduce_max_ps(top16);
-        const float alpha = expf(w->m[j] - top); /* 0 at the first block */
+        const float alpha = expf(w->m[j] - top); /* 0 at the first chunk (m = -inf) */
         __m512 total = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 16) {
             const __mmask16 mt = lanes(n - t);
@@ -657,7 +650,7 @@ static void block_avx512(const paged_decode_args *a, const decode_scratch *w,
         w->m[j] = top;
         w->alpha[j] = alpha;
     }
-    accumulate_values(w, v, vs, n, j0, j0 + g, bs, a->vd);
+    accumulate_values(w, n, j0, j0 + g, a->vd);
 }
 
 /* Tasks shared out over OpenMP's threads (torch's pool): a sequence each when there are
@@ -667,8 +660,8 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
     const int64_t per_seq = a->b >= 2 * omp_get_max_threads();
     const int64_t tasks = per_seq ? a->b : a->b * a->kvh, need = decode_work(a);
     __builtin_cpu_init();
-    const block_step step =
-        __builtin_cpu_supports("avx512f") && !a->portable ? block_avx512 : block_portable;
+    const chunk_step step =
+        __builtin_cpu_supports("avx512f") && !a->portable ? chunk_avx512 : chunk_portable;
     int failed = 0;
 #pragma omp parallel if (tasks > 1) reduction(| : failed)
     {

@@ -209,16 +209,16 @@ def test_decode_over_many_sequences_and_every_cache(decode_path, cache, block_si
                                          block_size, kvh=kvh, h=h, d=d, dtype=dtype, seed=21)
     dev = backend.device
     dmeta = _to(meta, dev)
+    # the query heads as the model hands them over: a slice of the step's q / k rows
+    qd = torch.cat((q, q[:, :1]), dim=1).to(dev)[:, :h]
     if cache == "int8":
         (kq, ks), (vq, vs) = backend.quantize_kv(kc.to(dev)), backend.quantize_kv(vc.to(dev))
         backend.prepare_attention(dmeta)
-        out = backend.paged_attention_decode_int8(q.to(dev), (kq, vq), (ks, vs), dmeta,
-                                                  d ** -0.5)
+        out = backend.paged_attention_decode_int8(qd, (kq, vq), (ks, vs), dmeta, d ** -0.5)
         kc, vc = (kq.cpu().float() * ks.cpu()), (vq.cpu().float() * vs.cpu())
     else:
         backend.prepare_attention(dmeta)
-        out = backend.paged_attention_decode(q.to(dev), kc.to(dev), vc.to(dev), dmeta,
-                                             d ** -0.5)
+        out = backend.paged_attention_decode(qd, kc.to(dev), vc.to(dev), dmeta, d ** -0.5)
     close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
 
 
