@@ -315,13 +315,13 @@ void pdmesh_int8_static_linear(const float *x, int64_t m, int64_t k, int64_t n,
  *
  * One new query token per sequence, over the keys and values its block table points to,
  * read in place from the paged caches [num_blocks, block_size, KVH, D]: no gathered copy,
- * no padding to the longest sequence, no mask. A task is one (sequence, KV head): the G
- * query heads that share the KV head go together, so each K / V row is read once for all
- * of them. Online softmax a block at a time (FlashAttention's recurrence): scores of the
- * block, the running maximum and sum rescaled, then the block's values accumulated.
- * Caches in float32, bfloat16 or float16 (widened as read) or int8 with a float32 scale
- * per token and head ([num_blocks, block_size, KVH, 1], dequantized as read). MLA's absorbed form
- * is the case KVH = 1 with the values the first vd dims of the same rows.
+ * no padding to the longest sequence, no mask. The G query heads that share a KV head go
+ * together, so each K / V row is read once for all of them. Online softmax a chunk of
+ * whole blocks at a time (FlashAttention's recurrence): the chunk's scores, the running
+ * maximum and sum rescaled, then the chunk's values accumulated. Caches in float32,
+ * bfloat16 or float16 (widened as read) or int8 with a float32 scale per token and head
+ * ([num_blocks, block_size, KVH, 1], dequantized as read). MLA's absorbed form is the
+ * case KVH = 1 with the values the first vd dims of the same rows.
  */
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_F16 = 3 };
