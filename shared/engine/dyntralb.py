@@ -128,73 +128,76 @@ class _Rank:
 
 def balance_load(loads: list[RankLoad], max_num_seqs: int, threshold: float,
                  max_rounds: int = MAX_ROUNDS) -> list[RankMoves]:
-    """vLLM-Ascend's plan for every rank (index = DP rank) from one snapshot."""
+    """vLLM-Ascend's plan for every rank (index = DP rank) from one snapshot: upstream's
+    ``_balance_load`` step for step (fill, swap rounds, drop), its two searches beside it."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
-    world = len(loads)
     ranks = [_Rank(i, load, 2 * max_num_seqs) for i, load in enumerate(loads)]
-
-    def gap() -> float:
-        return bubble([r.total for r in ranks], threshold)
-
-    def best_swap(rank: _Rank, up: bool) -> tuple[_Item, _Item] | None:
-        """The swap that brings ``rank`` strictly closest to the mean, the waiting
-        request larger (``up``) or smaller; ties to the first, or to undoing a fill."""
-        mean = sum(r.total for r in ranks) / world
-        best, best_dist, best_fresh = None, abs(rank.total - mean), False
-        for out in rank.running:
-            for into in rank.waiting:
-                delta = into.blocks - out.blocks
-                if (delta <= 0) if up else (delta >= 0):
-                    continue
-                dist = abs(rank.total + delta - (mean + delta / world))
-                if dist < best_dist or (dist == best_dist and out.fresh and not best_fresh):
-                    best, best_dist, best_fresh = (out, into), dist, out.fresh
-        return best
-
-    def drop_for_throughput(heaviest: _Rank) -> bool:
-        """Drop the heaviest rank's request whose absence most raises requests per
-        modelled step time, if any does."""
-        requests = sum(len(r.running) for r in ranks)
-        if requests <= 1:
-            return False
-        top = heaviest.total
-        second = max([r.total for r in ranks if r.index != heaviest.index] + [0])
-        best, best_rate, best_fresh = None, requests / (STEP_FIXED + STEP_PER_BLOCK * top), False
-        for item in heaviest.running:
-            new_top = max(top - item.blocks, second)
-            rate = (requests - 1) / (STEP_FIXED + STEP_PER_BLOCK * new_top)
-            if rate > best_rate or (rate == best_rate and item.fresh and not best_fresh):
-                best, best_rate, best_fresh = item, rate, item.fresh
-        if best is None:
-            return False
-        heaviest.drop(best)
-        return True
-
     for rank in ranks:  # fill free seats from the head of waiting
         while len(rank.running) < max_num_seqs and rank.waiting:
             rank.pull_in(rank.waiting[0])
     order = list(ranks)
     for _ in range(max_rounds):
         order.sort(key=lambda r: r.total, reverse=True)  # stable: ties keep their order
-        if gap() < threshold:
+        if _gap(ranks, threshold) < threshold:
             break
         swapped = False
-        swap = best_swap(order[-1], up=True)
+        swap = _best_swap(ranks, order[-1], up=True)
         if swap is not None:
             order[-1].swap(*swap)
             swapped = True
-            if gap() < threshold:
+            if _gap(ranks, threshold) < threshold:
                 break
             order.sort(key=lambda r: r.total, reverse=True)
-        swap = best_swap(order[0], up=False)
+        swap = _best_swap(ranks, order[0], up=False)
         if swap is not None:
             order[0].swap(*swap)
             swapped = True
-        dropped = not swapped and drop_for_throughput(order[0])
-        if gap() < threshold or not (swapped or dropped):
+        dropped = not swapped and _drop_for_throughput(ranks, order[0])
+        if _gap(ranks, threshold) < threshold or not (swapped or dropped):
             break
     return [_settle(r.moves) for r in ranks]
+
+
+def _gap(ranks: list[_Rank], threshold: float) -> float:
+    return bubble([r.total for r in ranks], threshold)
+
+
+def _best_swap(ranks: list[_Rank], rank: _Rank, up: bool) -> tuple[_Item, _Item] | None:
+    """The swap that brings ``rank`` strictly closest to the mean, the waiting request
+    larger (``up``) or smaller; ties to the first, or to undoing a fill."""
+    world = len(ranks)
+    mean = sum(r.total for r in ranks) / world
+    best, best_dist, best_fresh = None, abs(rank.total - mean), False
+    for out in rank.running:
+        for into in rank.waiting:
+            delta = into.blocks - out.blocks
+            if (delta <= 0) if up else (delta >= 0):
+                continue
+            dist = abs(rank.total + delta - (mean + delta / world))
+            if dist < best_dist or (dist == best_dist and out.fresh and not best_fresh):
+                best, best_dist, best_fresh = (out, into), dist, out.fresh
+    return best
+
+
+def _drop_for_throughput(ranks: list[_Rank], heaviest: _Rank) -> bool:
+    """Drop the heaviest rank's request whose absence most raises requests per modelled
+    step time, if any does."""
+    requests = sum(len(r.running) for r in ranks)
+    if requests <= 1:
+        return False
+    top = heaviest.total
+    second = max([r.total for r in ranks if r.index != heaviest.index] + [0])
+    best, best_rate, best_fresh = None, requests / (STEP_FIXED + STEP_PER_BLOCK * top), False
+    for item in heaviest.running:
+        new_top = max(top - item.blocks, second)
+        rate = (requests - 1) / (STEP_FIXED + STEP_PER_BLOCK * new_top)
+        if rate > best_rate or (rate == best_rate and item.fresh and not best_fresh):
+            best, best_rate, best_fresh = item, rate, item.fresh
+    if best is None:
+        return False
+    heaviest.drop(best)
+    return True
 
 
 def _settle(moves: RankMoves) -> RankMoves:
