@@ -369,7 +369,7 @@ class CPUBackend(KernelBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if self._reads_in_place(k_cache, v_cache):
+        if self._reads_in_place((k_cache, v_cache)):
             return self._paged_decode(q, k_cache, v_cache, meta, scale)
         b, h, d = q.shape
         kvh = k_cache.shape[2]
@@ -396,7 +396,7 @@ class CPUBackend(KernelBackend):
     def latent_attention_decode(self, q: torch.Tensor, cache: torch.Tensor,
                                 meta: AttentionMetadata, scale: float, value_dim: int
                                 ) -> torch.Tensor:
-        if self._reads_in_place(cache, cache):
+        if self._reads_in_place((cache,)):
             return self._paged_decode(q, cache, cache, meta, scale, value_dim)
         return super().latent_attention_decode(q, cache, meta, scale, value_dim)
 
@@ -404,7 +404,7 @@ class CPUBackend(KernelBackend):
         self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
         scales: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        if self._reads_int8_in_place(caches, scales):
+        if self._reads_in_place(caches, scales):
             return self._paged_decode(q, *caches, meta, scale, scales=scales)
         return super().paged_attention_decode_int8(q, caches, scales, meta, scale)
 
@@ -412,24 +412,23 @@ class CPUBackend(KernelBackend):
         self, q: torch.Tensor, cache: torch.Tensor, cache_scale: torch.Tensor,
         meta: AttentionMetadata, scale: float, value_dim: int,
     ) -> torch.Tensor:
-        if self._reads_int8_in_place((cache,), (cache_scale,)):
+        if self._reads_in_place((cache,), (cache_scale,)):
             return self._paged_decode(q, cache, cache, meta, scale, value_dim,
                                       scales=(cache_scale, cache_scale))
         return super().latent_attention_decode_int8(q, cache, cache_scale, meta, scale,
                                                     value_dim)
 
-    def _reads_int8_in_place(self, caches: tuple[torch.Tensor, ...],
-                             scales: tuple[torch.Tensor, ...]) -> bool:
-        return self._paged and all(
-            c.dtype == torch.int8 and c.is_contiguous() and s.dtype == torch.float32
-            and s.is_contiguous() for c, s in zip(caches, scales, strict=True))
-
-    def _reads_in_place(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """The C kernel takes these caches (float ones here: an int8 cache comes with its
-        scales through ``_paged_decode(scales=...)``)."""
-        return (self._paged and k_cache.dtype == v_cache.dtype and k_cache.dtype
-                in PAGED_DECODE_DTYPES and k_cache.dtype != torch.int8
-                and k_cache.is_contiguous() and v_cache.is_contiguous())
+    def _reads_in_place(self, caches: tuple[torch.Tensor, ...],
+                        scales: tuple[torch.Tensor, ...] | None = None) -> bool:
+        """The C kernel takes these caches: float ones alone, int8 ones with their float32
+        scales; contiguous, of one dtype."""
+        if not self._paged or not all(c.is_contiguous() and c.dtype == caches[0].dtype
+                                      for c in caches):
+            return False
+        if caches[0].dtype == torch.int8:
+            return scales is not None and all(s.dtype == torch.float32 and s.is_contiguous()
+                                              for s in scales)
+        return scales is None and caches[0].dtype in PAGED_DECODE_DTYPES
 
     def _paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, value_dim: int | None = None,
