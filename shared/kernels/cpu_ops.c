@@ -314,14 +314,16 @@ void pdmesh_int8_static_linear(const float *x, int64_t m, int64_t k, int64_t n,
 /* -- Paged decode attention ----------------------------------------------------------
  *
  * One new query token per sequence, over the keys and values its block table points to,
- * read in place from the paged caches [num_blocks, block_size, KVH, D]: no gathered copy,
- * no padding to the longest sequence, no mask. The G query heads that share a KV head go
- * together, so each K / V row is read once for all of them. Online softmax a chunk of
- * whole blocks at a time (FlashAttention's recurrence): the chunk's scores, the running
- * maximum and sum rescaled, then the chunk's values accumulated. Caches in float32,
- * bfloat16 or float16 (widened as read) or int8 with a float32 scale per token and head
- * ([num_blocks, block_size, KVH, 1], dequantized as read). MLA's absorbed form is the
- * case KVH = 1 with the values the first vd dims of the same rows.
+ * read from the paged caches [num_blocks, block_size, KVH, D]: no gathered copy of the
+ * sequence, no padding to the longest one, no mask. The G query heads that share a KV
+ * head go together, so each K / V row is read once for all of them. Online softmax a
+ * chunk of up to 64 keys at a time (FlashAttention's recurrence): the chunk's scores, the
+ * running maximum and sum rescaled, then the chunk's values accumulated. A float32 cache
+ * is read in place, a chunk being rows of one block (rows a fixed stride apart); a
+ * bfloat16 or float16 cache is widened, and an int8 one (a float32 scale per token and
+ * head, [num_blocks, block_size, KVH, 1]) dequantized, a chunk at a time into the task's
+ * scratch. MLA's absorbed form is the case KVH = 1 with the values the first vd dims of
+ * the same rows.
  */
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_F16 = 3 };
@@ -342,22 +344,23 @@ typedef struct {
     float scale;
 } paged_decode_args;
 
-/* Row `row` of a cache (row = slot * KVH + head, `n` numbers of a row of `len`) as float32:
- * the row itself (float32), or widened / dequantized into buf. */
-static inline const float *cache_row(const void *cache, const float *scales, int64_t dtype,
-                                     int64_t row, int64_t len, int64_t n, float *buf) {
-    if (dtype == KV_F32)
-        return (const float *)cache + row * len;
-    if (dtype == KV_BF16) {
+/* Row `row` of a cache (row = slot * KVH + head, `n` numbers of a row of `len`) widened
+ * or dequantized into buf (a float32 cache: copied). */
+static inline void widen_row(const void *cache, const float *scales, int64_t dtype,
+                             int64_t row, int64_t len, int64_t n, float *buf) {
+    if (dtype == KV_F32) {
+        const float *src = (const float *)cache + row * len;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            buf[i] = src[i];
+    } else if (dtype == KV_BF16) {
         const uint16_t *src = (const uint16_t *)cache + row * len;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
             union { uint32_t u; float f; } c = {(uint32_t)src[i] << 16};
             buf[i] = c.f;
         }
-        return buf;
-    }
-    if (dtype == KV_F16) {
+    } else if (dtype == KV_F16) {
         const uint16_t *src = (const uint16_t *)cache + row * len;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
@@ -371,56 +374,48 @@ static inline const float *cache_row(const void *cache, const float *scales, int
             c.u |= (uint32_t)(src[i] & 0x8000u) << 16;
             buf[i] = c.f;
         }
-        return buf;
-    }
-    const int8_t *src = (const int8_t *)cache + row * len;
-    const float s = scales[row];
+    } else {
+        const int8_t *src = (const int8_t *)cache + row * len;
+        const float s = scales[row];
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++)
-        buf[i] = (float)src[i] * s;
-    return buf;
+        for (int64_t i = 0; i < n; i++)
+            buf[i] = (float)src[i] * s;
+    }
 }
 
-/* Keys the softmax update takes together: whole blocks, at least this many (the
- * running maximum's reductions and rescaling are paid once per chunk, not per block). */
+/* Keys the softmax update takes together at most (its reductions and rescaling are paid
+ * once per chunk). */
 #define CHUNK_KEYS 64
 
-static int64_t chunk_keys(const paged_decode_args *a) {
-    const int64_t blocks = a->block_size >= CHUNK_KEYS ? 1 : CHUNK_KEYS / a->block_size;
-    return blocks * a->block_size;
-}
-
-/* A task: KV heads [h0, h1) of one sequence (all of them when there are sequences
- * enough for every thread: each block's rows are then read whole, in order). Scratch:
- * a chunk's cache slots and its K / V row pointers (8-byte items first), then per query
- * head the chunk's scores, an accumulator, the running maximum, sum and last rescaling,
- * then the chunk's K and V rows where they are widened. */
+/* A chunk of one KV head's keys: row t of K at element t * ks from k, of V at t * vs from
+ * v, of `dtype` (a block's rows in the cache itself, or rows widened into scratch:
+ * KV_F32); an int8 chunk's scales at t * ss from k_scale / v_scale. */
 typedef struct {
-    int64_t *slots;
-    const float **krow, **vrow;
+    const void *k, *v;
+    const float *k_scale, *v_scale;
+    int64_t ks, vs, ss, n, dtype;
+} kv_chunk;
+
+/* A task's scratch: per query head the chunk's scores, an accumulator, the running
+ * maximum, sum and last rescaling; then a chunk's K and V rows where they are widened. */
+typedef struct {
     float *s, *acc, *m, *l, *alpha, *kbuf, *vbuf;
-    int64_t keys; /* chunk_keys */
 } decode_scratch;
 
 /* Floats of scratch a task needs. */
 static int64_t decode_work(const paged_decode_args *a) {
-    const int64_t c = chunk_keys(a);
-    return 6 * c + a->h * (c + a->vd + 3) + c * (a->d + a->vd);
+    return a->h * (CHUNK_KEYS + a->vd + 3) + CHUNK_KEYS * (a->d + a->vd);
 }
 
 static decode_scratch scratch(const paged_decode_args *a, float *work) {
     decode_scratch w;
-    w.keys = chunk_keys(a);
-    w.slots = (int64_t *)work;
-    w.krow = (const float **)(w.slots + w.keys);
-    w.vrow = w.krow + w.keys;
-    w.s = work + 6 * w.keys;
-    w.acc = w.s + a->h * w.keys;
+    w.s = work;
+    w.acc = w.s + a->h * CHUNK_KEYS;
     w.m = w.acc + a->h * a->vd;
     w.l = w.m + a->h;
     w.alpha = w.l + a->h;
     w.kbuf = w.alpha + a->h;
-    w.vbuf = w.kbuf + w.keys * a->d;
+    w.vbuf = w.kbuf + CHUNK_KEYS * a->d;
     return w;
 }
 
@@ -444,32 +439,24 @@ static void finish_heads(const paged_decode_args *a, const decode_scratch *w, in
     }
 }
 
-/* A chunk's n rows of one head as float32: the cache's own rows (float32), or widened /
- * dequantized into buf (`cols` numbers of each row of `len`). */
-static inline void chunk_rows(const void *cache, const float *scales, int64_t dtype,
-                              const int64_t *slots, int64_t n, int64_t kvh, int64_t head,
-                              int64_t len, int64_t cols, float *buf, const float **rows) {
-    for (int64_t t = 0; t < n; t++)
-        rows[t] = cache_row(cache, scales, dtype, slots[t] * kvh + head, len, cols,
-                            buf + t * cols);
-}
-
-/* One chunk of one KV head: its n keys' scores for the g query heads j0.. of the head,
- * the running maxima and sums brought up to date, the values added into the
- * accumulators (the rows in w->krow / w->vrow). Each ISA path is one of these. */
+/* One chunk of one KV head: its keys' scores for the G query heads j0.. of the head, the
+ * running maxima and sums brought up to date, the values added into the accumulators.
+ * Each ISA path is one of these, with the cache dtypes it reads in place. */
 typedef void (*chunk_step)(const paged_decode_args *a, const decode_scratch *w,
-                           const float *q, int64_t j0, int64_t n);
+                           const kv_chunk *c, const float *q, int64_t j0);
 
-/* The portable path (any x86-64; AVX2 where the CPU has it, by target clones). */
+/* The portable path (any x86-64; AVX2 where the CPU has it, by target clones): float32
+ * rows (the others are widened for it). */
 __attribute__((target_clones("avx2", "default")))
 static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
-                           const float *q, int64_t j0, int64_t n) {
-    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, c = w->keys;
+                           const kv_chunk *c, const float *q, int64_t j0) {
+    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, n = c->n;
+    const float *kc = (const float *)c->k, *vc = (const float *)c->v;
     for (int64_t j = j0; j < j0 + g; j++) {
         const float *qj = q + j * d;
-        float *sj = w->s + j * c, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
+        float *sj = w->s + j * CHUNK_KEYS, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
         for (int64_t t = 0; t < n; t++) {
-            const float *k = w->krow[t];
+            const float *k = kc + t * c->ks;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t i = 0; i < d; i++)
@@ -488,7 +475,7 @@ static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
         for (int64_t i = 0; i < vd; i++)
             aj[i] *= alpha;
         for (int64_t t = 0; t < n; t++) {
-            const float pt = sj[t], *v = w->vrow[t];
+            const float pt = sj[t], *v = vc + t * c->vs;
 #pragma omp simd
             for (int64_t i = 0; i < vd; i++)
                 aj[i] += pt * v[i];
@@ -496,35 +483,100 @@ static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
     }
 }
 
-/* KV heads [h0, h1) of one sequence, a chunk of whole blocks at a time (all the task's
- * heads of a chunk before the next one). */
-static void decode_task(const paged_decode_args *a, chunk_step step, int64_t seq,
-                        int64_t h0, int64_t h1, float *work) {
-    const int64_t g = a->h / a->kvh, bs = a->block_size, len = a->lens[seq];
+static int64_t dtype_bytes(int64_t dtype) {
+    return dtype == KV_F32 ? 4 : dtype == KV_INT8 ? 1 : 2;
+}
+
+/* Keys [start, start + n) of KV head `head` where they lie in the cache: n within one
+ * block (the caller's). */
+static kv_chunk cache_chunk(const paged_decode_args *a, const int32_t *table, int64_t start,
+                            int64_t n, int64_t head) {
+    const int64_t bs = a->block_size, e = dtype_bytes(a->dtype);
+    const int64_t row = ((int64_t)table[start / bs] * bs + start % bs) * a->kvh + head;
+    const kv_chunk c = {(const char *)a->k + row * a->d * e,
+                        (const char *)a->v + row * a->v_row * e,
+                        a->k_scale ? a->k_scale + row : NULL,
+                        a->v_scale ? a->v_scale + row : NULL,
+                        a->kvh * a->d, a->kvh * a->v_row, a->kvh, n, a->dtype};
+    return c;
+}
+
+/* Keys [start, start + n) of KV head `head` widened into the scratch as float32 (a
+ * dtype the path does not read in place, or blocks under 16 keys). */
+static kv_chunk widened_chunk(const paged_decode_args *a, const decode_scratch *w,
+                              const int32_t *table, int64_t start, int64_t n,
+                              int64_t head) {
+    const int64_t bs = a->block_size;
+    const int shared = a->k == a->v && a->v_row == a->d; /* MLA: values in the key rows */
+    for (int64_t t = 0, pos = start; t < n; t++, pos++) {
+        const int64_t row = ((int64_t)table[pos / bs] * bs + pos % bs) * a->kvh + head;
+        widen_row(a->k, a->k_scale, a->dtype, row, a->d, a->d, w->kbuf + t * a->d);
+        if (!shared)
+            widen_row(a->v, a->v_scale, a->dtype, row, a->v_row, a->vd,
+                      w->vbuf + t * a->vd);
+    }
+    const kv_chunk c = {w->kbuf, shared ? w->kbuf : w->vbuf, NULL, NULL,
+                        a->d, shared ? a->d : a->vd, 0, n, KV_F32};
+    return c;
+}
+
+/* KV heads [h0, h1) of a chunk at `start` asked of the memory system ahead of use (the
+ * rows of those heads lie together, slot after slot). Inlined: a function of prefetches
+ * alone is one GCC takes for side-effect free, and drops its calls. */
+__attribute__((always_inline))
+static inline void prefetch_chunk(const paged_decode_args *a, const int32_t *table, int64_t start,
+                           int64_t n, int64_t h0, int64_t h1) {
+    const kv_chunk c = cache_chunk(a, table, start, n, h0);
+    const int64_t e = dtype_bytes(a->dtype), span = (n - 1) * a->kvh + (h1 - h0);
+    const int shared = a->k == a->v;
+    for (int64_t o = 0; o < span * a->d * e; o += 64)
+        __builtin_prefetch((const char *)c.k + o, 0, 3);
+    for (int64_t o = 0; !shared && o < span * a->v_row * e; o += 64)
+        __builtin_prefetch((const char *)c.v + o, 0, 3);
+}
+
+/* Keys of the chunk at `start`: up to CHUNK_KEYS, within one block when read in place. */
+static int64_t chunk_len(const paged_decode_args *a, int64_t start, int64_t len,
+                         int in_place) {
+    int64_t n = len - start < CHUNK_KEYS ? len - start : CHUNK_KEYS;
+    const int64_t in_block = a->block_size - start % a->block_size;
+    return in_place && in_block < n ? in_block : n;
+}
+
+/* KV heads [h0, h1) of one sequence, a chunk at a time (all the task's heads of a chunk
+ * before the next one, whose rows are fetched meanwhile). `in_place`: the step reads the
+ * cache's dtype and blocks hold 16 keys or more; else chunks are widened into scratch. */
+static void decode_task(const paged_decode_args *a, chunk_step step, int in_place,
+                        int64_t seq, int64_t h0, int64_t h1, float *work) {
+    const int64_t g = a->h / a->kvh, len = a->lens[seq];
     const int32_t *table = a->tables + seq * a->table_stride;
     const float *q = a->q + seq * a->q_stride; /* [H, d] */
     decode_scratch w = scratch(a, work);
+    if (in_place && len > 0)
+        prefetch_chunk(a, table, 0, chunk_len(a, 0, len, 1), h0, h1);
     start_heads(a, &w, h0 * g, h1 * g);
-    for (int64_t start = 0; start < len; start += w.keys) {
-        const int64_t n = len - start < w.keys ? len - start : w.keys;
-        for (int64_t t = 0; t < n; t++)
-            w.slots[t] = (int64_t)table[(start + t) / bs] * bs + (start + t) % bs;
+    for (int64_t start = 0, n; start < len; start += n) {
+        n = chunk_len(a, start, len, in_place);
+        if (in_place && start + n < len)
+            prefetch_chunk(a, table, start + n, chunk_len(a, start + n, len, 1), h0, h1);
         for (int64_t head = h0; head < h1; head++) {
-            chunk_rows(a->k, a->k_scale, a->dtype, w.slots, n, a->kvh, head, a->d, a->d,
-                       w.kbuf, w.krow);
-            chunk_rows(a->v, a->v_scale, a->dtype, w.slots, n, a->kvh, head, a->v_row,
-                       a->vd, w.vbuf, w.vrow);
-            step(a, &w, q, head * g, n);
+            const kv_chunk c = in_place ? cache_chunk(a, table, start, n, head)
+                                        : widened_chunk(a, &w, table, start, n, head);
+            step(a, &w, &c, q, head * g);
         }
     }
     finish_heads(a, &w, seq, h0 * g, h1 * g);
 }
 
-/* -- the AVX-512 path: 16 lanes, masked tails, exp as a polynomial in registers -- */
+/* -- the AVX-512 path: 16 lanes, masked tails, exp as a polynomial in registers; float32,
+ * bfloat16, float16 and int8 rows read in place, widened in registers -- */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
 
 /* e^x for x <= 0 (a score less the running maximum): 2^n * p(r), x = n ln2 + r, with
  * Cephes' expf polynomial for p; ~1 ulp; below -87 it gives ~1e-38 rather than 0. */
-__attribute__((target("avx512f")))
+AVX512_INLINE
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -541,14 +593,35 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The first `left` of 16 lanes (none when left <= 0). */
 static inline __mmask16 lanes(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    return left >= 16 ? (__mmask16)0xFFFF
+                      : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 numbers of a row from element `at` of base as float32 (lanes outside mk: 0). */
+AVX512_INLINE
+static inline __m512 load16(const void *base, int64_t at, __mmask16 mk, const int64_t dtype,
+                            const int full) {
+    if (dtype == KV_F32)
+        return full ? _mm512_loadu_ps((const float *)base + at)
+                    : _mm512_maskz_loadu_ps(mk, (const float *)base + at);
+    if (dtype == KV_INT8) {
+        const __m128i b = full ? _mm_loadu_si128((const __m128i *)((const int8_t *)base + at))
+                               : _mm_maskz_loadu_epi8(mk, (const int8_t *)base + at);
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    }
+    const __m256i h = full ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))
+                           : _mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + at);
+    if (dtype == KV_F16)
+        return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* Lane t of the result: the sum of v[t]'s 16 lanes (halves added, then quarters, then
  * a 4 x 4 transpose-add within each quarter; the lanes come out as 4c + m for vector
  * 4m + c, which the last permutation puts back). */
-__attribute__((target("avx512f")))
+AVX512_INLINE
 static inline __m512 sum16(const __m512 *v) {
     __m512 r[8], s[4];
     for (int k = 0; k < 8; k++)
@@ -568,70 +641,105 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_permutexvar_ps(back, t);
 }
 
-/* Scores of up to 16 keys (c of rows) for one query row: q . k * scale. Always 16 rows
- * (the missing ones read the first again, their lanes not stored): the accumulators then
- * stay in registers. */
-__attribute__((target("avx512f")))
-static inline void scores16(const float *q, const float *const *rows, int64_t c, int64_t d,
-                            float scale, float *out) {
+/* q . k for 16 key rows k + t * ks (d numbers each): lane t. Sixteen dot
+ * products in their own registers across d, summed across lanes together. `full`: 16
+ * real rows and d a multiple of 16 (no masks); else rows from cnt on read nothing. */
+AVX512_INLINE
+static inline __m512 dots16(const float *q, const void *k, int64_t ks, int64_t d,
+                            int64_t cnt, const int64_t dtype, const int full) {
     __m512 acc[16];
-    const float *row[16];
-    for (int t = 0; t < 16; t++) {
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++)
         acc[t] = _mm512_setzero_ps();
-        row[t] = rows[t < c ? t : 0];
-    }
     for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 mk = lanes(d - i);
+        const __mmask16 mk = full ? (__mmask16)0xFFFF : lanes(d - i);
         const __m512 qv = _mm512_maskz_loadu_ps(mk, q + i);
-        for (int t = 0; t < 16; t++)
-            acc[t] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(mk, row[t] + i), acc[t]);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) {
+            const int64_t row = full || t < cnt ? t : 0;
+            const __m512 kv = load16(k, row * ks + i, full || t < cnt ? mk : 0, dtype, full);
+            acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
+        }
     }
-    _mm512_mask_storeu_ps(out, lanes(c), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    return sum16(acc);
 }
 
-/* acc[j] = acc[j] * alpha[j] + sum_t p[j][t] v[t] for query heads [j0, j1): four heads
- * at a time, each value chunk loaded once for the four (a head or three left: alone). */
-__attribute__((target("avx512f")))
-static void accumulate_values(const decode_scratch *w, int64_t n, int64_t j0, int64_t j1,
-                              int64_t vd) {
-    const int64_t c = w->keys;
-    int64_t j = j0;
-    for (; j + 4 <= j1; j += 4)
-        for (int64_t i = 0; i < vd; i += 16) {
-            const __mmask16 mv = lanes(vd - i);
-            __m512 acc[4];
-            for (int r = 0; r < 4; r++)
-                acc[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv, w->acc + (j + r) * vd + i),
-                                       _mm512_set1_ps(w->alpha[j + r]));
-            for (int64_t t = 0; t < n; t++) {
-                const __m512 vt = _mm512_maskz_loadu_ps(mv, w->vrow[t] + i);
-                for (int r = 0; r < 4; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w->s[(j + r) * c + t]), vt, acc[r]);
-            }
-            for (int r = 0; r < 4; r++)
-                _mm512_mask_storeu_ps(w->acc + (j + r) * vd + i, mv, acc[r]);
+/* acc[j] = acc[j] * alpha[j] + sum_t p[j][t] v[t] for HEADS query heads from j and the
+ * VECS x 16 value dims from i: HEADS x VECS accumulators in registers, each V row piece
+ * loaded once for all the heads. */
+AVX512_INLINE
+static inline void values_tile(const decode_scratch *w, const kv_chunk *c, int64_t vd,
+                               int64_t j, int64_t i, const int64_t dtype, const int heads,
+                               const int vecs) {
+    __m512 acc[4][4];
+    __mmask16 mv[4];
+#pragma GCC unroll 4
+    for (int u = 0; u < vecs; u++)
+        mv[u] = lanes(vd - i - 16 * u);
+#pragma GCC unroll 4
+    for (int r = 0; r < heads; r++)
+#pragma GCC unroll 4
+        for (int u = 0; u < vecs; u++)
+            acc[r][u] = _mm512_mul_ps(
+                _mm512_maskz_loadu_ps(mv[u], w->acc + (j + r) * vd + i + 16 * u),
+                _mm512_set1_ps(w->alpha[j + r]));
+    for (int64_t t = 0; t < c->n; t++) {
+        __m512 vt[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < vecs; u++)
+            vt[u] = load16(c->v, t * c->vs + i + 16 * u, mv[u], dtype, 0);
+#pragma GCC unroll 4
+        for (int r = 0; r < heads; r++) {
+            const __m512 p = _mm512_set1_ps(w->s[(j + r) * CHUNK_KEYS + t]);
+#pragma GCC unroll 4
+            for (int u = 0; u < vecs; u++)
+                acc[r][u] = _mm512_fmadd_ps(p, vt[u], acc[r][u]);
         }
-    for (; j < j1; j++)
-        for (int64_t i = 0; i < vd; i += 16) {
-            const __mmask16 mv = lanes(vd - i);
-            __m512 acc = _mm512_mul_ps(_mm512_maskz_loadu_ps(mv, w->acc + j * vd + i),
-                                       _mm512_set1_ps(w->alpha[j]));
-            for (int64_t t = 0; t < n; t++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(w->s[j * c + t]),
-                                      _mm512_maskz_loadu_ps(mv, w->vrow[t] + i), acc);
-            _mm512_mask_storeu_ps(w->acc + j * vd + i, mv, acc);
-        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < heads; r++)
+#pragma GCC unroll 4
+        for (int u = 0; u < vecs; u++)
+            _mm512_mask_storeu_ps(w->acc + (j + r) * vd + i + 16 * u, mv[u], acc[r][u]);
 }
 
-__attribute__((target("avx512f")))
-static void chunk_avx512(const paged_decode_args *a, const decode_scratch *w,
-                         const float *q, int64_t j0, int64_t n) {
-    const int64_t g = a->h / a->kvh, d = a->d, c = w->keys;
+/* The scores of the chunk's keys for query heads [j0, j0 + g), scaled (an int8 chunk's
+ * by its keys' scales too), into w->s. */
+AVX512_INLINE
+static inline void chunk_scores(const paged_decode_args *a, const decode_scratch *w,
+                                const kv_chunk *c, const float *q, int64_t j0, int64_t g,
+                                const int64_t dtype) {
+    const int64_t d = a->d, n = c->n;
+    for (int64_t t0 = 0; t0 < n; t0 += 16) { /* 16 keys, every head's scores for them */
+        const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+        __m512 scale = _mm512_set1_ps(a->scale);
+        if (dtype == KV_INT8)
+            scale = _mm512_mul_ps(scale, _mm512_mask_i32gather_ps(
+                _mm512_setzero_ps(), lanes(cnt),
+                _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                     12, 13, 14, 15),
+                                   _mm512_set1_epi32((int)c->ss)),
+                c->k_scale + t0 * c->ss, 4));
+        const void *k = (const char *)c->k + t0 * c->ks * dtype_bytes(dtype);
+        for (int64_t j = j0; j < j0 + g; j++) {
+            const __m512 dots = cnt == 16 && (d & 15) == 0
+                                    ? dots16(q + j * d, k, c->ks, d, 16, dtype, 1)
+                                    : dots16(q + j * d, k, c->ks, d, cnt, dtype, 0);
+            _mm512_mask_storeu_ps(w->s + j * CHUNK_KEYS + t0, lanes(cnt),
+                                  _mm512_mul_ps(dots, scale));
+        }
+    }
+}
+
+/* The running maximum and sum of heads [j0, j0 + g) brought up to date with the chunk's
+ * n scores, which become their exponentials (times an int8 chunk's value scales: the
+ * weights its values are added with). */
+AVX512_INLINE
+static inline void chunk_softmax(const decode_scratch *w, const kv_chunk *c, int64_t j0,
+                                 int64_t g) {
+    const int64_t n = c->n;
     for (int64_t j = j0; j < j0 + g; j++) {
-        float *sj = w->s + j * c;
-        for (int64_t t0 = 0; t0 < n; t0 += 16)
-            scores16(q + j * d, w->krow + t0, n - t0 < 16 ? n - t0 : 16, d, a->scale,
-                     sj + t0);
+        float *sj = w->s + j * CHUNK_KEYS;
         __m512 top16 = _mm512_set1_ps(w->m[j]);
         for (int64_t t = 0; t < n; t += 16)
             top16 = _mm512_mask_max_ps(top16, lanes(n - t), top16,
@@ -650,7 +758,83 @@ static void chunk_avx512(const paged_decode_args *a, const decode_scratch *w,
         w->m[j] = top;
         w->alpha[j] = alpha;
     }
-    accumulate_values(w, n, j0, j0 + g, a->vd);
+    if (c->dtype == KV_INT8)
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t j = j0; j < j0 + g; j++)
+                w->s[j * CHUNK_KEYS + t] *= c->v_scale[t * c->ss];
+}
+
+/* A chunk of one dtype: scores, softmax, then the values four heads x 32 dims at a time
+ * (a head left over: 64 dims at a time). */
+AVX512_INLINE
+static inline void chunk_typed(const paged_decode_args *a, const decode_scratch *w,
+                               const kv_chunk *c, const float *q, int64_t j0,
+                               const int64_t dtype) {
+    const int64_t g = a->h / a->kvh, vd = a->vd;
+    chunk_scores(a, w, c, q, j0, g, dtype);
+    chunk_softmax(w, c, j0, g);
+    int64_t j = j0;
+    for (; j + 4 <= j0 + g; j += 4)
+        for (int64_t i = 0; i < vd; i += 32)
+            values_tile(w, c, vd, j, i, dtype, 4, 2);
+    for (; j < j0 + g; j++)
+        for (int64_t i = 0; i < vd; i += 64)
+            values_tile(w, c, vd, j, i, dtype, 1, 4);
+}
+
+/* The chunk's rows as float32 in the scratch (an int8 chunk's scaled), each widened once
+ * for all the heads that read it. */
+AVX512_INLINE
+static inline kv_chunk widen_typed(const paged_decode_args *a, const decode_scratch *w,
+                                   const kv_chunk *c, const int64_t dtype) {
+    const int shared = c->k == c->v;
+    for (int64_t t = 0; t < c->n; t++) {
+        const __m512 ks = _mm512_set1_ps(dtype == KV_INT8 ? c->k_scale[t * c->ss] : 1.0f);
+        for (int64_t i = 0; i < a->d; i += 16) {
+            const __mmask16 mk = lanes(a->d - i);
+            _mm512_mask_storeu_ps(w->kbuf + t * a->d + i, mk,
+                                  _mm512_mul_ps(load16(c->k, t * c->ks + i, mk, dtype, 0), ks));
+        }
+        if (shared)
+            continue;
+        const __m512 vs = _mm512_set1_ps(dtype == KV_INT8 ? c->v_scale[t * c->ss] : 1.0f);
+        for (int64_t i = 0; i < a->vd; i += 16) {
+            const __mmask16 mv = lanes(a->vd - i);
+            _mm512_mask_storeu_ps(w->vbuf + t * a->vd + i, mv,
+                                  _mm512_mul_ps(load16(c->v, t * c->vs + i, mv, dtype, 0), vs));
+        }
+    }
+    const kv_chunk f = {w->kbuf, shared ? w->kbuf : w->vbuf, NULL, NULL,
+                        a->d, shared ? a->d : a->vd, 0, c->n, KV_F32};
+    return f;
+}
+
+/* Query heads per KV head above which a chunk of bfloat16 / float16 / int8 rows is
+ * widened into scratch first (below it, widening in registers as each head reads a row
+ * costs less than the copy). */
+#ifndef WIDEN_ABOVE_G
+#define WIDEN_ABOVE_G 8
+#endif
+
+AVX512
+static void chunk_avx512(const paged_decode_args *a, const decode_scratch *w,
+                         const kv_chunk *c, const float *q, int64_t j0) {
+    if (c->dtype != KV_F32 && a->h / a->kvh > WIDEN_ABOVE_G) {
+        kv_chunk f;
+        switch (c->dtype) {
+        case KV_BF16: f = widen_typed(a, w, c, KV_BF16); break;
+        case KV_F16: f = widen_typed(a, w, c, KV_F16); break;
+        default: f = widen_typed(a, w, c, KV_INT8); break;
+        }
+        chunk_typed(a, w, &f, q, j0, KV_F32);
+        return;
+    }
+    switch (c->dtype) {
+    case KV_F32: chunk_typed(a, w, c, q, j0, KV_F32); break;
+    case KV_BF16: chunk_typed(a, w, c, q, j0, KV_BF16); break;
+    case KV_F16: chunk_typed(a, w, c, q, j0, KV_F16); break;
+    default: chunk_typed(a, w, c, q, j0, KV_INT8); break;
+    }
 }
 
 /* Tasks shared out over OpenMP's threads (torch's pool): a sequence each when there are
@@ -660,8 +844,11 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
     const int64_t per_seq = a->b >= 2 * omp_get_max_threads();
     const int64_t tasks = per_seq ? a->b : a->b * a->kvh, need = decode_work(a);
     __builtin_cpu_init();
-    const chunk_step step =
-        __builtin_cpu_supports("avx512f") && !a->portable ? chunk_avx512 : chunk_portable;
+    const int avx512 = __builtin_cpu_supports("avx512f") &&
+                       __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && !a->portable;
+    const chunk_step step = avx512 ? chunk_avx512 : chunk_portable;
+    const int in_place = a->block_size >= 16 && (avx512 || a->dtype == KV_F32);
     int failed = 0;
 #pragma omp parallel if (tasks > 1) reduction(| : failed)
     {
@@ -672,9 +859,10 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
             if (work == NULL)
                 continue;
             if (per_seq)
-                decode_task(a, step, t, 0, a->kvh, work);
+                decode_task(a, step, in_place, t, 0, a->kvh, work);
             else
-                decode_task(a, step, t / a->kvh, t % a->kvh, t % a->kvh + 1, work);
+                decode_task(a, step, in_place, t / a->kvh, t % a->kvh, t % a->kvh + 1,
+                            work);
         }
         free(work);
     }

@@ -196,8 +196,9 @@ def decode_path(backend, request):
 
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
-@pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize(("kvh", "h", "d"), [(2, 8, 32), (1, 6, 64), (4, 4, 48), (2, 4, 40)])
+@pytest.mark.parametrize("block_size", [8, 16, 128])  # (cpu: 8 widened, else read in place)
+@pytest.mark.parametrize(("kvh", "h", "d"),
+                         [(2, 8, 32), (1, 6, 64), (4, 4, 48), (2, 4, 40), (1, 12, 64)])
 def test_decode_over_many_sequences_and_every_cache(decode_path, cache, block_size, kvh, h,
                                                     d):
     """Decode rows of many sequences of odd lengths over caches as the engine keeps them
@@ -222,7 +223,7 @@ def test_decode_over_many_sequences_and_every_cache(decode_path, cache, block_si
     close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
 
 
-@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
 def test_latent_decode_over_many_sequences(decode_path, cache):
     """MLA's absorbed decode (one latent row of L + R per token, values its first L) over
     many sequences, an int8 latent cache read with its scales."""
