@@ -44,19 +44,29 @@ import httpx
 from pdmesh.shared.infra.net import free_port
 
 # scenario -> extra `pdmesh bench serve` arguments (request counts and rates for 2 cores)
+# (each paced shape is followed by its saturated variants: the same requests, all at once
+# or in bursts - the box full, as users run it)
 SIZES = {
     "short-chat": ["--num-prompts", "48", "--request-rate", "4"],
     "long-mixed": ["--num-prompts", "24", "--request-rate", "0.5"],
+    "long-mixed-full": ["--num-prompts", "24", "--request-rate", "inf"],
+    "long-mixed-burst": ["--num-prompts", "24", "--arrival", "burst", "--burst-size", "8",
+                         "--burst-interval-s", "15"],
     "burst": ["--num-prompts", "32", "--burst-size", "16", "--burst-interval-s", "8"],
     "shared-prefix": ["--num-prompts", "32", "--request-rate", "2", "--num-prefixes", "2"],
+    "shared-prefix-full": ["--num-prompts", "32", "--request-rate", "inf",
+                           "--num-prefixes", "2"],
     "multi-turn": ["--num-prompts", "12", "--request-rate", "0.5"],
     "long-output": ["--num-prompts", "12", "--request-rate", "0.5"],
+    # 128 in / 128 out, 64 requests at once
     "random": ["--num-prompts", "64", "--request-rate", "inf"],
     # one request at a time: the decode TPOT speculation is meant to cut
     "conc1": ["--num-prompts", "8", "--request-rate", "inf", "--max-concurrency", "1",
               "--input-len", "256", "--output-len", "128"],
 }
-SCENARIO = {"conc1": "random"}  # scenarios that are another's with other sizes
+# scenarios that are another's with other sizes or arrivals
+SCENARIO = {"conc1": "random", "long-mixed-full": "long-mixed",
+            "long-mixed-burst": "long-mixed", "shared-prefix-full": "shared-prefix"}
 NGRAM = ('{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1,'
          '"prompt_lookup_max":3}')  # (--engine-args is split as a shell would)
 SPEC = {"ngram": NGRAM, "ngramcap": NGRAM[:-1] + ',"disable_by_batch_size":16}',
@@ -168,8 +178,7 @@ def run_scenario(url: str, scenario: str, a: argparse.Namespace, out: Path) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--scenarios", default=",".join(s for s in SIZES
-                                                   if s not in ("random", "conc1")))
+    p.add_argument("--scenarios", default=",".join(s for s in SIZES if s != "conc1"))
     p.add_argument("--systems", default="pd,mixed,vllm")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--max-context", type=int, default=4096)
@@ -217,6 +226,33 @@ def main() -> None:
                     cell += f" ({figs[k] / med[ref][k]:.2f}x)"
                 cells.append(cell)
             print(f"| {sy} | " + " | ".join(cells) + " |")
+    summary(results, scenarios, a.ref)
+
+
+def summary(results: dict[str, dict[str, list[dict]]], scenarios: list[str],
+            ref: str | None) -> None:
+    """One line per scenario: each system's throughput and TPOT p50 to the reference's
+    (vLLM where run, else pd-base), paced and saturated shapes one under the other."""
+    systems = [sy for sy in next(iter(results.values()))]
+    ref = ref or ("vllm" if "vllm" in systems else "pd-base")
+    others = [sy for sy in systems if sy != ref]
+    if ref not in systems or not others:
+        return
+    print(f"\n### every scenario: tok/s and TPOT p50 to {ref} (medians over rounds)\n")
+    print("| scenario | " + " | ".join(f"{sy} tok/s | {sy} TPOT" for sy in others) + " |")
+    print("|---|" + "---|---|" * len(others))
+    for sc in scenarios:
+        med = {sy: {k: statistics.median(x[k] or 0 for x in runs)
+                    for k in ("output_tok_s", "tpot_ms_median")}
+               for sy, runs in results[sc].items() if runs}
+        if ref not in med:
+            continue
+        cells = []
+        for sy in others:
+            for k in ("output_tok_s", "tpot_ms_median"):
+                cells.append(f"{med[sy][k] / med[ref][k]:.2f}x"
+                             if sy in med and med[ref][k] else "-")
+        print(f"| {sc} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ The shapes follow published serving traces, scaled to what a small CPU box serve
   32-192, conversations arriving at the Poisson rate.
 - ``long-output``: short prompts (64-256) and long answers (512-1,024), steady rate.
 - ``random``: ``input_len`` in, ``output_len`` out for every request (the old default).
+
+Arrivals: Poisson at ``request_rate`` (``inf``: every session at once, the box full), or
+``arrival="burst"`` for any scenario: ``burst_size`` sessions at once every
+``burst_interval_s`` (the ``burst`` scenario always arrives so).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 SCENARIOS = ("random", "short-chat", "long-mixed", "burst", "shared-prefix", "multi-turn",
              "long-output")
+ARRIVALS = ("poisson", "burst")
 
 
 @dataclass
@@ -61,6 +66,7 @@ class ScenarioArgs:
     burst_size: int = 16
     burst_interval_s: float = 10.0
     num_prefixes: int = 4
+    arrival: str = "poisson"  # or "burst" (the burst scenario's always)
 
 
 def build(a: ScenarioArgs) -> list[Session]:
@@ -72,13 +78,18 @@ def build(a: ScenarioArgs) -> list[Session]:
         raise ValueError(f"num_prompts: must be >= 1, got {a.num_prompts}")
     if a.max_context < 64:
         raise ValueError(f"max_context: must be >= 64, got {a.max_context}")
+    if a.arrival not in ARRIVALS:
+        raise ValueError(f"arrival: must be one of {', '.join(ARRIVALS)}, got {a.arrival!r}")
     rng = random.Random(a.seed)
     build_one = {
         "random": _random, "short-chat": _short_chat, "long-mixed": _long_mixed,
         "burst": _burst_shape, "shared-prefix": _shared_prefix(a, rng),
         "multi-turn": _multi_turn, "long-output": _long_output,
     }[a.scenario]
-    starts = _bursts(a) if a.scenario == "burst" else _poisson(a, rng)
+    # arrival times from their own draws: the same seed, the same requests, however they
+    # arrive (paced, all at once or in bursts)
+    starts = (_bursts(a) if "burst" in (a.scenario, a.arrival)
+              else _poisson(a, random.Random(f"{a.seed}-arrivals")))
     return [Session(t, build_one(a, rng)) for t in starts]
 
 

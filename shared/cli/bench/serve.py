@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdmesh.shared.cli.bench.scenarios import (
+    ARRIVALS,
     SCENARIOS,
     ScenarioArgs,
     Session,
@@ -42,8 +43,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="random scenario")
     p.add_argument("--max-context", type=int, default=4096,
                    help="prompt + answer fit in this many tokens (the server's context)")
-    p.add_argument("--burst-size", type=int, default=16, help="burst scenario")
-    p.add_argument("--burst-interval-s", type=float, default=10.0, help="burst scenario")
+    p.add_argument("--arrival", default="poisson", choices=ARRIVALS,
+                   help="poisson: at --request-rate (inf: all at once); burst: --burst-size "
+                        "at once every --burst-interval-s (the burst scenario's always)")
+    p.add_argument("--burst-size", type=int, default=16, help="burst arrivals")
+    p.add_argument("--burst-interval-s", type=float, default=10.0, help="burst arrivals")
     p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix scenario")
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="SLOs a request must meet to count as good: ttft:MS tpot:MS e2el:MS")
@@ -113,7 +117,7 @@ async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[in
 def scenario_args(a: argparse.Namespace) -> ScenarioArgs:
     return ScenarioArgs(a.scenario, a.num_prompts, a.request_rate, a.input_len, a.output_len,
                         a.max_context, a.vocab_size, a.seed, a.burst_size, a.burst_interval_s,
-                        a.num_prefixes)
+                        a.num_prefixes, a.arrival)
 
 
 async def _run(a: argparse.Namespace) -> dict:

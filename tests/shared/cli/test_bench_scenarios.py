@@ -62,6 +62,18 @@ def test_the_shapes_are_what_they_say():
     # bursts: burst_size sessions at once, every burst_interval_s
     bursts = build(ScenarioArgs("burst", 10, burst_size=4, burst_interval_s=2.5))
     assert [s.start_s for s in bursts] == [0.0] * 4 + [2.5] * 4 + [5.0] * 2
+    # any scenario may arrive in bursts, its shapes unchanged
+    long_bursts = build(ScenarioArgs("long-mixed", 6, 2.0, max_context=ctx, arrival="burst",
+                                     burst_size=3, burst_interval_s=4.0))
+    assert [s.start_s for s in long_bursts] == [0.0] * 3 + [4.0] * 3
+    # the same requests however they arrive: paced, all at once, in bursts
+    paced = build(ScenarioArgs("long-mixed", 6, 2.0, max_context=ctx))
+    at_once = build(ScenarioArgs("long-mixed", 6, math.inf, max_context=ctx))
+    assert [s.turns for s in long_bursts] == [s.turns for s in paced] == [
+        s.turns for s in at_once]
+    assert [s.start_s for s in at_once] == [0.0] * 6 and paced[-1].start_s > 0
+    with pytest.raises(ValueError, match="arrival"):
+        build(ScenarioArgs("long-mixed", 6, arrival="sometimes"))
     # all at once without a rate
     assert {s.start_s for s in build(ScenarioArgs("short-chat", 8, math.inf))} == {0.0}
 
