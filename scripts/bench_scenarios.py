@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import httpx
@@ -164,10 +165,16 @@ def _sourced(script: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
 
 
+def seed_of(scenario: str) -> int:
+    """Each scenario's own requests (a variant's the same shapes, other ids): one run
+    after another on a server must not find the last one's prompts in its prefix cache."""
+    return zlib.crc32(scenario.encode()) % 100_000
+
+
 def run_scenario(url: str, scenario: str, a: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "pdmesh", "bench", "serve", "--base-url", url, "--model",
            "tiny", "--scenario", SCENARIO.get(scenario, scenario), "--max-context",
-           str(a.max_context), "--seed", "0", "--goodput", *GOODPUT, "--json", str(out),
+           str(a.max_context), "--seed", str(seed_of(scenario)), "--goodput", *GOODPUT, "--json", str(out),
            "--no-progress",           *SIZES[scenario]]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if not out.exists():
