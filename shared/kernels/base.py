@@ -502,6 +502,27 @@ class KernelBackend(ABC):
             out[:, :, lo:hi] = torch.matmul(probs, kv.unsqueeze(1))
         return out
 
+    def sink_attention_decode(
+        self, q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | None,
+                                                   torch.Tensor, torch.Tensor]],
+        sinks: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """``sink_attention`` for one query token per sequence over keys listed by their
+        cache rows: q [S, H, D]; each source (cache [..., D] as rows, its int8 scales
+        [..., 1] or None, slots [S, K] flat row ids, visible [S, K] bool), the keys of a
+        sequence those of every source in turn -> [S, H, D]. Here: the rows gathered."""
+        keys, seen = [], []
+        for cache, scales, slots, visible in sources:
+            rows = cache.reshape(-1, cache.shape[-1]).index_select(0, slots.reshape(-1))
+            rows = rows.view(*slots.shape, cache.shape[-1]).to(q.dtype)
+            if scales is not None:
+                rows = rows * scales.reshape(-1).index_select(
+                    0, slots.reshape(-1)).view(*slots.shape, 1).to(q.dtype)
+            keys.append(rows)
+            seen.append(visible)
+        return self.sink_attention(q.unsqueeze(2), torch.cat(keys, 1),
+                                   torch.cat(seen, -1).unsqueeze(1), sinks, scale)[:, :, 0]
+
     # -- sampling ---------------------------------------------------------------------
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax token of each row of logits [B, V] -> [B] int64."""

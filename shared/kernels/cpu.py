@@ -65,6 +65,20 @@ class _PagedDecodeArgs(ctypes.Structure):
                 ("scale", ctypes.c_float)]
 
 
+class _SlotSource(ctypes.Structure):
+    """cpu_ops.c's slot_source."""
+    _fields_ = [("rows", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+class _SinkDecodeArgs(ctypes.Structure):
+    """cpu_ops.c's sink_decode_args."""
+    _fields_ = [("q", ctypes.c_void_p), ("src", _SlotSource * 2), ("nsrc", ctypes.c_int64),
+                ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                *[(name, ctypes.c_int64) for name in ("b", "h", "d", "dtype", "portable")],
+                ("scale", ctypes.c_float)]
+
+
 class CPUBackend(KernelBackend):
     name = "cpu"
 
@@ -463,6 +477,36 @@ class CPUBackend(KernelBackend):
             raise MemoryError("paged decode attention: no memory for its scratch")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
+    def sink_attention_decode(
+        self, q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | None,
+                                                   torch.Tensor, torch.Tensor]],
+        sinks: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        # the listed rows read where they lie (cpu_ops.c), not gathered into [S, K, D]
+        caches = tuple(c for c, _, _, _ in sources)
+        scales = tuple(sc for _, sc, _, _ in sources)
+        in_place = (self._paged and hasattr(self._ops, "pdmesh_sink_decode")
+                    and 1 <= len(sources) <= 2
+                    and self._reads_in_place(caches, None if scales[0] is None else scales))
+        if not in_place or any((sc is None) != (scales[0] is None) for sc in scales):
+            return super().sink_attention_decode(q, sources, sinks, scale)
+        b, h, d = q.shape
+        qf = q.float().contiguous()
+        out = torch.empty((b, h, d), dtype=torch.float32)
+        lists = [torch.where(visible, slots, -1).to(torch.int64).contiguous()
+                 for _, _, slots, visible in sources]
+        src = (_SlotSource * 2)(*[
+            _SlotSource(cache.data_ptr(), None if sc is None else sc.data_ptr(),
+                        listed.data_ptr(), listed.shape[1])
+            for (cache, sc, _, _), listed in zip(sources, lists, strict=True)])
+        sinks32 = sinks.float().contiguous()
+        args = _SinkDecodeArgs(qf.data_ptr(), src, len(sources), sinks32.data_ptr(),
+                               out.data_ptr(), b, h, d, PAGED_DECODE_DTYPES[caches[0].dtype],
+                               int(self.portable_decode), scale)
+        if self._ops.pdmesh_sink_decode(ctypes.byref(args)) != 0:
+            raise MemoryError("sink decode attention: no memory for its scratch")
+        return out.to(q.dtype)
+
     def hc_sinkhorn(self, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         # one C loop over every token's n x n matrix instead of ~6 x iters torch ops
         # (each a dispatch of a few microseconds on matrices of 16 numbers)
@@ -496,6 +540,9 @@ def _cpu_ops() -> ctypes.CDLL | None:
     if hasattr(lib, "pdmesh_paged_decode"):
         lib.pdmesh_paged_decode.argtypes = [ctypes.POINTER(_PagedDecodeArgs)]
         lib.pdmesh_paged_decode.restype = ctypes.c_int
+    if hasattr(lib, "pdmesh_sink_decode"):
+        lib.pdmesh_sink_decode.argtypes = [ctypes.POINTER(_SinkDecodeArgs)]
+        lib.pdmesh_sink_decode.restype = ctypes.c_int
     if hasattr(lib, "pdmesh_int8_static_linear"):  # (an older build: none of them)
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         signatures = {

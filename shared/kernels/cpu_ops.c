@@ -868,3 +868,103 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
     }
     return failed ? -1 : 0;
 }
+
+/* -- DeepSeek-V4's decode attention --------------------------------------------------
+ *
+ * One query token per sequence over keys that are also the values (one shared K = V
+ * head, the model's D), listed row by row: a sequence's window keys, then the compressed
+ * entries its indexer chose, each a row of its cache ([N, D] rows: float32, bfloat16,
+ * float16, or int8 with a float32 scale per row), -1 where the query does not see it. A
+ * learned sink logit per head joins each softmax and carries no value. The rows are
+ * widened a chunk at a time into scratch (they lie anywhere) and go through the same
+ * chunk steps as the paged kernel, every head of the task together.
+ */
+
+typedef struct {
+    const void *rows;      /* [N, D] cache rows */
+    const float *scales;   /* int8: [N] */
+    const int64_t *slots;  /* [B, n] the row of each listed key, -1: not seen */
+    int64_t n;             /* keys listed per sequence */
+} slot_source;
+
+typedef struct {
+    const float *q;        /* [B, H, D] float32 */
+    slot_source src[2];
+    int64_t nsrc;
+    const float *sinks;    /* [H] float32 */
+    float *out;            /* [B, H, D] float32 */
+    int64_t b, h, d, dtype, portable;
+    float scale;
+} sink_decode_args;
+
+/* Query heads [j0, j1) of one sequence. */
+static void sink_task(const sink_decode_args *a, chunk_step step, int64_t seq, int64_t j0,
+                      int64_t j1, float *work) {
+    const int64_t d = a->d, g = j1 - j0;
+    paged_decode_args v = {0}; /* the chunk steps' view: g heads over one K = V head */
+    v.h = g;
+    v.kvh = 1;
+    v.d = v.v_row = v.vd = d;
+    v.dtype = KV_F32;
+    v.scale = a->scale;
+    decode_scratch w = scratch(&v, work);
+    start_heads(&v, &w, 0, g);
+    const float *q = a->q + (seq * a->h + j0) * d;
+    for (int64_t s = 0; s < a->nsrc; s++) {
+        const slot_source *src = &a->src[s];
+        const int64_t *slots = src->slots + seq * src->n;
+        for (int64_t i = 0; i < src->n;) {
+            int64_t n = 0;
+            for (; n < CHUNK_KEYS && i < src->n; i++)
+                if (slots[i] >= 0)
+                    widen_row(src->rows, src->scales, a->dtype, slots[i], d, d,
+                              w.kbuf + n++ * d);
+            if (n == 0)
+                continue;
+            const kv_chunk c = {w.kbuf, w.kbuf, NULL, NULL, d, d, 0, n, KV_F32};
+            step(&v, &w, &c, q, 0);
+        }
+    }
+    for (int64_t j = 0; j < g; j++) { /* the sink joins the denominator */
+        const float m = w.m[j], sink = a->sinks[j0 + j], top = m > sink ? m : sink;
+        const float keep = expf(m - top); /* 0 when no key was seen (m = -inf) */
+        const float inv = keep / (w.l[j] * keep + expf(sink - top));
+        float *dst = a->out + (seq * a->h + j0 + j) * d;
+        for (int64_t i = 0; i < d; i++)
+            dst[i] = w.acc[j * d + i] * inv;
+    }
+}
+
+/* Tasks over OpenMP's threads: a sequence each when there are twice as many as threads,
+ * else the heads split so every thread has some. Returns 0, or -1 when a thread's
+ * scratch could not be allocated (out not written). */
+int pdmesh_sink_decode(const sink_decode_args *a) {
+    const int64_t threads = omp_get_max_threads();
+    int64_t parts = a->b >= 2 * threads ? 1 : (2 * threads + a->b - 1) / a->b;
+    parts = parts > a->h ? a->h : parts;
+    const int64_t per = (a->h + parts - 1) / parts, tasks = a->b * parts;
+    paged_decode_args sizes = {0};
+    sizes.h = per;
+    sizes.kvh = 1;
+    sizes.d = sizes.v_row = sizes.vd = a->d;
+    const int64_t need = decode_work(&sizes);
+    __builtin_cpu_init();
+    const int avx512 = __builtin_cpu_supports("avx512f") &&
+                       __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && !a->portable;
+    const chunk_step step = avx512 ? chunk_avx512 : chunk_portable;
+    int failed = 0;
+#pragma omp parallel if (tasks > 1) reduction(| : failed)
+    {
+        float *work = (float *)malloc((size_t)need * sizeof(float));
+        failed = work == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t j0 = (t % parts) * per, j1 = j0 + per < a->h ? j0 + per : a->h;
+            if (work != NULL && j0 < j1)
+                sink_task(a, step, t / parts, j0, j1, work);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+}

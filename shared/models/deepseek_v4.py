@@ -389,33 +389,36 @@ class DeepseekV4:
         q = self._rotate(q, cos, sin)
         kv = self._rotate(be.rms_norm(parts[1], w.kv_norm, eps).unsqueeze(1), cos, sin)
         self._write(kv, cache, "window", step.write_slots)
-        keys = self._read(cache, "window", step.window_slots)  # [S, Lw, D]
-        visible = step.window_visible
+        # the keys: (cache role, their rows [S, L], visible [S, Lq, L]) - the window's,
+        # then the compressed entries'
+        keys = [("window", step.window_slots, step.window_visible)]
         if w.compressor is not None:
             c = w.compressor
             plan = step.compression[(c.rate, c.overlap)]
             self._compress(c, parts[2], cache["state"], cache, "entries", plan, step)
             if w.index_compressor is None:  # HCA: every entry the query has seen
-                entries = self._read(cache, "entries", plan.entry_slots)  # [S, E, D]
-                chosen = plan.causal
+                keys.append(("entries", plan.entry_slots, plan.causal))
             else:
                 ic = w.index_compressor
                 self._compress(ic, parts[3], cache["index_state"], cache, "index_keys",
                                plan, step)
                 ids, ok = self._index(w, q_res, parts[4], cache, plan, step, rope)
                 if step.decode:  # the chosen entries alone (index_topk), not every entry
-                    entries = self._read(cache, "entries",
-                                         plan.entry_slots.gather(1, ids[:, 0]))
-                    chosen = ok
+                    keys.append(("entries", plan.entry_slots.gather(1, ids[:, 0]), ok))
                 else:
-                    entries = self._read(cache, "entries", plan.entry_slots)
                     chosen = torch.zeros_like(plan.causal)
                     chosen.scatter_(-1, ids, ok)
-                    chosen &= plan.causal
-            keys = torch.cat((keys, entries), dim=1)
-            visible = torch.cat((visible, chosen), dim=-1)
-        o = be.sink_attention(self._pad(q, step), keys, visible, w.sinks, self.scale)
-        o = self._rotate(self._unpad(o, step), cos, -sin)  # undo K=V's rotation
+                    keys.append(("entries", plan.entry_slots, chosen & plan.causal))
+        if step.decode:  # the rows read where they lie (a kernel's), not gathered
+            o = be.sink_attention_decode(
+                q, [(cache[role], cache.get(role + "_scale"), slots, seen[:, 0])
+                    for role, slots, seen in keys], w.sinks, self.scale)
+        else:
+            rows = torch.cat([self._read(cache, role, slots) for role, slots, _ in keys], 1)
+            visible = torch.cat([seen for _, _, seen in keys], dim=-1)
+            o = self._unpad(be.sink_attention(self._pad(q, step), rows, visible, w.sinks,
+                                              self.scale), step)
+        o = self._rotate(o, cos, -sin)  # undo K=V's rotation
         g = v4.o_groups
         o = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), w.o_a)  # [g, T, o_lora]
         return be.linear(o.transpose(0, 1).reshape(t, -1), w.o_b)

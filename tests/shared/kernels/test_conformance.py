@@ -360,6 +360,39 @@ def test_sink_attention(backend, dtype, seqs, queries, keys):
     close(out, want, dtype)
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize(("seqs", "heads", "dim"), [(12, 8, 64), (1, 16, 32), (3, 5, 40)])
+def test_sink_decode_over_listed_rows(decode_path, cache, seqs, heads, dim):
+    """DeepSeek-V4's decode attention over keys listed by their cache rows (a window's,
+    then chosen entries' of another cache; rows anywhere, some listed but not seen, one
+    sequence that sees nothing), read where they lie: the reference over the same rows."""
+    backend = decode_path
+    g = torch.Generator().manual_seed(seqs * 10 + heads)
+    dtype = torch.float32 if cache == "int8" else getattr(torch, cache)
+    dev = backend.device
+    q = torch.randn(seqs, heads, dim, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g)
+    sources, rows, seen = [], [], []
+    for listed, n_rows in ((21, 48), (70, 300)):  # a window's rows, then entries'
+        rows_f = torch.randn(n_rows // 16 + 1, 16, 1, dim, generator=g).to(dtype)
+        slots = torch.randint(0, rows_f.shape[0] * 16, (seqs, listed), generator=g)
+        visible = torch.rand(seqs, listed, generator=g) < 0.7
+        visible[0] = False
+        if cache == "int8":
+            cq, sc = backend.quantize_kv(rows_f.to(dev))
+            sources.append((cq, sc, slots.to(dev), visible.to(dev)))
+            rows_f = cq.cpu().float() * sc.cpu()
+        else:
+            sources.append((rows_f.to(dev), None, slots.to(dev), visible.to(dev)))
+        rows.append(rows_f.view(-1, dim)[slots])
+        seen.append(visible)
+    out = backend.sink_attention_decode(q.to(dev), sources, sinks.to(dev), 0.17)
+    want = ref.sink_attention(q.unsqueeze(2), torch.cat(rows, 1),
+                              torch.cat(seen, -1).unsqueeze(1), sinks, 0.17)[:, :, 0]
+    assert out.shape == (seqs, heads, dim) and float(want[0].abs().max()) == 0.0
+    close(out, want, dtype)
+
+
 @pytest.mark.parametrize(("tokens", "n", "iters"), [(1, 4, 20), (33, 4, 3), (7, 6, 1), (0, 4, 5)])
 def test_hc_sinkhorn(backend, tokens, n, iters):
     """DeepSeek-V4's hyper-connection mixing matrices made (nearly) doubly stochastic:
