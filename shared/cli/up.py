@@ -20,6 +20,7 @@ as without effect there.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
 import shutil
@@ -41,6 +42,7 @@ from pdmesh.shared.infra.bindhost import bound_env
 from pdmesh.shared.infra.launcher import Service, die_with_parent, stop_together
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
+from pdmesh.shared.runtime.shared_cores import PATH_ENV, create, requested_yield
 
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 # what the gateway makes of the model's chats and output (vLLM's flags of these names)
@@ -265,9 +267,10 @@ def _start_pool(cfg: ServeConfig, reg: list[str], p: Plan, started: list[Service
 def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service]) -> None:
     """(Started with the bind shim's environment already: no re-exec at their start.)"""
     threads = engine_threads(p.roles, p.ranks, os.cpu_count() or 1, os.environ)
+    turns = _shared_cores(p.roles, p.log_dir)
     engines: list[tuple[str, int, int, Service]] = []
     for role, count in p.roles:
-        env = {**bound_env(host), **threads[role]}
+        env = {**bound_env(host), **threads[role], **turns}
         print(f"[up] {role}: {count * p.ranks[role]} engine(s), "
               f"{env['OMP_NUM_THREADS']} torch thread(s) each", flush=True)
         for i in range(count):
@@ -278,6 +281,21 @@ def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service
     for role, i, count, svc in engines:  # (all loading side by side)
         svc.wait_ready()
         print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
+
+
+def _shared_cores(roles: list[tuple[str, int]], log_dir: str | None) -> dict[str, str]:
+    """Asked for with PDMESH_DECODE_YIELD=F > 0, prefill engines beside decode engines:
+    the file they take turns through (shared_cores: decode waits F x its step while
+    prefill has prompts to compute), in /dev/shm where there is one; {} otherwise."""
+    kinds = {role for role, count in roles if count}
+    if not {"prefill", "decode"} <= kinds or not requested_yield(os.environ):
+        return {}
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else (log_dir or None)
+    fd, path = tempfile.mkstemp(prefix="pdmesh-cores-", dir=where)
+    os.close(fd)
+    create(path)
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    return {PATH_ENV: path}
 
 
 def engine_threads(roles: list[tuple[str, int]], ranks: dict[str, int], cores: int,

@@ -37,6 +37,7 @@ from pdmesh.shared.proto import kvstore_pb2, kvstore_pb2_grpc
 from pdmesh.shared.runtime.edge import EdgeConfig, edge_port, start_edge, stop_edge
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 from pdmesh.shared.runtime.loop import EngineLoop, LocalPort
+from pdmesh.shared.runtime.shared_cores import SharedCores
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
         loop = EngineLoop(engine, port, eplb)
         host.aio_grpc_server(lambda server, aio: _add_inprocess(role, server, port, aio,
                                                                 edge_config))
+    if role.name in ("prefill", "decode"):  # beside each other on one box (`pdmesh up`)
+        loop.cores, loop.cores_role = SharedCores.from_env(), role.name
     _announce(cfg, role.name, host, loop, eplb)
     loop.run()  # the engine steps in the main thread until drained or stopped
     return 0

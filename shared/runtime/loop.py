@@ -41,6 +41,7 @@ from pdmesh.shared.runtime.protocol import (
 
 if TYPE_CHECKING:  # (the gRPC edge processes import the runtime without torch)
     from pdmesh.shared.engine.engine import EngineCore, StepOutput
+    from pdmesh.shared.runtime.shared_cores import SharedCores
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,10 @@ class EngineLoop:
         self._stopping = False  # set by stop(), a second drain() or a lost port
         self._load_sent = 0.0
         self._progress = time.monotonic()  # when a step last ended (or it was idle)
+        # the box's cores shared with other engines (`pdmesh up`, shared_cores): a
+        # prefill engine tells its work left, a decode engine yields while there is some
+        self.cores: SharedCores | None = None
+        self.cores_role = ""
 
     # -- control (any thread; drain and stop from signal handlers too) -------------------
     def stop(self) -> None:
@@ -191,9 +196,18 @@ class EngineLoop:
     def _turn(self) -> None:
         self._take_messages()
         if self.engine.has_unfinished():
+            t0 = time.monotonic()
             self._step()
+            if self.cores is not None and self.cores_role == "decode":
+                pause = self.cores.pause_after(time.monotonic() - t0)
+                if pause:  # (a message that arrives meanwhile ends it early)
+                    self.port.wait(pause)
         else:
             self._idle(0.05)
+        if self.cores is not None and self.cores_role == "prefill":
+            s = self.engine.scheduler
+            self.cores.publish(sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                   for r in (*s.running, *s.waiting)))
 
     def _run_lockstep(self) -> None:
         """Expert-parallel ranks: every rank steps when any rank has work (an idle rank's

@@ -1,0 +1,94 @@
+"""A prefill engine and a decode engine of one box taking turns on its cores (`pdmesh up`).
+
+On one box the PD mesh's engines share the cores (``shared.cli.up.engine_threads``). A
+decode engine with a few requests steps back to back, a few milliseconds a step, and
+keeps a core busy for a handful of tokens, while the prefill engine beside it computes
+prompts that every waiting client needs before its first token. So, while any prefill
+engine of the box has prompt tokens left to compute, a decode engine can wait ``yield_factor``
+times the length of its last step before the next one: its requests' TPOT grows by that
+factor for as long as prefill has work (a mixed instance's decode rows wait for the
+prefill chunks in its steps the same way), and the prefill engine gets the cores.
+
+Off unless asked for: ``PDMESH_DECODE_YIELD=F`` (F > 0) in `pdmesh up`'s environment.
+It trades TPOT for TTFT, and measured on 2 cores (docs/benchmarks.md, issue 40, session
+24) the trade was TTFT p50 -18 to -34% with long prompts paced or all at once, against
+TPOT p50 2-5x with the box full (up to vLLM's own there), throughput within noise.
+
+The engines meet in a small file (``pdmesh up`` names it in ``PDMESH_SHARED_CORES``, in
+/dev/shm where there is one): a prefill engine writes its prompt tokens left and when, in
+a slot of its own, after every turn of its loop; a decode engine reads every slot after
+each step. A slot not written for ``STALE_S`` (its engine stopped or hung) counts as
+idle.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Mapping
+
+PATH_ENV = "PDMESH_SHARED_CORES"
+YIELD_ENV = "PDMESH_DECODE_YIELD"
+SLOTS = 64  # prefill engines of one box (slot = pid % SLOTS)
+STALE_S = 5.0  # (longer than any one prefill step: it writes between steps)
+_SLOT = struct.Struct("<qd")  # prompt tokens left, time.monotonic() of the write
+
+
+def create(path: str) -> None:
+    """The file, every slot idle."""
+    with open(path, "wb") as f:
+        f.write(bytes(_SLOT.size * SLOTS))
+
+
+def requested_yield(environ: Mapping[str, str]) -> float:
+    """The factor ``PDMESH_DECODE_YIELD`` asks for (0: not asked for)."""
+    raw = environ.get(YIELD_ENV, "")
+    try:
+        factor = float(raw or 0)
+    except ValueError:
+        raise ValueError(f"{YIELD_ENV}: expected a number, got {raw!r}") from None
+    if not factor >= 0:
+        raise ValueError(f"{YIELD_ENV}: must be >= 0, got {raw!r}")
+    return factor
+
+
+class SharedCores:
+    def __init__(self, path: str, yield_factor: float = 2.0):
+        if yield_factor < 0:
+            raise ValueError(f"{YIELD_ENV}: must be >= 0, got {yield_factor}")
+        self.yield_factor = yield_factor
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), _SLOT.size * SLOTS)
+        self._at = (os.getpid() % SLOTS) * _SLOT.size
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SharedCores | None:
+        """The box's file when ``pdmesh up`` named one (decode yields asked for); None
+        otherwise."""
+        env = os.environ if environ is None else environ
+        path, factor = env.get(PATH_ENV), requested_yield(env)
+        return cls(path, factor) if path and factor else None
+
+    def publish(self, prompt_tokens_left: int) -> None:
+        """A prefill engine's work left (after each turn of its loop)."""
+        _SLOT.pack_into(self._map, self._at, prompt_tokens_left, time.monotonic())
+
+    def prefill_busy(self) -> bool:
+        """Some prefill engine of the box has prompt tokens left (written lately)."""
+        now = time.monotonic()
+        for at in range(0, _SLOT.size * SLOTS, _SLOT.size):
+            left, when = _SLOT.unpack_from(self._map, at)
+            if left > 0 and now - when < STALE_S:
+                return True
+        return False
+
+    def pause_after(self, step_s: float) -> float:
+        """Seconds a decode engine waits after a step that took ``step_s``."""
+        if not self.yield_factor or not self.prefill_busy():
+            return 0.0
+        return self.yield_factor * step_s
+
+    def close(self) -> None:
+        self._map.close()

@@ -1,0 +1,128 @@
+"""A prefill and a decode engine of one box taking turns on its cores (`pdmesh up`):
+the file they meet in, across processes, and both loops' sides of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdmesh.shared.cli.up import _shared_cores
+from pdmesh.shared.engine import EngineConfig, SamplingParams, build_engine
+from pdmesh.shared.runtime import shared_cores
+from pdmesh.shared.runtime.shared_cores import PATH_ENV, YIELD_ENV, SharedCores, create
+from tests.shared.runtime.driver import LoopDriver
+
+
+@pytest.fixture
+def path(tmp_path):
+    p = str(tmp_path / "cores")
+    create(p)
+    return p
+
+
+def publish_from_another_process(path: str, tokens: int) -> None:
+    subprocess.run([sys.executable, "-c",
+                    "import sys; from pdmesh.shared.runtime.shared_cores import SharedCores; "
+                    "SharedCores(sys.argv[1]).publish(int(sys.argv[2]))", path, str(tokens)],
+                   check=True, timeout=60)
+
+
+def test_a_prefill_engines_work_left_is_seen_by_a_decode_engine(path):
+    decode = SharedCores(path)
+    assert not decode.prefill_busy() and decode.pause_after(0.004) == 0.0
+    publish_from_another_process(path, 1500)
+    assert decode.prefill_busy()
+    assert decode.pause_after(0.004) == pytest.approx(2 * 0.004)
+    assert SharedCores(path, yield_factor=0.0).pause_after(0.004) == 0.0
+    # a slot written long ago (its engine gone, work left) counts as idle
+    slot = shared_cores._SLOT
+    for at in range(0, slot.size * shared_cores.SLOTS, slot.size):
+        left, _ = slot.unpack_from(decode._map, at)
+        if left:
+            slot.pack_into(decode._map, at, left, time.monotonic() - shared_cores.STALE_S - 1)
+    assert not decode.prefill_busy()
+
+
+def test_from_env(path):
+    assert SharedCores.from_env({}) is None
+    assert SharedCores.from_env({PATH_ENV: path}) is None  # (no factor asked for)
+    assert SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "0"}) is None
+    assert SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "3"}).yield_factor == 3.0
+    for bad in ("fast", "-1"):
+        with pytest.raises(ValueError, match=YIELD_ENV):
+            SharedCores.from_env({PATH_ENV: path, YIELD_ENV: bad})
+
+
+def test_up_names_a_file_only_when_asked_for_prefill_beside_decode(tmp_path, monkeypatch):
+    pd = [("prefill", 1), ("decode", 1)]
+    monkeypatch.delenv(YIELD_ENV, raising=False)
+    assert _shared_cores(pd, str(tmp_path)) == {}  # off by default
+    monkeypatch.setenv(YIELD_ENV, "1.5")
+    env = _shared_cores(pd, str(tmp_path))
+    assert SharedCores(env[PATH_ENV]).prefill_busy() is False  # created, every slot idle
+    assert _shared_cores([("mixed", 1)], str(tmp_path)) == {}
+    assert _shared_cores([("prefill", 1), ("decode", 0)], str(tmp_path)) == {}
+    monkeypatch.setenv(YIELD_ENV, "0")
+    assert _shared_cores(pd, str(tmp_path)) == {}
+    monkeypatch.setenv(YIELD_ENV, "soon")
+    with pytest.raises(ValueError, match=YIELD_ENV):
+        _shared_cores(pd, str(tmp_path))
+
+
+class Recording(SharedCores):
+    def __init__(self, path):
+        super().__init__(path)
+        self.published: list[int] = []
+        self.pauses: list[tuple[float, float]] = []
+
+    def publish(self, prompt_tokens_left: int) -> None:
+        self.published.append(prompt_tokens_left)
+        super().publish(prompt_tokens_left)
+
+    def pause_after(self, step_s: float) -> float:
+        pause = super().pause_after(step_s)
+        self.pauses.append((step_s, pause))
+        return pause
+
+
+def engine(qwen3_path, **kw):
+    return build_engine(EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32",
+                                     block_size=16, **kw))
+
+
+def test_a_prefill_loop_publishes_its_prompt_tokens_left(qwen3_path, path):
+    driver = LoopDriver(engine(qwen3_path, max_num_batched_tokens=64), start=False)
+    driver.loop.cores, driver.loop.cores_role = Recording(path), "prefill"
+    driver.start()
+    try:
+        tokens, _ = driver.submit(list(range(10, 310)), SamplingParams(
+            temperature=0, max_tokens=1)).drain()
+        assert len(tokens) == 1
+        seen = [n for n in driver.loop.cores.published if n]
+        # 300 prompt tokens, 64 a step: what is left after each chunk, then nothing
+        assert seen[:4] == [236, 172, 108, 44]
+        time.sleep(0.2)
+        assert driver.loop.cores.published[-1] == 0
+    finally:
+        driver.stop()
+
+
+def test_a_decode_loop_yields_while_prefill_has_work(qwen3_path, path):
+    driver = LoopDriver(engine(qwen3_path), start=False)
+    cores = driver.loop.cores = Recording(path)
+    driver.loop.cores_role = "decode"
+    driver.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        driver.submit([5, 6, 7], params).drain()
+        assert cores.pauses and all(p == 0.0 for _, p in cores.pauses)  # prefill idle
+        cores.pauses.clear()
+        publish_from_another_process(path, 4000)
+        driver.submit([5, 6, 7], params).drain()
+        assert cores.pauses and all(p == pytest.approx(2 * s) and p > 0
+                                    for s, p in cores.pauses)
+    finally:
+        driver.stop()
