@@ -18,7 +18,7 @@ up: install
 
 test: install
 	@bash scripts/ensure_redis.sh
-	.venv/bin/ruff check pdmesh shared services tests
+	.venv/bin/ruff check pdmesh shared services tests scripts
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests \
 		--ignore=tests/compose
 
@@ -45,7 +45,7 @@ compose-down:
 	docker compose down -v
 
 lint: install
-	.venv/bin/ruff check pdmesh shared services tests
+	.venv/bin/ruff check pdmesh shared services tests scripts
 
 bench: install
 	@[ -f $(MODEL_DIR)/config.json ] || $(PY) -m pdmesh make-tiny-model $(MODEL_DIR) --arch qwen3

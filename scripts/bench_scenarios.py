@@ -174,8 +174,8 @@ def seed_of(scenario: str) -> int:
 def run_scenario(url: str, scenario: str, a: argparse.Namespace, out: Path) -> dict:
     cmd = [sys.executable, "-m", "pdmesh", "bench", "serve", "--base-url", url, "--model",
            "tiny", "--scenario", SCENARIO.get(scenario, scenario), "--max-context",
-           str(a.max_context), "--seed", str(seed_of(scenario)), "--goodput", *GOODPUT, "--json", str(out),
-           "--no-progress",           *SIZES[scenario]]
+           str(a.max_context), "--seed", str(seed_of(scenario)), "--goodput", *GOODPUT,
+           "--json", str(out), "--no-progress", *SIZES[scenario]]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if not out.exists():
         raise RuntimeError(f"bench serve failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -238,25 +238,28 @@ def main() -> None:
 
 def summary(results: dict[str, dict[str, list[dict]]], scenarios: list[str],
             ref: str | None) -> None:
-    """One line per scenario: each system's throughput and TPOT p50 to the reference's
-    (vLLM where run, else pd-base), paced and saturated shapes one under the other."""
+    """One line per scenario: each system's throughput, TTFT p50 and TPOT p50 to the
+    reference's (vLLM where run, else pd-base), paced and saturated shapes one under the
+    other."""
     systems = [sy for sy in next(iter(results.values()))]
     ref = ref or ("vllm" if "vllm" in systems else "pd-base")
     others = [sy for sy in systems if sy != ref]
     if ref not in systems or not others:
         return
-    print(f"\n### every scenario: tok/s and TPOT p50 to {ref} (medians over rounds)\n")
-    print("| scenario | " + " | ".join(f"{sy} tok/s | {sy} TPOT" for sy in others) + " |")
-    print("|---|" + "---|---|" * len(others))
+    keys = ("output_tok_s", "ttft_ms_median", "tpot_ms_median")
+    print(f"\n### every scenario: tok/s, TTFT p50 and TPOT p50 to {ref} (medians over "
+          f"rounds)\n")
+    print("| scenario | " + " | ".join(f"{sy} tok/s | {sy} TTFT | {sy} TPOT"
+                                      for sy in others) + " |")
+    print("|---|" + "---|" * len(keys) * len(others))
     for sc in scenarios:
-        med = {sy: {k: statistics.median(x[k] or 0 for x in runs)
-                    for k in ("output_tok_s", "tpot_ms_median")}
+        med = {sy: {k: statistics.median(x[k] or 0 for x in runs) for k in keys}
                for sy, runs in results[sc].items() if runs}
         if ref not in med:
             continue
         cells = []
         for sy in others:
-            for k in ("output_tok_s", "tpot_ms_median"):
+            for k in keys:
                 cells.append(f"{med[sy][k] / med[ref][k]:.2f}x"
                              if sy in med and med[ref][k] else "-")
         print(f"| {sc} | " + " | ".join(cells) + " |")
