@@ -837,16 +837,20 @@ static void chunk_avx512(const paged_decode_args *a, const decode_scratch *w,
     }
 }
 
+/* The AVX-512 chunk steps run here (not asked for the portable ones, the CPU has them). */
+static int avx512_path(int64_t portable) {
+    __builtin_cpu_init();
+    return !portable && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
 /* Tasks shared out over OpenMP's threads (torch's pool): a sequence each when there are
  * twice as many as threads, else a (sequence, KV head) each. Returns 0, or -1 when a
  * thread's scratch could not be allocated (out not written). */
 int pdmesh_paged_decode(const paged_decode_args *a) {
     const int64_t per_seq = a->b >= 2 * omp_get_max_threads();
     const int64_t tasks = per_seq ? a->b : a->b * a->kvh, need = decode_work(a);
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") &&
-                       __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512vl") && !a->portable;
+    const int avx512 = avx512_path(a->portable);
     const chunk_step step = avx512 ? chunk_avx512 : chunk_portable;
     const int in_place = a->block_size >= 16 && (avx512 || a->dtype == KV_F32);
     int failed = 0;
@@ -897,16 +901,22 @@ typedef struct {
     float scale;
 } sink_decode_args;
 
+/* The chunk steps' view of `heads` query heads over one K = V head of a->d dims. */
+static paged_decode_args sink_view(const sink_decode_args *a, int64_t heads) {
+    paged_decode_args v = {0};
+    v.h = heads;
+    v.kvh = 1;
+    v.d = v.v_row = v.vd = a->d;
+    v.dtype = KV_F32;
+    v.scale = a->scale;
+    return v;
+}
+
 /* Query heads [j0, j1) of one sequence. */
 static void sink_task(const sink_decode_args *a, chunk_step step, int64_t seq, int64_t j0,
                       int64_t j1, float *work) {
     const int64_t d = a->d, g = j1 - j0;
-    paged_decode_args v = {0}; /* the chunk steps' view: g heads over one K = V head */
-    v.h = g;
-    v.kvh = 1;
-    v.d = v.v_row = v.vd = d;
-    v.dtype = KV_F32;
-    v.scale = a->scale;
+    const paged_decode_args v = sink_view(a, g);
     decode_scratch w = scratch(&v, work);
     start_heads(&v, &w, 0, g);
     const float *q = a->q + (seq * a->h + j0) * d;
@@ -943,15 +953,9 @@ int pdmesh_sink_decode(const sink_decode_args *a) {
     int64_t parts = a->b >= 2 * threads ? 1 : (2 * threads + a->b - 1) / a->b;
     parts = parts > a->h ? a->h : parts;
     const int64_t per = (a->h + parts - 1) / parts, tasks = a->b * parts;
-    paged_decode_args sizes = {0};
-    sizes.h = per;
-    sizes.kvh = 1;
-    sizes.d = sizes.v_row = sizes.vd = a->d;
-    const int64_t need = decode_work(&sizes);
-    __builtin_cpu_init();
-    const int avx512 = __builtin_cpu_supports("avx512f") &&
-                       __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512vl") && !a->portable;
+    const paged_decode_args most = sink_view(a, per); /* (the largest task's scratch) */
+    const int64_t need = decode_work(&most);
+    const int avx512 = avx512_path(a->portable);
     const chunk_step step = avx512 ? chunk_avx512 : chunk_portable;
     int failed = 0;
 #pragma omp parallel if (tasks > 1) reduction(| : failed)

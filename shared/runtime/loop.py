@@ -157,10 +157,15 @@ class EngineLoop:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def _prompt_tokens_left(self) -> int:
+        """Prompt tokens admitted or waiting, not yet computed."""
+        s = self.engine.scheduler
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                   for r in (*s.running, *s.waiting))
+
     def load(self) -> EngineLoad:
         s = self.engine.scheduler
-        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                     for r in (*s.running, *s.waiting))
+        queued = self._prompt_tokens_left()
         ep = self.engine.ep
         costs = self.engine.step_costs
         return EngineLoad(len(s.running), len(s.waiting), self.engine.kv.num_free_blocks,
@@ -205,9 +210,7 @@ class EngineLoop:
         else:
             self._idle(0.05)
         if self.cores is not None and self.cores_role == "prefill":
-            s = self.engine.scheduler
-            self.cores.publish(sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                                   for r in (*s.running, *s.waiting)))
+            self.cores.publish(self._prompt_tokens_left())
 
     def _run_lockstep(self) -> None:
         """Expert-parallel ranks: every rank steps when any rank has work (an idle rank's
