@@ -60,11 +60,10 @@ def qwen3_path(tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def mooncake_master(tmp_path_factory):
     """A real mooncake_master (with its HTTP metadata server) on free loopback ports."""
-    from pdmesh.shared.infra.net import free_port
     from pdmesh.shared.kvpool.master import MasterPorts, MasterSupervisor
 
-    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
-    sup = MasterSupervisor(ports, log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
+    sup = MasterSupervisor(MasterPorts("127.0.0.1", 0, 0, 0),
+                           log_path=str(tmp_path_factory.mktemp("mc") / "master.log"))
     sup.start()
     try:
         yield sup

@@ -13,7 +13,6 @@ import logging
 from pdmesh.services.kvstore.index import PoolIndex
 from pdmesh.services.kvstore.server import KVStoreServicer
 from pdmesh.shared.config.serve import ServeConfig
-from pdmesh.shared.infra.net import free_port
 from pdmesh.shared.kvpool.master import EvictionPolicy, MasterPorts, MasterSupervisor
 from pdmesh.shared.kvpool.mooncake import MooncakePool
 from pdmesh.shared.proto import kvstore_pb2_grpc
@@ -28,11 +27,12 @@ def run(a: ServeConfig) -> int:
     settings = HostSettings("kvstore", a.host, a.port, a.advertise_host, a.redis_url,
                             a.registry_prefix)  # (--metrics-port is the master's)
     with ServiceHost(settings) as host:
-        ports = MasterPorts(a.host, a.master_port or free_port(a.host),
-                            a.metadata_port or free_port(a.host),
-                            a.metrics_port or free_port(a.host), advertise=settings.reach)
-        supervisor = MasterSupervisor(ports, log_path=a.master_log, eviction=eviction)
+        supervisor = MasterSupervisor(
+            MasterPorts(a.host, a.master_port, a.metadata_port, a.metrics_port,
+                        advertise=settings.reach),
+            log_path=a.master_log, eviction=eviction)
         supervisor.start()
+        ports = supervisor.ports
         host.at_close(supervisor.stop)
         pool = MooncakePool(ports.master_address, ports.metadata_url,
                             local_hostname=settings.reach, segment_bytes=16 << 20,

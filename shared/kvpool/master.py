@@ -26,10 +26,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pdmesh.shared.infra.launcher import die_with_parent
+from pdmesh.shared.infra.net import free_port, listening_ports
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,30 @@ class EvictionPolicy:
                 f"-eviction_ratio={self.eviction_ratio}"]
 
 
+_STARTS = 3  # tries of a master on ports chosen at start
+
+
+class MasterExited(RuntimeError):
+    """The master process ended before it was ready (a port taken, a bad flag)."""
+
+
 @dataclass(frozen=True)
 class MasterPorts:
     host: str  # where the master binds
-    rpc: int
+    rpc: int  # 0: chosen free at start (as metadata and metrics)
     metadata: int
     metrics: int
     advertise: str = ""  # where clients reach it (default: host)
+
+    @property
+    def chooses(self) -> bool:
+        return 0 in (self.rpc, self.metadata, self.metrics)
+
+    def chosen(self) -> MasterPorts:
+        """These ports with each 0 replaced by one free on ``host`` now."""
+        return replace(self, rpc=self.rpc or free_port(self.host),
+                       metadata=self.metadata or free_port(self.host),
+                       metrics=self.metrics or free_port(self.host))
 
     @property
     def reach(self) -> str:
@@ -97,7 +115,8 @@ class MasterPorts:
 class MasterSupervisor:
     def __init__(self, ports: MasterPorts, log_path: str | None = None,
                  restart_delay_s: float = 0.5, eviction: EvictionPolicy | None = None):
-        self.ports = ports
+        self._wanted = ports
+        self.ports = ports  # with every port known from start() on
         self.eviction = eviction or EvictionPolicy()
         self.restarts = 0
         self._binary = find_master_binary()
@@ -126,18 +145,37 @@ class MasterSupervisor:
                  p.master_address, p.metadata_url)
 
     def start(self, ready_timeout_s: float = 15.0) -> None:
-        with self._lock:
-            self._spawn()
-        self.wait_ready(ready_timeout_s)
+        """The master, ready. A port chosen free can be handed to another process (an
+        outgoing connection's source port) before the master binds it, and the master
+        then exits at start: on ports it chose, it is started again on fresh ones."""
+        for attempt in range(1, _STARTS + 1):
+            self.ports = self._wanted.chosen()
+            with self._lock:
+                self._spawn()
+            try:
+                self.wait_ready(ready_timeout_s)
+                break
+            except MasterExited:
+                if not self._wanted.chooses or attempt == _STARTS:
+                    raise
+                log.warning("mooncake_master exited at start on %s (try %d of %d); "
+                            "fresh ports", self.ports.master_address, attempt, _STARTS)
         self._watcher = threading.Thread(target=self._watch, name="master-watch", daemon=True)
         self._watcher.start()
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until the master's RPC port accepts and its metrics answer."""
+        """Until the master itself listens on its three ports (another process's listener
+        on one of them accepts connections too, and the master then exits) and its
+        metrics answer."""
+        p = self.ports
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"kvstore: mooncake_master exited with {self._proc.returncode}")
+                raise MasterExited(f"kvstore: mooncake_master exited with {self._proc.returncode}")
+            own = listening_ports(self._proc.pid) if self._proc is not None else None
+            if own is not None and not {p.rpc, p.metadata, p.metrics} <= own:
+                time.sleep(0.05)
+                continue
             try:
                 with socket.create_connection((self.ports.reach, self.ports.rpc), timeout=0.5):
                     pass

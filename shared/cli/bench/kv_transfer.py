@@ -30,7 +30,6 @@ def run(a: argparse.Namespace) -> int:
     from pdmesh.shared.engine.config import EngineConfig
     from pdmesh.shared.engine.engine import EngineCore
     from pdmesh.shared.engine.sampling_params import SamplingParams
-    from pdmesh.shared.infra.net import free_port
     from pdmesh.shared.kvpool.master import MasterPorts, MasterSupervisor
     from pdmesh.shared.kvpool.mooncake import MooncakePool
     from pdmesh.shared.models.tokenizer import Tokenizer
@@ -43,9 +42,9 @@ def run(a: argparse.Namespace) -> int:
                                          kv_cache_dtype=a.kv_cache_dtype),
                             kv_pool=pool, save_prompts=save)
 
-    ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
-    sup = MasterSupervisor(ports)
+    sup = MasterSupervisor(MasterPorts("127.0.0.1", 0, 0, 0))
     sup.start()
+    ports = sup.ports
     rows = []
     try:
         producer = MooncakePool(ports.master_address, ports.metadata_url,

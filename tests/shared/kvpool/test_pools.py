@@ -118,9 +118,10 @@ def test_full_pool_evicts_old_blocks_instead_of_refusing_puts(tmp_path):
 
     def fill(policy: EvictionPolicy, n: int = 200, check_reads: bool = True
              ) -> tuple[int, list[bool], list[bool]]:
-        ports = MasterPorts("127.0.0.1", free_port(), free_port(), free_port())
-        sup = MasterSupervisor(ports, log_path=str(tmp_path / "master.log"), eviction=policy)
+        sup = MasterSupervisor(MasterPorts("127.0.0.1", 0, 0, 0),
+                               log_path=str(tmp_path / "master.log"), eviction=policy)
         sup.start()
+        ports = sup.ports
         pool = MooncakePool(ports.master_address, ports.metadata_url,
                             segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
         try:
@@ -169,9 +170,8 @@ def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
     import sys
 
     script = ("import sys; from pdmesh.shared.kvpool.master import *\n"
-              "from pdmesh.shared.infra.net import free_port\n"
-              "s = MasterSupervisor(MasterPorts('127.0.0.1', free_port(), free_port(), "
-              "free_port())); s.start(); print(s.pid, flush=True); sys.stdin.read()")
+              "s = MasterSupervisor(MasterPorts('127.0.0.1', 0, 0, 0)); s.start(); "
+              "print(s.pid, flush=True); sys.stdin.read()")
     sup = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -189,6 +189,42 @@ def test_master_dies_with_a_supervisor_that_was_killed(tmp_path):
             sup.wait()
 
 
+def test_a_chosen_port_taken_before_the_master_binds_it_is_chosen_again(tmp_path,
+                                                                        monkeypatch):
+    """Between choosing a free port and the master binding it another process can take
+    it: the master exits at start and the supervisor starts it on fresh ports. A port
+    given (not chosen) that is taken fails the start with the master's exit."""
+    import socket
+
+    from pdmesh.shared.kvpool import master
+    from pdmesh.shared.kvpool.master import MasterExited, MasterPorts
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy])
+        monkeypatch.setattr(master, "free_port", lambda host: next(picks, None) or free_port())
+        sup = MasterSupervisor(MasterPorts("127.0.0.1", 0, 0, 0),
+                               log_path=str(tmp_path / "chosen.log"))
+        sup.start()
+        try:
+            assert sup.ports.rpc != busy and sup.ports.rpc > 0
+            pool = MooncakePool(sup.ports.master_address, sup.ports.metadata_url,
+                                segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
+            try:
+                round_trip(pool, pool)
+            finally:
+                pool.close()
+        finally:
+            sup.stop()
+        given = MasterSupervisor(MasterPorts("127.0.0.1", busy, free_port(), free_port()),
+                                 log_path=str(tmp_path / "given.log"))
+        with pytest.raises(MasterExited, match="exited with"):
+            given.start()
+        given.stop()
+
+
 def test_following_pool_moves_to_a_master_that_came_back_elsewhere(tmp_path):
     """The master goes away and a new one starts on other ports: calls fail fast while
     it is away, then the pool joins the new master, registers the cache memory there,
@@ -198,8 +234,8 @@ def test_following_pool_moves_to_a_master_that_came_back_elsewhere(tmp_path):
     from pdmesh.shared.kvpool.mooncake import PoolUnavailable
 
     def start(name: str) -> MasterSupervisor:
-        sup = MasterSupervisor(MasterPorts("127.0.0.1", free_port(), free_port(),
-                                           free_port()), log_path=str(tmp_path / name))
+        sup = MasterSupervisor(MasterPorts("127.0.0.1", 0, 0, 0),
+                               log_path=str(tmp_path / name))
         sup.start()
         return sup
 
