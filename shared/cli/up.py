@@ -126,7 +126,8 @@ def plan(cfg: ServeConfig) -> Plan:
     roles = [("mixed", 1)] if mixed else [("prefill", cfg.prefill), ("decode", cfg.decode)]
     decode = _words("--decode-args", cfg.decode_flags)
     words = {"prefill": [*common, *_words("--prefill-args", cfg.prefill_flags)],
-             "decode": [*common, *decode], "mixed": [*common, *decode]}
+             "decode": ["--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms), *common, *decode],
+             "mixed": [*common, *decode]}
     ranks = {}
     for role, _ in roles:  # (each engine finds its device itself)
         checked = serve_config(role, [str(model), *words[role]], device="cpu")

@@ -296,10 +296,11 @@ FLAGS: list[Flag] = [
     Flag("--stall-timeout", "float", {"gateway", "up", "serve"}, 10.0,
          "seconds a decode stream may go without a token once its instance has stopped "
          "heartbeating (SIGSTOPped, hung) before the request moves to another instance"),
-    Flag("--decode-tpot-slo-ms", "float", {"gateway", "up", "serve"}, 50.0,
-         "a decode instance prefills an offloaded prompt only if its step, with the prompt's "
-         "first chunk beside its decode rows, stays under this many ms (by the step costs it "
-         "publishes)"),
+    Flag("--decode-tpot-slo-ms", "float", {"gateway", "up", "serve", "decode"}, 50.0,
+         "a decode instance computes the prompts it prefills itself (offloaded by the "
+         "gateway, or with no prefill instance up) in chunks that keep its steps under this "
+         "many ms, by the step costs it measures, and the gateway offloads a prompt to it "
+         "only if that chunk beside its decode rows fits (by the costs it publishes)"),
     *_flags({"gateway"},
             ("--log-requests", "bool", False, "log every finished request"),
             ("--log-requests-level", "int", 2, "0 metadata, 1 + sampling parameters, 2 + the "

@@ -161,7 +161,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
     if timeout is not None and not 0 <= timeout < float("inf"):
         raise ValueError(f"--kv-load-timeout: must be a number of seconds >= 0 (0: no "
                          f"limit), got {timeout}")
-    if config.command == "gateway" or config.command in ("up", "serve"):
+    if config.command in ("gateway", "up", "serve", "decode"):
         _at_least(f, "prefill_offload_threshold", 0)
         _positive(f, "decode_tpot_slo_ms")
     if config.command == "eplb":

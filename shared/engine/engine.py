@@ -49,6 +49,10 @@ __all__ = ["EngineCore", "StepOutput"]
 log = logging.getLogger(__name__)
 
 
+# the fewest prompt tokens a step under a time budget computes (``chunk_step_ms``), the
+# budget kept or not: a prompt always progresses
+MIN_PROMPT_CHUNK = 16
+
 @dataclass(eq=False)
 class EngineCore:
     """An engine's parts, as ``build_engine`` wired them, and its requests."""
@@ -79,6 +83,10 @@ class EngineCore:
     saves: PromptSaves | None = None  # a prefill instance's puts into the pool
     dyntralb: DyntraLB | None = None
     step_costs: StepCosts = field(default_factory=StepCosts)
+    # a step that computes prompt chunks stays under this many ms, by the step costs
+    # measured (0: no such budget; a decode instance's --decode-tpot-slo-ms: the prompts
+    # the gateway offloads to it are computed in chunks its decode streams can bear)
+    chunk_step_ms: float = 0.0
     spec_stats: SpecStats = field(default_factory=SpecStats)
     hooks: list[StepHook] = field(default_factory=list)  # in the order they run
     # parallel ranks: the other tensor-parallel ranks (rank 0 drives them), the engines'
@@ -224,6 +232,8 @@ class EngineCore:
         start of the next step."""
         saved = self.finish_saves()
         started = time.perf_counter()
+        if self.chunk_step_ms:
+            self.scheduler.prompt_cap = self.prompt_chunk_tokens()
         sched = self.scheduler.schedule()
         handed_back = self._handed_back()
         if sched.is_empty:
@@ -241,6 +251,48 @@ class EngineCore:
         for hook in self.hooks:
             hook.updated(step)
         return saved + step.outputs() + handed_back
+
+    def measure_step_costs(self, prompt_tokens: int = 128, new_tokens: int = 3) -> None:
+        """Before serving: a prompt of random tokens computed in one step and a few
+        tokens decoded on the usual path, so the step costs this engine publishes are
+        known from its first request on (a gateway prices offloaded prompts with them,
+        and routes a burst as it arrives). Nothing of it reaches the pool, the prefix
+        cache, the counters or the other step hooks."""
+        sched = self.scheduler
+        kept = (self.hooks, self.saves, self.dyntralb, self.chunk_step_ms, sched.connector,
+                sched.prefix_queries, sched.prefix_hits)
+        self.hooks, self.saves, self.dyntralb, self.chunk_step_ms = [self.step_costs], None, \
+            None, 0.0
+        sched.connector, sched.prompt_cap = None, None
+        try:
+            n = max(1, min(prompt_tokens, self.max_num_batched_tokens,
+                           self.max_model_len - new_tokens))
+            ids = torch.randint(self.model_config.vocab_size, (n,),
+                                generator=torch.Generator().manual_seed(0)).tolist()
+            self.add_request(ids, SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                 ignore_eos=True),
+                             request_id="pdmesh-step-costs")
+            while self.scheduler.has_unfinished:
+                self.step()
+        finally:
+            (self.hooks, self.saves, self.dyntralb, self.chunk_step_ms, sched.connector,
+             sched.prefix_queries, sched.prefix_hits) = kept
+            self._requests.pop("pdmesh-step-costs", None)
+            self.kv.reset_prefix_cache()
+
+    def prompt_chunk_tokens(self) -> int:
+        """The prompt tokens a step computes at most: ``max_num_batched_tokens``, or
+        under ``chunk_step_ms`` what fits beside a decode step by the costs measured, at
+        least ``MIN_PROMPT_CHUNK`` (prompts always progress), and that many while the
+        cost of a prompt token is not known yet."""
+        if not self.chunk_step_ms:
+            return self.max_num_batched_tokens
+        costs = self.step_costs
+        fits = MIN_PROMPT_CHUNK
+        if costs.prefill_ns_per_token:
+            fits = int((self.chunk_step_ms * 1e3 - costs.decode_step_us) * 1e3
+                       / costs.prefill_ns_per_token)
+        return min(max(MIN_PROMPT_CHUNK, fits), self.max_num_batched_tokens)
 
     def _execute(self, step: StepRecord) -> torch.Tensor:
         """The forward pass: the logits of the rows to sample (``step.sample_idx``)."""

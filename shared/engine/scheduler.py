@@ -71,6 +71,7 @@ class _Step:
     """What the passes of one ``schedule()`` share."""
 
     budget: int  # tokens still to hand out
+    prompt_left: int  # ... of them to prompt chunks (rows computing more than one token)
     out: SchedulerOutput = field(default_factory=lambda: SchedulerOutput([], []))
     # id() of the running requests the running pass gave tokens (never its victims)
     scheduled: set[int] = field(default_factory=set)
@@ -78,18 +79,29 @@ class _Step:
     # still to be, in queue order; None: admission is free
     picks: list[Request] | None = None
 
-    def take(self, req: Request, n: int) -> None:
-        """``req`` computes ``n`` tokens this step."""
+    def take(self, req: Request, n: int, chunk: bool = False) -> None:
+        """``req`` computes ``n`` tokens this step (``chunk``: of its prompt)."""
         self.out.requests.append(req)
         self.out.num_tokens.append(n)
         self.budget -= n
+        if chunk:
+            self.prompt_left -= n
+
+    def chunk(self, left: int) -> tuple[int, bool]:
+        """The tokens a request with ``left`` to compute gets, and whether they are a
+        prompt chunk (more than one row; a decode row is never held back)."""
+        n = min(left, self.budget)
+        return (min(n, self.prompt_left), True) if left > 1 else (n, False)
 
     def drop(self, req: Request) -> None:
         """``req`` was preempted: out of the batch if it was in, its tokens back."""
         for i, r in enumerate(self.out.requests):
             if r is req:  # scheduled earlier this step: its tokens go back
                 del self.out.requests[i]
-                self.budget += self.out.num_tokens.pop(i)
+                n = self.out.num_tokens.pop(i)
+                self.budget += n
+                if n > 1 and req not in self.out.drafts:
+                    self.prompt_left += n
                 self.out.drafts.pop(req, None)
                 break
         self.out.preempted.append(req)
@@ -126,6 +138,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the prompt tokens (chunks of more than one row) a step computes at most, within
+        # max_num_batched_tokens (None: that budget alone); an engine that keeps its steps
+        # under a time budget (a decode instance) sets it before each schedule()
+        self.prompt_cap: int | None = None
         self.max_model_len = max_model_len
         self.preemptions = 0  # since start, for metrics and tests
         self.priority_preemptions = 0  # ... of them, to admit a request of higher priority
@@ -177,7 +193,8 @@ class Scheduler:
             self._finish_loads()
         if self._lb_planned:
             self._apply_lb_plan()
-        step = _Step(self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        step = _Step(budget, budget if self.prompt_cap is None else min(budget, self.prompt_cap))
         self._schedule_running(step)
         if step.out.preempted:
             return step.out  # memory is tight: admit nothing new this step
@@ -199,7 +216,9 @@ class Scheduler:
     def _schedule_one(self, req: Request, step: _Step) -> bool:
         """Blocks for ``req``'s next tokens (and drafts to verify, where they fit), by
         preempting the policy's victims if it must. False if ``req`` was the victim."""
-        n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        n, chunk = step.chunk(req.num_tokens - req.num_computed_tokens)
+        if n == 0:
+            return True  # a prompt chunk, and none fits this step: the next one
         drafts = self._drafts_to_verify(req, n, step.budget)
         if drafts is not None and not self.kv.allocate(req, n + len(drafts.tokens)):
             drafts = None  # no room for them: one token, as without speculation
@@ -209,7 +228,7 @@ class Scheduler:
         if drafts is not None:
             step.out.drafts[req] = drafts
             n += len(drafts.tokens)
-        step.take(req, n)
+        step.take(req, n, chunk)
         step.scheduled.add(id(req))
         return True
 
@@ -267,9 +286,11 @@ class Scheduler:
             if not victims:
                 return False
         src = self._look_up_prompt(req)
-        n = min(req.num_tokens - req.num_computed_tokens - src.hit_tokens - src.pooled,
-                step.budget)
+        n, chunk = step.chunk(req.num_tokens - req.num_computed_tokens - src.hit_tokens
+                              - src.pooled)
         later = bool(src.pooled) and self.async_kv_load
+        if n == 0 and chunk and not later:
+            return False  # its prompt is computed here and no chunk fits this step
         need = src.pooled + n
         # blocks still loading are made findable by prefix only once they are in
         if full or not self.kv.allocate(req, need, src.cached, register=not later):
@@ -286,7 +307,7 @@ class Scheduler:
         if src.pooled:
             self.loads.load_now(req, src.hit_tokens, src.pooled)
         self._start_running(req)
-        step.take(req, n)
+        step.take(req, n, chunk)
         return True
 
     def _look_up_prompt(self, req: Request) -> _PromptSources:

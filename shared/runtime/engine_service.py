@@ -97,6 +97,10 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
             return 0  # stopped before a kvstore came
         host.at_close(pool.close)
     engine = build_engine(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
+    if role.name == "decode":  # prompts it computes itself come in chunks its streams bear
+        engine.chunk_step_ms = cfg.decode_tpot_slo_ms
+    if role.name in ("prefill", "decode") and not engine.lockstep:
+        engine.measure_step_costs()  # (routers price prompts by them from the first on)
     host.at_close(engine.close)  # (its tensor-parallel ranks, once drained)
     eplb = _rank_eplb(cfg, role.name, engine)
     if edge is not None:

@@ -173,7 +173,7 @@ class EngineLoop:
                           ep.version if ep is not None else 0,
                           ep.bytes_moved if ep is not None else 0,
                           round(costs.decode_step_us), round(costs.prefill_ns_per_token),
-                          self.engine.max_num_batched_tokens, self.draining,
+                          self.engine.prompt_chunk_tokens(), self.draining,
                           self.max_model_len, stalled_ms=self._stalled_ms(),
                           spec_draft_tokens=self.engine.spec_stats.num_draft_tokens,
                           spec_accepted_tokens=self.engine.spec_stats.num_accepted_tokens)

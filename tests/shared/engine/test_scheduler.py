@@ -152,3 +152,35 @@ def test_recompute_scheduler_hands_the_victim_back():
     assert len(s.waiting) == 0  # not queued here to be recomputed
     assert a.is_finished and a.num_output_tokens == 10
     assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_a_prompt_cap_chunks_prompts_and_never_holds_a_decode_row_back():
+    """``prompt_cap`` bounds the prompt tokens (rows computing more than one token) of a
+    step within its budget; decode rows still all run, and a prompt that gets no chunk
+    waits for the next step (it is not preempted)."""
+    s = make(budget=64)
+    a = req("a", 5, max_tokens=20)
+    s.add(a)
+    run_step(s)  # a decodes from now on
+    s.prompt_cap = 6
+    b, c = req("b", 10), req("c", 9)
+    s.add(b)
+    s.add(c)
+    out, _ = run_step(s)
+    assert out.requests == [a, b] and out.num_tokens == [1, 6]  # c: no chunk left
+    assert c.status is RequestStatus.WAITING
+    out, _ = run_step(s)
+    assert out.requests == [a, b, c] and out.num_tokens == [1, 4, 2]
+    out, _ = run_step(s)
+    assert out.requests == [a, b, c] and out.num_tokens == [1, 1, 6]
+    s.prompt_cap = 0  # nothing for prompts: the decode rows alone
+    c2 = req("d", 7)
+    s.add(c2)
+    out, _ = run_step(s)
+    assert out.requests == [a, b, c] and out.num_tokens == [1, 1, 1]
+    s.prompt_cap = None
+    out, _ = run_step(s)
+    assert out.requests == [a, b, c, c2] and out.num_tokens == [1, 1, 1, 7]
+    while s.has_unfinished:
+        run_step(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
