@@ -95,9 +95,9 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     connector = _connector(kv_pool, caches, dtype, loaded.tp_ranks, save_prompts)
     scheduler = Scheduler(caches.kv, policy_from_config(config), config.max_num_seqs,
                           batched, max_model_len, connector,
-                          # pool reads run beside the steps, never inside one (TP:
-                          # transfers are collectives, in step order)
-                          async_kv_load=kv_pool is not None and loaded.tp_ranks is None,
+                          # pool reads run beside the steps, never inside one (TP: the
+                          # ranks get their heads of what was read between two steps)
+                          async_kv_load=kv_pool is not None,
                           kv_load_timeout_s=config.kv_load_timeout_s)
     scheduler.recompute_elsewhere = config.recompute_scheduler
     spec_stats = SpecStats()

@@ -116,7 +116,10 @@ class EngineCore:
         return None if self.speculation is None else self.speculation.verify_budget
 
     def close(self) -> None:
-        """Stop what this engine started beside itself (tensor-parallel ranks)."""
+        """Stop what this engine started beside itself (pool reads, tensor-parallel
+        ranks)."""
+        if self.connector is not None:
+            self.connector.close()
         if self.tp_ranks is not None:
             self.tp_ranks.close()
 

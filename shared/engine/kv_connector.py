@@ -108,13 +108,21 @@ class PoolConnector:
                 blocks.append((g, tables[g][b]))
         return all_keys, blocks
 
-    def _transfer(self, direction: str, keys: list[str], blocks: list[tuple[int, int]]
-                  ) -> list[bool]:
+    def _transfer(self, direction: str, keys: list[str], blocks: list[tuple[int, int]],
+                  off_step: bool = False) -> list[bool]:
         """Put the blocks under their keys, or get the keys into them: per key, whether
         it is in the pool now / was found. (A tensor-parallel engine stages them:
-        ``ShardedPoolConnector``.)"""
+        ``ShardedPoolConnector``; ``off_step``: called beside the steps, not in one.)"""
         regions = [self.groups[g].regions(b) for g, b in blocks]
         return (self.pool.put if direction == "put" else self.pool.get)(keys, regions)
+
+    def pump(self) -> None:
+        """On the step thread: finish what reads beside the steps left to it (a tensor-
+        parallel engine hands its ranks their heads of the blocks read there). Called
+        between steps while reads run; nothing for one engine."""
+
+    def close(self) -> None:
+        """The engine stops: reads still running give up."""
 
     def loadable_tokens(self, request: Request, local_tokens: int) -> int:
         """Tokens past ``local_tokens`` (block aligned) that the pool can supply, leaving
@@ -138,16 +146,17 @@ class PoolConnector:
         return end - local_tokens
 
     def load(self, request: Request, block_ids: list[int] | list[list[int]],
-             start_token: int, num_tokens: int) -> bool:
+             start_token: int, num_tokens: int, off_step: bool = False) -> bool:
         """Copy tokens [start_token, start_token + num_tokens) in from the pool.
-        ``block_ids``: the request's table, or one per cache group."""
+        ``block_ids``: the request's table, or one per cache group; ``off_step``: on a
+        helper thread beside the steps (``pump`` then runs between them)."""
         bs = self.block_size
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         first, end = start_token // bs, start_token + num_tokens
         keys, blocks = self._plan(self.prompt_keys(request, end), tables, first, end)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         try:
-            ok = self._transfer("get", keys, blocks)
+            ok = self._transfer("get", keys, blocks, off_step)
         except ConnectionError as e:
             log.warning("request %s: pool load failed (%s); recomputing", request.request_id, e)
             return False

@@ -83,7 +83,7 @@ class PromptLoads:
         def load() -> bool:
             t0 = time.monotonic()
             try:
-                return connector.load(req, tables, hit_tokens, pooled)
+                return connector.load(req, tables, hit_tokens, pooled, off_step=True)
             finally:
                 req.kv_get_time = (t0, time.monotonic())
 
@@ -104,6 +104,8 @@ class PromptLoads:
         to compute). ``given_up``: each request whose read ran past its deadline, its
         blocks freed and nothing computed, to wait again. An aborted request is in
         neither: its blocks go back once nothing writes them."""
+        if self.connector is not None:
+            self.connector.pump()
         if self._abandoned:
             still = []
             for fut, held in self._abandoned:

@@ -14,12 +14,18 @@ talks to the pool through a staging area of whole blocks, registered once:
     get     rank 0 gets into staging, then sends each rank its heads of the blocks found
             (one scatter); each writes them into its own cache
 
-A transfer larger than the staging area goes in chunks of it. Transfers run on rank 0's
-step thread (the collectives must keep the ranks' order), so a tensor-parallel engine
-reads the pool inside its step loop, not beside it.
+The staging area is cut into lanes: lane 0 for transfers on the step thread (a prefill
+instance's puts), one per read beside the steps (``PromptLoads``, KV_LOAD_THREADS). A
+read there fills its lane from the pool on its helper thread while the engine steps,
+then hands the scatter to the step thread (``pump``, between two steps: the collectives
+keep the ranks' order) and waits for it before its next chunk. A transfer larger than a
+lane goes in chunks of it.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -27,11 +33,13 @@ import torch.distributed as dist
 from pdmesh.shared.engine.block_manager import BlockHasher
 from pdmesh.shared.engine.kv_cache_spec import KVCacheSpec
 from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.prompt_loads import KV_LOAD_THREADS
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
 from pdmesh.shared.parallel.tensor_parallel import Shard
 from pdmesh.shared.parallel.tp_ranks import Groups
 
-STAGING_BYTES = 64 << 20  # the staging area: at most this much, at least one block
+STAGING_BYTES = 64 << 20  # the staging area: at most this much, at least a block a lane
+LANES = 1 + KV_LOAD_THREADS  # the step thread's, and one per read beside the steps
 
 
 def _pack(tensors: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
@@ -81,8 +89,17 @@ class ShardedPoolConnector(PoolConnector):
         self.tp_ranks = tp_ranks
         self.size = tp_ranks.size
         block_bytes = max(g.block_bytes(dtype) for g in full.groups if g.tensors)
-        self.staging_blocks = max(1, STAGING_BYTES // max(block_bytes, 1))
+        self.lane_blocks = max(1, STAGING_BYTES // LANES // max(block_bytes, 1))
+        self.staging_blocks = LANES * self.lane_blocks
         self.staging: list[list[torch.Tensor]] = []
+        self._free_lanes: queue.Queue[int] = queue.Queue()
+        for lane in range(1, LANES):
+            self._free_lanes.put(lane)
+        # scatters the reads beside the steps left to the step thread: (group, staging
+        # slots, block ids, set once done)
+        self._handed: queue.Queue[tuple[int, list[int], list[int], threading.Event]] = \
+            queue.Queue()
+        self._closed = threading.Event()
         # per group and tensor: the heads each rank holds
         self.heads: list[list[list[slice]]] = []
         for g, (group, mine) in enumerate(zip(full.groups, caches, strict=True)):
@@ -101,27 +118,67 @@ class ShardedPoolConnector(PoolConnector):
         super().__init__(pool, [CacheRegions(t) for t in self.staging], hasher, fingerprint,
                          save_prompts, windows=windows, names=names)
 
-    def _transfer(self, direction: str, keys: list[str], blocks: list[tuple[int, int]]
-                  ) -> list[bool]:
+    def _transfer(self, direction: str, keys: list[str], blocks: list[tuple[int, int]],
+                  off_step: bool = False) -> list[bool]:
+        if not off_step:
+            return self._through(0, direction, keys, blocks)
+        assert direction == "get", "puts run on the step thread"
+        lane = self._free_lanes.get()  # (as many lanes as reads run at once)
+        try:
+            return self._through(lane, direction, keys, blocks)
+        finally:
+            self._free_lanes.put(lane)
+
+    def _through(self, lane: int, direction: str, keys: list[str],
+                 blocks: list[tuple[int, int]]) -> list[bool]:
+        """The transfer through staging lane ``lane`` (0: on the step thread)."""
         ok: list[bool] = []
-        for g in range(len(self.groups)):  # group by group, in chunks of the staging area
+        first = lane * self.lane_blocks
+        for g in range(len(self.groups)):  # group by group, in chunks of the lane
             mine = [i for i, (gi, _) in enumerate(blocks) if gi == g]
-            for at in range(0, len(mine), self.staging_blocks):
-                chunk = mine[at:at + self.staging_blocks]
+            for at in range(0, len(mine), self.lane_blocks):
+                chunk = mine[at:at + self.lane_blocks]
                 ids = [blocks[i][1] for i in chunk]
-                slots = [(g, s) for s in range(len(chunk))]
+                slots = [(g, first + s) for s in range(len(chunk))]
                 ckeys = [keys[i] for i in chunk]
                 if direction == "put":
                     self._gather(g, ids)
                     done = super()._transfer("put", ckeys, slots)
                 else:
                     done = super()._transfer("get", ckeys, slots)
-                    found = [(s, b) for s, (b, hit) in enumerate(zip(ids, done, strict=True))
-                             if hit]
+                    found = [(first + s, b)
+                             for s, (b, hit) in enumerate(zip(ids, done, strict=True)) if hit]
                     if found:
-                        self._scatter(g, [s for s, _ in found], [b for _, b in found])
+                        where = ([s for s, _ in found], [b for _, b in found])
+                        if lane:
+                            self._hand_over(g, *where)
+                        else:
+                            self._scatter(g, *where)
                 ok += list(zip(chunk, done, strict=True))
         return [hit for _, hit in sorted(ok)]
+
+    def _hand_over(self, g: int, slots: list[int], ids: list[int]) -> None:
+        """(A read beside the steps) the scatter of what its lane holds, by the step
+        thread; back once it is done (the lane is then free for the next chunk)."""
+        done = threading.Event()
+        self._handed.put((g, slots, ids, done))
+        while not done.wait(0.1):
+            if self._closed.is_set():
+                raise ConnectionError("the engine stopped while the read ran")
+
+    def pump(self) -> None:
+        while True:
+            try:
+                g, slots, ids, done = self._handed.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._scatter(g, slots, ids)
+            finally:
+                done.set()
+
+    def close(self) -> None:
+        self._closed.set()
 
     def _gather(self, g: int, ids: list[int]) -> None:
         """Blocks ``ids`` of every rank, side by side in staging slots 0 .. len(ids)."""

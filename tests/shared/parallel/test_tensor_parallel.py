@@ -203,6 +203,68 @@ def test_prefill_and_decode_at_different_tp_sizes_share_the_pool(tiny_models, ar
         decode.close()
 
 
+
+def test_a_tensor_parallel_decode_engine_steps_while_its_pool_reads_run(tiny_models):
+    """A TP2 decode engine reads a prompt from the pool beside its steps: while the read
+    is held up (the pool's get waits here) the running request keeps decoding; once it
+    is in, the ranks get their heads between two steps and both answer as one engine."""
+    import threading
+
+    from pdmesh.shared.engine import EngineConfig, build_engine
+    from pdmesh.shared.kvpool import InProcessPool
+
+    class HeldPool(InProcessPool):
+        """Gets wait for ``gate`` while ``hold`` is set (a slow read)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.hold, self.gate, self.waiting = False, threading.Event(), threading.Event()
+
+        def get(self, keys, regions):
+            if self.hold:
+                self.waiting.set()
+                assert self.gate.wait(60)
+            return super().get(keys, regions)
+
+    path = str(tiny_models["qwen3"])
+    _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
+    pool = HeldPool()
+
+    def engine(tp: int, producer: bool):
+        return build_engine(EngineConfig(model=path, device="cpu", dtype="float32",
+                                         block_size=16, tensor_parallel_size=tp),
+                            kv_pool=pool, save_prompts=producer)
+
+    prefill = engine(1, True)
+    first = [prefill.add_request(p, SamplingParams(temperature=0, max_tokens=1,
+                                                   ignore_eos=True)) for p in PROMPTS[2:]]
+    while prefill.has_unfinished():
+        prefill.step()
+    decode = engine(2, False)
+    try:
+        a = decode.add_request(PROMPTS[2], GREEDY, output_token_ids=first[0].output_token_ids)
+        while a.num_output_tokens < 3:
+            decode.step()
+        pool.hold = True
+        b = decode.add_request(PROMPTS[3], GREEDY, output_token_ids=first[1].output_token_ids)
+        decode.step()
+        assert pool.waiting.wait(30)
+        before = a.num_output_tokens
+        for _ in range(4):
+            decode.step()
+        assert a.num_output_tokens == before + 4  # a decodes while b's read is held up
+        assert b.num_computed_tokens == 0 and id(b) in decode.scheduler.loading
+        pool.gate.set()
+        while decode.has_unfinished():
+            decode.step()
+        assert b.num_cached_tokens == len(PROMPTS[3])  # its whole prompt from the pool
+        assert [a.output_token_ids, b.output_token_ids] == want[2:]
+        assert decode.kv.num_free_blocks == decode.kv.num_blocks
+    finally:
+        pool.gate.set()
+        decode.close()
+
+
 def dp_tp_rank(dp_rank: int, world: int, address: str, model: str,
                shares: list[list[list[int]]], moves: list, shared_dp: bool) -> tuple:
     """DP rank ``dp_rank`` of 2, at TP 2, experts over all four ranks: its share of the
