@@ -250,6 +250,9 @@ class Router:
         and - decode protected by construction - if a step that computes the prompt (or
         its first chunk) next to its decode rows stays within ``decode_tpot_slo_ms``, by
         the step costs it publishes (one that has not measured them yet takes nothing).
+        A prompt that a prefill instance probably holds the most of in its prefix cache
+        (over half of it: a shared system prompt, an earlier turn) stays there: a
+        decode instance would compute it whole.
         A burst is then prefilled by both kinds of instance at once and reaches decode
         sooner; at low load nothing changes (decode never computes a prompt, its steps
         stay short). Worth it where prefill and decode share hardware (``pdmesh up`` on
@@ -270,6 +273,9 @@ class Router:
                   if self.offloaded_step_ms(i, len(prompt), per_token_ns)
                   <= self.decode_tpot_slo_ms]
         if not decode:
+            return None
+        query = RouteQuery(self, prompt)
+        if 2 * max(self.estimated_cached_tokens(i, query) for i in prefill) > len(prompt):
             return None
         with self._lock:
             backlog = min(self.queued_tokens(i) for i in prefill)

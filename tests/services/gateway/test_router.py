@@ -226,6 +226,23 @@ def test_offload_never_pushes_a_decode_step_past_the_tpot_budget(registry_prefix
     assert Router(reg3, offload_threshold=1000).offload_target(short) is None
 
 
+
+def test_a_prompt_mostly_in_a_prefill_cache_is_not_offloaded(registry_prefix):
+    """Offloading a prompt whose longer part a prefill instance probably holds in its
+    prefix cache would compute that part again on decode: such a prompt stays with the
+    prefill instances, backed up or not; one that shares less goes to decode."""
+    backed_up = {"queued_prefill_tokens": 100_000, "prefill_ns_per_token": 10_000,
+                 "block_size": 16}
+    reg = registry(registry_prefix + "-r15", Instance("p1", "prefill", "a:1", load=backed_up),
+                   Instance("d1", "decode", "b:1", load={"decode_step_us": 5_000}))
+    r = Router(reg, offload_threshold=1000, decode_tpot_slo_ms=50)
+    p1 = next(i for i in r.instances("prefill") if i.id == "p1")
+    system = list(range(1000, 1320))  # 320 tokens: 20 blocks
+    r.sent(p1, system + [7, 8, 9])
+    assert r.offload_target(system + list(range(50))) is None  # 320 of 370 cached there
+    assert r.offload_target(system[:160] + list(range(5000, 5400))).id == "d1"  # 160 of 560
+    assert r.offload_target(list(range(2000, 2400))).id == "d1"  # nothing shared
+
 def test_a_stalled_instance_is_neither_picked_nor_alive(registry_prefix):
     """An engine that has had work for stall_timeout_s without finishing a step (its
     heartbeat's stalled_ms) gets no new request, and its streams are not waited for."""
