@@ -270,6 +270,8 @@ class EngineCore:
         try:
             n = max(1, min(prompt_tokens, self.max_num_batched_tokens,
                            self.max_model_len - new_tokens))
+            while n > 1 and self.kv.blocks_for(n + new_tokens) > self.kv.num_blocks:
+                n //= 2  # (a cache of a few blocks)
             ids = torch.randint(self.model_config.vocab_size, (n,),
                                 generator=torch.Generator().manual_seed(0)).tolist()
             self.add_request(ids, SamplingParams(temperature=0.0, max_tokens=new_tokens,

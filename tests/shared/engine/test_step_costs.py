@@ -96,3 +96,8 @@ def test_costs_measured_before_serving_leave_nothing_behind(qwen3_path):
     req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     engine.step()
     assert req.num_cached_tokens == 0  # the same prompt again: no prefix hit left over
+    small = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16,
+                num_kv_blocks=3).engine  # 48 tokens of cache: a shorter prompt
+    small.measure_step_costs()
+    assert small.step_costs.prefill_ns_per_token > 0
+    assert small.kv.num_free_blocks == small.kv.num_blocks
