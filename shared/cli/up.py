@@ -42,7 +42,7 @@ from pdmesh.shared.infra.bindhost import bound_env
 from pdmesh.shared.infra.launcher import Service, die_with_parent, stop_together
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
-from pdmesh.shared.runtime.shared_cores import PATH_ENV, create, requested_yield
+from pdmesh.shared.runtime.shared_cores import BELOW_ENV, PATH_ENV, create, requested_yield
 
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 # what the gateway makes of the model's chats and output (vLLM's flags of these names)
@@ -169,7 +169,7 @@ def run(cfg: ServeConfig) -> int:
                    *trace]
         if p.roles[0][0] != "mixed":
             workers += ["--kvstore", _start_pool(cfg, reg, p, started)]
-        _start_engines(p, workers, cfg.host, started)
+        _start_engines(p, workers, cfg.host, started, cfg.prefill_offload_threshold)
         key = api_key(cfg.flags)  # to the gateway by its environment: `ps` shows no key
         key_env = {"PDMESH_API_KEY": key} if key else None
         gw = Service("gateway", ["gateway", str(p.model), "--served-model-name", *p.names,
@@ -265,10 +265,12 @@ def _start_pool(cfg: ServeConfig, reg: list[str], p: Plan, started: list[Service
     return kv.address
 
 
-def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service]) -> None:
-    """(Started with the bind shim's environment already: no re-exec at their start.)"""
+def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service],
+                   backed_up: int = 0) -> None:
+    """(Started with the bind shim's environment already: no re-exec at their start.)
+    ``backed_up``: the prefill backlog past which decode steps on (the offload's)."""
     threads = engine_threads(p.roles, p.ranks, os.cpu_count() or 1, os.environ)
-    turns = _shared_cores(p.roles, p.log_dir)
+    turns = _shared_cores(p.roles, p.log_dir, backed_up)
     engines: list[tuple[str, int, int, Service]] = []
     for role, count in p.roles:
         env = {**bound_env(host), **threads[role], **turns}
@@ -284,10 +286,13 @@ def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service
         print(f"[up] {role} {i + 1}/{count} ready at {svc.address}", flush=True)
 
 
-def _shared_cores(roles: list[tuple[str, int]], log_dir: str | None) -> dict[str, str]:
+def _shared_cores(roles: list[tuple[str, int]], log_dir: str | None, backed_up: int = 0
+                  ) -> dict[str, str]:
     """Asked for with PDMESH_DECODE_YIELD=F > 0, prefill engines beside decode engines:
     the file they take turns through (shared_cores: decode waits F x its step while
-    prefill has prompts to compute), in /dev/shm where there is one; {} otherwise."""
+    prefill has prompts to compute, fewer than ``backed_up`` tokens unless
+    PDMESH_DECODE_YIELD_BELOW says otherwise), in /dev/shm where there is one; {}
+    otherwise."""
     kinds = {role for role, count in roles if count}
     if not {"prefill", "decode"} <= kinds or not requested_yield(os.environ):
         return {}
@@ -296,7 +301,7 @@ def _shared_cores(roles: list[tuple[str, int]], log_dir: str | None) -> dict[str
     os.close(fd)
     create(path)
     atexit.register(lambda: os.path.exists(path) and os.unlink(path))
-    return {PATH_ENV: path}
+    return {PATH_ENV: path, BELOW_ENV: os.environ.get(BELOW_ENV) or str(backed_up)}
 
 
 def engine_threads(roles: list[tuple[str, int]], ranks: dict[str, int], cores: int,

@@ -31,6 +31,9 @@ from collections.abc import Mapping
 
 PATH_ENV = "PDMESH_SHARED_CORES"
 YIELD_ENV = "PDMESH_DECODE_YIELD"
+# prefill backed up this far (prompt tokens left, all its engines): decode steps on (the
+# gateway offloads prompts to it then); `pdmesh up` gives its --prefill-offload-threshold
+BELOW_ENV = "PDMESH_DECODE_YIELD_BELOW"
 SLOTS = 64  # prefill engines of one box (slot = pid % SLOTS)
 STALE_S = 5.0  # (longer than any one prefill step: it writes between steps)
 _SLOT = struct.Struct("<qd")  # prompt tokens left, time.monotonic() of the write
@@ -55,10 +58,13 @@ def requested_yield(environ: Mapping[str, str]) -> float:
 
 
 class SharedCores:
-    def __init__(self, path: str, yield_factor: float = 2.0):
+    def __init__(self, path: str, yield_factor: float = 2.0, below: int = 0):
+        """``below``: yield only while the prefill engines have fewer prompt tokens left
+        than this (0: whatever they have)."""
         if yield_factor < 0:
             raise ValueError(f"{YIELD_ENV}: must be >= 0, got {yield_factor}")
         self.yield_factor = yield_factor
+        self.below = below
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _SLOT.size * SLOTS)
         self._at = (os.getpid() % SLOTS) * _SLOT.size
@@ -69,24 +75,36 @@ class SharedCores:
         otherwise."""
         env = os.environ if environ is None else environ
         path, factor = env.get(PATH_ENV), requested_yield(env)
-        return cls(path, factor) if path and factor else None
+        raw = env.get(BELOW_ENV, "") or "0"
+        if not raw.isdigit():
+            raise ValueError(f"{BELOW_ENV}: expected a number of tokens, got {raw!r}")
+        return cls(path, factor, int(raw)) if path and factor else None
 
     def publish(self, prompt_tokens_left: int) -> None:
         """A prefill engine's work left (after each turn of its loop)."""
         _SLOT.pack_into(self._map, self._at, prompt_tokens_left, time.monotonic())
 
-    def prefill_busy(self) -> bool:
-        """Some prefill engine of the box has prompt tokens left (written lately)."""
+    def prefill_left(self) -> int:
+        """The prompt tokens the box's prefill engines have left (slots written lately)."""
         now = time.monotonic()
+        total = 0
         for at in range(0, _SLOT.size * SLOTS, _SLOT.size):
             left, when = _SLOT.unpack_from(self._map, at)
             if left > 0 and now - when < STALE_S:
-                return True
-        return False
+                total += left
+        return total
+
+    def prefill_busy(self) -> bool:
+        """Some prefill engine of the box has prompt tokens left (written lately)."""
+        return self.prefill_left() > 0
 
     def pause_after(self, step_s: float) -> float:
-        """Seconds a decode engine waits after a step that took ``step_s``."""
-        if not self.yield_factor or not self.prefill_busy():
+        """Seconds a decode engine waits after a step that took ``step_s``: while the
+        prefill engines have work, and (``below``) are not backed up."""
+        if not self.yield_factor:
+            return 0.0
+        left = self.prefill_left()
+        if not left or (self.below and left >= self.below):
             return 0.0
         return self.yield_factor * step_s
 

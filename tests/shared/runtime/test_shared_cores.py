@@ -12,7 +12,7 @@ import pytest
 from pdmesh.shared.cli.up import _shared_cores
 from pdmesh.shared.engine import EngineConfig, SamplingParams, build_engine
 from pdmesh.shared.runtime import shared_cores
-from pdmesh.shared.runtime.shared_cores import PATH_ENV, YIELD_ENV, SharedCores, create
+from pdmesh.shared.runtime.shared_cores import BELOW_ENV, PATH_ENV, YIELD_ENV, SharedCores, create
 from tests.shared.runtime.driver import LoopDriver
 
 
@@ -37,6 +37,10 @@ def test_a_prefill_engines_work_left_is_seen_by_a_decode_engine(path):
     assert decode.prefill_busy()
     assert decode.pause_after(0.004) == pytest.approx(2 * 0.004)
     assert SharedCores(path, yield_factor=0.0).pause_after(0.004) == 0.0
+    # prefill backed up (1,500 tokens left >= below): decode steps on, as offload begins
+    assert SharedCores(path, 1.0, below=1000).pause_after(0.004) == 0.0
+    assert SharedCores(path, 1.0, below=2048).pause_after(0.004) == pytest.approx(0.004)
+    assert decode.prefill_left() == 1500
     # a slot written long ago (its engine gone, work left) counts as idle
     slot = shared_cores._SLOT
     for at in range(0, slot.size * shared_cores.SLOTS, slot.size):
@@ -51,6 +55,11 @@ def test_from_env(path):
     assert SharedCores.from_env({PATH_ENV: path}) is None  # (no factor asked for)
     assert SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "0"}) is None
     assert SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "3"}).yield_factor == 3.0
+    assert SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "1"}).below == 0
+    assert SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "1", BELOW_ENV: "2048"}).below \
+        == 2048
+    with pytest.raises(ValueError, match=BELOW_ENV):
+        SharedCores.from_env({PATH_ENV: path, YIELD_ENV: "1", BELOW_ENV: "lots"})
     for bad in ("fast", "-1"):
         with pytest.raises(ValueError, match=YIELD_ENV):
             SharedCores.from_env({PATH_ENV: path, YIELD_ENV: bad})
@@ -61,8 +70,12 @@ def test_up_names_a_file_only_when_asked_for_prefill_beside_decode(tmp_path, mon
     monkeypatch.delenv(YIELD_ENV, raising=False)
     assert _shared_cores(pd, str(tmp_path)) == {}  # off by default
     monkeypatch.setenv(YIELD_ENV, "1.5")
-    env = _shared_cores(pd, str(tmp_path))
+    monkeypatch.delenv(BELOW_ENV, raising=False)
+    env = _shared_cores(pd, str(tmp_path), 2048)
     assert SharedCores(env[PATH_ENV]).prefill_busy() is False  # created, every slot idle
+    assert env[BELOW_ENV] == "2048"  # the offload threshold: decode steps on past it
+    monkeypatch.setenv(BELOW_ENV, "512")
+    assert _shared_cores(pd, str(tmp_path), 2048)[BELOW_ENV] == "512"
     assert _shared_cores([("mixed", 1)], str(tmp_path)) == {}
     assert _shared_cores([("prefill", 1), ("decode", 0)], str(tmp_path)) == {}
     monkeypatch.setenv(YIELD_ENV, "0")
