@@ -274,9 +274,6 @@ class Router:
                   <= self.decode_tpot_slo_ms]
         if not decode:
             return None
-        query = RouteQuery(self, prompt)
-        if 2 * max(self.estimated_cached_tokens(i, query) for i in prefill) > len(prompt):
-            return None
         with self._lock:
             backlog = min(self.queued_tokens(i) for i in prefill)
             if backlog < self.offload_threshold:
@@ -284,6 +281,10 @@ class Router:
             best = min(decode, key=lambda i: self._inflight.get(i.id, 0))
             if self._inflight.get(best.id, 0) + len(prompt) > backlog // 2:
                 return None
+        # (hashed only now: at low load the backlog test above ends it)
+        query = RouteQuery(self, prompt)
+        if 2 * max(self.estimated_cached_tokens(i, query) for i in prefill) > len(prompt):
+            return None
         return best
 
     def fallback_decode(self) -> Instance | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdmesh.shared.infra.net import tcp_sockets
 from tests.shared.cli.test_up import launch, shut
 
 TCP_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
@@ -47,17 +48,11 @@ def sockets(pids: set[int]) -> list[tuple[int, str, str, str]]:
     out = []
     for pid in pids:
         try:
-            links = [str(fd.readlink()) for fd in Path(f"/proc/{pid}/fd").iterdir()]
-            inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
-            tables = [Path(f"/proc/{pid}/net/{t}").read_text().splitlines()[1:]
-                      for t in ("tcp", "tcp6")]
+            held = tcp_sockets(pid)
         except OSError:  # it exited meanwhile
             continue
-        for line in (ln for table in tables for ln in table):
-            cols = line.split()
-            if cols[9] in inodes and cols[3] in TCP_STATES:
-                out.append((pid, TCP_STATES[cols[3]], _address(cols[1]),
-                            _address(cols[2])))
+        out += [(pid, TCP_STATES[state], _address(local), _address(remote))
+                for state, local, remote in held if state in TCP_STATES]
     return out
 
 
