@@ -269,8 +269,8 @@ def _start_engines(p: Plan, workers: list[str], host: str, started: list[Service
                    backed_up: int = 0) -> None:
     """(Started with the bind shim's environment already: no re-exec at their start.)
     ``backed_up``: the prefill backlog past which decode steps on (the offload's)."""
-    threads = engine_threads(p.roles, p.ranks, os.cpu_count() or 1, os.environ)
     turns = _shared_cores(p.roles, p.log_dir, backed_up)
+    threads = engine_threads(p.roles, p.ranks, os.cpu_count() or 1, os.environ, bool(turns))
     engines: list[tuple[str, int, int, Service]] = []
     for role, count in p.roles:
         env = {**bound_env(host), **threads[role], **turns}
@@ -304,8 +304,15 @@ def _shared_cores(roles: list[tuple[str, int]], log_dir: str | None, backed_up: 
     return {PATH_ENV: path, BELOW_ENV: os.environ.get(BELOW_ENV) or str(backed_up)}
 
 
+# a prefill engine's OpenMP threads while decode engines yield to it: busy-wait spins
+# before they sleep (libgomp's GOMP_SPINCOUNT, ~1 ms here, as torch's CPU wheels link
+# it; KMP_BLOCKTIME=1 ms for a build with Intel's OpenMP; issue 40, session 26)
+PREFILL_SPIN_COUNT = 30_000
+
+
 def engine_threads(roles: list[tuple[str, int]], ranks: dict[str, int], cores: int,
-                   environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+                   environ: Mapping[str, str], decode_yields: bool = False
+                   ) -> dict[str, dict[str, str]]:
     """The OpenMP environment of each role's engines when they share this box's cores.
 
     Decode engines step all the time: each gets an equal share of the cores. A prefill
@@ -318,7 +325,13 @@ def engine_threads(roles: list[tuple[str, int]], ranks: dict[str, int], cores: i
     with the default wait policy (which, with 2 prefill threads, made TTFT 3-18x
     worse). Engines of one role alone (a mixed instance, its DP ranks) share the cores
     equally with the library's default policy. The user's OMP_NUM_THREADS /
-    OMP_WAIT_POLICY win.
+    OMP_WAIT_POLICY / GOMP_SPINCOUNT / KMP_BLOCKTIME win.
+
+    ``decode_yields`` (PDMESH_DECODE_YIELD, shared_cores): decode steps aside while
+    prefill computes, so a prefill engine's threads spin ``PREFILL_SPIN_COUNT`` times
+    before they sleep instead, awake from one op of a step to the next (a thread woken
+    for every op made a 900-token step ~25% longer on 2 cores); backed up, with decode
+    stepping beside it, the prefill engine steps on one thread (``prefill_threads``).
     """
     engines = {role: count * ranks[role] for role, count in roles}
     total = sum(engines.values())
@@ -330,6 +343,10 @@ def engine_threads(roles: list[tuple[str, int]], ranks: dict[str, int], cores: i
         else:
             share = max(1, cores // (n if role == "prefill" else total))
             env = {"OMP_NUM_THREADS": str(share), "OMP_WAIT_POLICY": "PASSIVE"}
+            if role == "prefill" and decode_yields and not environ.get("OMP_WAIT_POLICY"):
+                env = {"OMP_NUM_THREADS": str(share),
+                       "GOMP_SPINCOUNT": str(PREFILL_SPIN_COUNT),
+                       "KMP_BLOCKTIME": "1"}  # (Intel OpenMP's: 1 ms, not its 200)
         for key in env:
             if environ.get(key):
                 env[key] = environ[key]

@@ -62,9 +62,10 @@ class SocketPort:
             ready, _, _ = select.select([self.sock], [], [], timeout_s)
         return None
 
-    def wait(self, timeout_s: float) -> None:
-        if not self.closed:
-            select.select([self.sock], [], [], timeout_s)
+    def wait(self, timeout_s: float) -> bool:
+        if self.closed:
+            return False
+        return bool(self._backlog or select.select([self.sock], [], [], timeout_s)[0])
 
     def send(self, deltas: list[TokenDelta]) -> None:
         if deltas:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # (the gRPC edge processes import the runtime without torch)
 log = logging.getLogger(__name__)
 
 LOAD_EVERY_S = 0.1  # how often the loop publishes its load while it runs
+YIELD_POLL_S = 0.002  # a yielding decode engine looks this often whether prefill is done
 
 
 class EnginePort(Protocol):
@@ -56,8 +57,8 @@ class EnginePort(Protocol):
     def receive(self) -> list[ToEngine]:
         """Messages that arrived since the last call; never blocks."""
 
-    def wait(self, timeout_s: float) -> None:
-        """Until a message arrives, or ``timeout_s``."""
+    def wait(self, timeout_s: float) -> bool:
+        """Until a message arrives (True), or ``timeout_s``."""
 
     def send(self, deltas: list[TokenDelta]) -> None:
         """One step's deltas (possibly none), as one message."""
@@ -90,9 +91,10 @@ class LocalPort:
             except queue.Empty:
                 return out
 
-    def wait(self, timeout_s: float) -> None:
-        self._wake.wait(timeout_s)
+    def wait(self, timeout_s: float) -> bool:
+        woken = self._wake.wait(timeout_s)
         self._wake.clear()
+        return woken
 
     def send(self, deltas: list[TokenDelta]) -> None:
         if deltas:
@@ -122,6 +124,7 @@ class EngineLoop:
         # prefill engine tells its work left, a decode engine yields while there is some
         self.cores: SharedCores | None = None
         self.cores_role = ""
+        self._full_threads = 0  # a prefill engine's torch threads (0: run() reads them)
 
     # -- control (any thread; drain and stop from signal handlers too) -------------------
     def stop(self) -> None:
@@ -190,6 +193,10 @@ class EngineLoop:
         """Step in the calling thread until stopped. Call it from the main thread: torch's
         OpenMP kernels ran ~3x slower when stepping from a helper thread."""
         self.engine.grammars.prepare()  # (not on the step loop at the first grammar)
+        if self.cores is not None and not self._full_threads:
+            import torch
+
+            self._full_threads = torch.get_num_threads()
         self._publish(force=True)
         if self.engine.lockstep:
             self._run_lockstep()
@@ -200,17 +207,34 @@ class EngineLoop:
 
     def _turn(self) -> None:
         self._take_messages()
+        shares = self.cores is not None
+        if shares and self.cores_role == "prefill":  # (before its step: the step is the
+            left = self._prompt_tokens_left()  # work decode yields to)
+            self.cores.publish(left)
+            self._set_threads(self.cores.prefill_threads(left, self._full_threads))
         if self.engine.has_unfinished():
             t0 = time.monotonic()
             self._step()
-            if self.cores is not None and self.cores_role == "decode":
-                pause = self.cores.pause_after(time.monotonic() - t0)
-                if pause:  # (a message that arrives meanwhile ends it early)
-                    self.port.wait(pause)
+            if shares and self.cores_role == "decode":
+                self._yield(time.monotonic() - t0)
         else:
             self._idle(0.05)
-        if self.cores is not None and self.cores_role == "prefill":
+        if shares and self.cores_role == "prefill":
             self.cores.publish(self._prompt_tokens_left())
+
+    def _set_threads(self, n: int) -> None:
+        import torch
+
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    def _yield(self, step_s: float) -> None:
+        """A decode engine's pause after a step while the box's prefill engines compute,
+        ended early when they go idle or a message arrives."""
+        end = time.monotonic() + self.cores.pause_after(step_s, self.engine.chunk_step_ms)
+        while (left := end - time.monotonic()) > 0 and self.cores.prefill_busy():
+            if self.port.wait(min(left, YIELD_POLL_S)):
+                return
 
     def _run_lockstep(self) -> None:
         """Expert-parallel ranks: every rank steps when any rank has work (an idle rank's

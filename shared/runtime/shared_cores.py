@@ -5,20 +5,25 @@ decode engine with a few requests steps back to back, a few milliseconds a step,
 keeps a core busy for a handful of tokens, while the prefill engine beside it computes
 prompts that every waiting client needs before its first token. So, while any prefill
 engine of the box has prompt tokens left to compute, a decode engine can wait ``yield_factor``
-times the length of its last step before the next one: its requests' TPOT grows by that
-factor for as long as prefill has work (a mixed instance's decode rows wait for the
-prefill chunks in its steps the same way), and the prefill engine gets the cores.
+times the length of its last step before the next one, and no longer than its TPOT budget
+(``--decode-tpot-slo-ms``) minus the step: its requests' TPOT grows for as long as
+prefill has work (a mixed instance's decode rows wait for the prefill chunks in its steps
+the same way), and the prefill engine gets the cores. The wait ends as soon as prefill
+has nothing left, or a message reaches the decode engine.
 
 Off unless asked for: ``PDMESH_DECODE_YIELD=F`` (F > 0) in `pdmesh up`'s environment.
-It trades TPOT for TTFT, and measured on 2 cores (docs/benchmarks.md, issue 40, session
-24) the trade was TTFT p50 -18 to -34% with long prompts paced or all at once, against
-TPOT p50 2-5x with the box full (up to vLLM's own there), throughput within noise.
+Then the prefill engine's threads also spin briefly before they sleep (``engine_threads``)
+and, backed up (``below``), it steps on one thread (``prefill_threads``). It trades ITL
+for TTFT: measured on 2 cores with long prompts at a steady rate (docs/benchmarks.md,
+issue 40, session 26), F=10 brought the PD mesh's TTFT p50 down 10-24% (to 0.96-1.22x
+the mixed instance's), its ITL p99 up 10-70%, throughput with the box full within noise.
 
 The engines meet in a small file (``pdmesh up`` names it in ``PDMESH_SHARED_CORES``, in
 /dev/shm where there is one): a prefill engine writes its prompt tokens left and when, in
-a slot of its own, after every turn of its loop; a decode engine reads every slot after
-each step. A slot not written for ``STALE_S`` (its engine stopped or hung) counts as
-idle.
+a slot of its own, before each step (the step is the work to yield to: a prompt computed
+in one step would otherwise never show) and after it; a decode engine reads every slot
+after each step, and while it waits. A slot not written for ``STALE_S`` (its engine
+stopped or hung) counts as idle.
 """
 
 from __future__ import annotations
@@ -98,15 +103,27 @@ class SharedCores:
         """Some prefill engine of the box has prompt tokens left (written lately)."""
         return self.prefill_left() > 0
 
-    def pause_after(self, step_s: float) -> float:
-        """Seconds a decode engine waits after a step that took ``step_s``: while the
-        prefill engines have work, and (``below``) are not backed up."""
+    def pause_after(self, step_s: float, budget_ms: float = 0.0) -> float:
+        """Seconds a decode engine may wait after a step that took ``step_s``: while the
+        prefill engines have work, and (``below``) are not backed up; ``budget_ms`` (the
+        decode engine's TPOT budget, 0: none) caps the step and the wait together."""
         if not self.yield_factor:
             return 0.0
         left = self.prefill_left()
         if not left or (self.below and left >= self.below):
             return 0.0
-        return self.yield_factor * step_s
+        pause = self.yield_factor * step_s
+        if budget_ms:
+            pause = min(pause, budget_ms / 1e3 - step_s)
+        return max(0.0, pause)
+
+    def prefill_threads(self, prompt_tokens_left: int, full: int) -> int:
+        """The torch threads a prefill engine steps with: all of its ``full`` while the
+        decode engines yield to it, one while it is backed up (``below``) and decode
+        steps on beside it (its threads would wait for, or spin on, decode's core)."""
+        if self.below and prompt_tokens_left >= self.below:
+            return 1
+        return full
 
     def close(self) -> None:
         self._map.close()

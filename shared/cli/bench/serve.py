@@ -57,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--save-detailed", action="store_true",
+                   help="--json also holds every request's start, TTFT, ITLs and token "
+                        "counts (as vLLM's bench serve: to find stalls in time)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no requests-done line on stderr while running")
 
@@ -71,16 +74,17 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details (None: not reported)
     error: str = ""
+    start: float = 0.0  # seconds after the run's start the request was sent
 
 
 async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[int],
-               output_len: int) -> Result:
+               output_len: int, run_t0: float = 0.0) -> Result:
     body = {"model": a.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     last = t0
-    res = Result(ok=False)
+    res = Result(ok=False, start=t0 - run_t0 if run_t0 else 0.0)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -139,13 +143,14 @@ async def _run(a: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=a.base_url, headers=headers, transport=transport,
                                  timeout=httpx.Timeout(600)) as client:
         t0 = time.perf_counter()
+        started_unix = time.time()
 
         async def session(s: Session) -> list[Result]:
             await asyncio.sleep(max(0.0, t0 + s.start_s - time.perf_counter()))
             out = []
             for turn in s.turns:  # a conversation's next turn waits for this answer
                 async with sem:
-                    out.append(await _one(client, a, turn.prompt, turn.output_len))
+                    out.append(await _one(client, a, turn.prompt, turn.output_len, t0))
                 progress(next(finished))
                 if not out[-1].ok:
                     break  # the conversation ends with its failed turn
@@ -160,9 +165,20 @@ async def _run(a: argparse.Namespace) -> dict:
     results += [Result(ok=False, error="not sent: an earlier turn of its conversation failed")
                 for _ in range(total - len(results))]
     res = summarize(results, duration, a)
+    if getattr(a, "save_detailed", False):
+        res["started_unix"] = started_unix  # (start_s counts from here)
+        res["requests"] = [detail(r) for r in results]
     reusable, prompt_tokens = reusable_prefix_tokens(sessions)
     res["prefix_reusable_fraction"] = reusable / prompt_tokens
     return res
+
+
+def detail(r: Result) -> dict:
+    """One request as --save-detailed writes it (milliseconds; start in seconds)."""
+    return {"ok": r.ok, "start_s": round(r.start, 6), "ttft_ms": round(r.ttft * 1e3, 3),
+            "itl_ms": [round(x * 1e3, 3) for x in r.itls],
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+            "cached_tokens": r.cached_tokens, "error": r.error}
 
 
 def _pct(values: list[float], q: float) -> float:

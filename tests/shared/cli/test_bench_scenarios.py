@@ -113,7 +113,8 @@ def test_a_multi_turn_run_against_pdmesh_serve(qwen3_path, tmp_path, registry_pr
                             url, "--model", "tiny", "--scenario", "multi-turn",
                             "--num-prompts", "3", "--max-context", "640", "--request-rate",
                             "20", "--goodput", "ttft:60000", "tpot:0.01", "--json", str(result),
-                            "--no-progress"], capture_output=True, text=True, timeout=300)
+                            "--save-detailed", "--no-progress"],
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         res = json.loads(result.read_text())
         turns = sum(len(s.turns) for s in build(ScenarioArgs("multi-turn", 3, 20.0,
@@ -126,5 +127,13 @@ def test_a_multi_turn_run_against_pdmesh_serve(qwen3_path, tmp_path, registry_pr
         # a perfect cache would
         assert 0 < res["prefix_hit_fraction"] <= res["prefix_reusable_fraction"] < 1
         assert "prompt tokens cached" in r.stdout
+        # --save-detailed: every request, its ITLs one fewer than its output tokens
+        detail = res["requests"]
+        assert len(detail) == turns and res["started_unix"] > 0
+        assert all(d["ok"] and d["ttft_ms"] > 0 and len(d["itl_ms"]) <= d["output_tokens"] - 1
+                   for d in detail)
+        assert sum(len(d["itl_ms"]) for d in detail) > 0
+        starts = [d["start_s"] for d in detail]
+        assert min(starts) >= 0 and max(starts) < res["duration_s"]
     finally:
         shut(proc, prefix)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdmesh.shared.cli.up import engine_threads
+from pdmesh.shared.cli.up import PREFILL_SPIN_COUNT, engine_threads
 
 PD = [("prefill", 1), ("decode", 1)]
 
@@ -35,3 +35,17 @@ def test_the_users_openmp_settings_win():
                          {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"})
     assert all(e == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}
                for e in env.values())
+
+
+def test_a_prefill_engine_that_decode_yields_to_spins_before_its_threads_sleep():
+    env = engine_threads(PD, {"prefill": 1, "decode": 1}, 2, {}, decode_yields=True)
+    assert env == {"prefill": {"OMP_NUM_THREADS": "2",
+                               "GOMP_SPINCOUNT": str(PREFILL_SPIN_COUNT),
+                               "KMP_BLOCKTIME": "1"},
+                   "decode": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}}
+    mine = engine_threads(PD, {"prefill": 1, "decode": 1}, 2, {"GOMP_SPINCOUNT": "100"},
+                          decode_yields=True)
+    assert mine["prefill"]["GOMP_SPINCOUNT"] == "100"
+    theirs = engine_threads(PD, {"prefill": 1, "decode": 1}, 2,
+                            {"OMP_WAIT_POLICY": "PASSIVE"}, decode_yields=True)
+    assert theirs["prefill"] == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}

@@ -3,8 +3,10 @@ the file they meet in, across processes, and both loops' sides of it."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -40,7 +42,15 @@ def test_a_prefill_engines_work_left_is_seen_by_a_decode_engine(path):
     # prefill backed up (1,500 tokens left >= below): decode steps on, as offload begins
     assert SharedCores(path, 1.0, below=1000).pause_after(0.004) == 0.0
     assert SharedCores(path, 1.0, below=2048).pause_after(0.004) == pytest.approx(0.004)
+    # a TPOT budget caps the step and the pause together
+    assert SharedCores(path, 10.0).pause_after(0.004, 10.0) == pytest.approx(0.006)
+    assert SharedCores(path, 10.0).pause_after(0.012, 10.0) == 0.0  # (the step alone is over)
+    assert SharedCores(path, 1.0).pause_after(0.004, 50.0) == pytest.approx(0.004)
     assert decode.prefill_left() == 1500
+    # a prefill engine steps on all its threads while decode yields, one when backed up
+    assert SharedCores(path, 1.0, below=2048).prefill_threads(2047, 4) == 4
+    assert SharedCores(path, 1.0, below=2048).prefill_threads(2048, 4) == 1
+    assert SharedCores(path, 1.0).prefill_threads(10 ** 6, 4) == 4  # (never backed up)
     # a slot written long ago (its engine gone, work left) counts as idle
     slot = shared_cores._SLOT
     for at in range(0, slot.size * shared_cores.SLOTS, slot.size):
@@ -95,8 +105,8 @@ class Recording(SharedCores):
         self.published.append(prompt_tokens_left)
         super().publish(prompt_tokens_left)
 
-    def pause_after(self, step_s: float) -> float:
-        pause = super().pause_after(step_s)
+    def pause_after(self, step_s: float, budget_ms: float = 0.0) -> float:
+        pause = super().pause_after(step_s, budget_ms)
         self.pauses.append((step_s, pause))
         return pause
 
@@ -115,10 +125,30 @@ def test_a_prefill_loop_publishes_its_prompt_tokens_left(qwen3_path, path):
             temperature=0, max_tokens=1)).drain()
         assert len(tokens) == 1
         seen = [n for n in driver.loop.cores.published if n]
-        # 300 prompt tokens, 64 a step: what is left after each chunk, then nothing
-        assert seen[:4] == [236, 172, 108, 44]
+        # 300 prompt tokens, 64 a step: what is left before the first step (the step is
+        # what decode yields to), then after each chunk, then nothing
+        assert seen[0] == 300
+        assert sorted(set(seen), reverse=True)[:5] == [300, 236, 172, 108, 44]
         time.sleep(0.2)
         assert driver.loop.cores.published[-1] == 0
+    finally:
+        driver.stop()
+
+
+def test_a_prefill_loop_steps_on_one_thread_while_backed_up(qwen3_path, path):
+    driver = LoopDriver(engine(qwen3_path, max_num_batched_tokens=64), start=False)
+    driver.loop.cores, driver.loop.cores_role = SharedCores(path, 1.0, below=200), "prefill"
+    threads: list[int] = []
+    driver.loop._set_threads = threads.append
+    driver.loop._full_threads = 3
+    driver.start()
+    try:
+        driver.submit(list(range(10, 310)), SamplingParams(temperature=0, max_tokens=1)
+                      ).drain()
+        # 300 and 236 tokens left before those steps (>= 200): one thread; then all
+        # (every turn, idle ones too, says how many)
+        runs = [n for n, _ in itertools.groupby(threads)]
+        assert runs[runs.index(1):][:2] == [1, 3] and threads.count(1) == 2
     finally:
         driver.stop()
 
@@ -139,3 +169,23 @@ def test_a_decode_loop_yields_while_prefill_has_work(qwen3_path, path):
                                     for s, p in cores.pauses)
     finally:
         driver.stop()
+
+
+def test_a_yielding_decode_loop_steps_on_once_prefill_is_done_or_a_request_comes(
+        qwen3_path, path):
+    driver = LoopDriver(engine(qwen3_path), start=False)
+    driver.loop.cores, driver.loop.cores_role = SharedCores(path, yield_factor=1000.0), "decode"
+    prefill = SharedCores(path)
+    prefill.publish(500)
+    # prefill busy: a 1 ms step would pause a second, but prefill finishes in 0.1 s
+    threading.Timer(0.1, prefill.publish, (0,)).start()
+    t0 = time.monotonic()
+    driver.loop._yield(0.001)
+    assert 0.09 < time.monotonic() - t0 < 0.5
+    # and a request arriving while prefill is still busy ends the pause too
+    prefill.publish(500)
+    threading.Timer(0.1, driver.port.put, (None,)).start()
+    t0 = time.monotonic()
+    driver.loop._yield(0.001)
+    assert 0.09 < time.monotonic() - t0 < 0.5
+    prefill.publish(0)
