@@ -125,6 +125,7 @@ class EngineLoop:
         self.cores: SharedCores | None = None
         self.cores_role = ""
         self._full_threads = 0  # a prefill engine's torch threads (0: run() reads them)
+        self._threads = 0  # the torch threads it steps with now
 
     # -- control (any thread; drain and stop from signal handlers too) -------------------
     def stop(self) -> None:
@@ -197,6 +198,7 @@ class EngineLoop:
             import torch
 
             self._full_threads = torch.get_num_threads()
+        self._threads = self._full_threads
         self._publish(force=True)
         if self.engine.lockstep:
             self._run_lockstep()
@@ -209,9 +211,10 @@ class EngineLoop:
         self._take_messages()
         shares = self.cores is not None
         if shares and self.cores_role == "prefill":  # (before its step: the step is the
-            left = self._prompt_tokens_left()  # work decode yields to)
-            self.cores.publish(left)
-            self._set_threads(self.cores.prefill_threads(left, self._full_threads))
+            self.cores.publish(self._prompt_tokens_left())  # work decode yields to)
+            # (backed up as decode sees it: every prefill engine of the box)
+            self._set_threads(self.cores.prefill_threads(self.cores.prefill_left(),
+                                                         self._full_threads))
         if self.engine.has_unfinished():
             t0 = time.monotonic()
             self._step()
@@ -223,10 +226,11 @@ class EngineLoop:
             self.cores.publish(self._prompt_tokens_left())
 
     def _set_threads(self, n: int) -> None:
-        import torch
+        if n != self._threads:
+            import torch
 
-        if n != torch.get_num_threads():
             torch.set_num_threads(n)
+            self._threads = n
 
     def _yield(self, step_s: float) -> None:
         """A decode engine's pause after a step while the box's prefill engines compute,

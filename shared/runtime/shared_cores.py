@@ -86,7 +86,7 @@ class SharedCores:
         return cls(path, factor, int(raw)) if path and factor else None
 
     def publish(self, prompt_tokens_left: int) -> None:
-        """A prefill engine's work left (after each turn of its loop)."""
+        """A prefill engine's work left (before and after each of its steps)."""
         _SLOT.pack_into(self._map, self._at, prompt_tokens_left, time.monotonic())
 
     def prefill_left(self) -> int:
@@ -110,20 +110,23 @@ class SharedCores:
         if not self.yield_factor:
             return 0.0
         left = self.prefill_left()
-        if not left or (self.below and left >= self.below):
+        if not left or self.backed_up(left):
             return 0.0
         pause = self.yield_factor * step_s
         if budget_ms:
             pause = min(pause, budget_ms / 1e3 - step_s)
         return max(0.0, pause)
 
-    def prefill_threads(self, prompt_tokens_left: int, full: int) -> int:
+    def backed_up(self, prefill_left: int) -> bool:
+        """The box's prefill engines have so much left (``below``) that decode steps on
+        beside them instead of yielding."""
+        return bool(self.below) and prefill_left >= self.below
+
+    def prefill_threads(self, prefill_left: int, full: int) -> int:
         """The torch threads a prefill engine steps with: all of its ``full`` while the
-        decode engines yield to it, one while it is backed up (``below``) and decode
-        steps on beside it (its threads would wait for, or spin on, decode's core)."""
-        if self.below and prompt_tokens_left >= self.below:
-            return 1
-        return full
+        decode engines yield to it, one while backed up and decode steps on beside it
+        (its threads would wait for, or spin on, decode's core)."""
+        return 1 if self.backed_up(prefill_left) else full
 
     def close(self) -> None:
         self._map.close()

@@ -78,13 +78,13 @@ class Result:
 
 
 async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[int],
-               output_len: int, run_t0: float = 0.0) -> Result:
+               output_len: int, run_t0: float) -> Result:
     body = {"model": a.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     last = t0
-    res = Result(ok=False, start=t0 - run_t0 if run_t0 else 0.0)
+    res = Result(ok=False, start=t0 - run_t0)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -165,7 +165,7 @@ async def _run(a: argparse.Namespace) -> dict:
     results += [Result(ok=False, error="not sent: an earlier turn of its conversation failed")
                 for _ in range(total - len(results))]
     res = summarize(results, duration, a)
-    if getattr(a, "save_detailed", False):
+    if a.save_detailed:
         res["started_unix"] = started_unix  # (start_s counts from here)
         res["requests"] = [detail(r) for r in results]
     reusable, prompt_tokens = reusable_prefix_tokens(sessions)
