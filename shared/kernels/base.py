@@ -205,6 +205,26 @@ class KernelBackend(ABC):
                                                        meta, q.dtype)
         return self.paged_attention_decode(q, k_cache, v_cache, sub, scale)
 
+    def paged_attention_prefill_int8(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """paged_attention_prefill over int8 caches (k, v) with their scales (this step's
+        k / v written to them already): here through dequantized views of the blocks
+        read; a backend may read them in place."""
+        (k_cache, v_cache), sub = self.int8_cache_view(list(zip(caches, scales, strict=True)),
+                                                       meta, q.dtype)
+        return self.paged_attention_prefill(q, k, v, k_cache, v_cache, sub, scale)
+
+    def latent_attention_prefill_int8(
+        self, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor,
+        cache_scale: torch.Tensor, meta: AttentionMetadata, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        """latent_attention_prefill over an int8 latent cache and its scales."""
+        (view,), sub = self.int8_cache_view([(cache, cache_scale)], meta, q.dtype)
+        return self.latent_attention_prefill(q, entry, view, sub, scale, value_dim)
+
     def latent_attention_decode_int8(
         self, q: torch.Tensor, cache: torch.Tensor, cache_scale: torch.Tensor,
         meta: AttentionMetadata, scale: float, value_dim: int,

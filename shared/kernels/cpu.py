@@ -1,14 +1,18 @@
 """CPU backend: vectorized torch, one batched call per op, no per-token Python loops.
 
-Decode attention (one new token per sequence, and speculative verification's rows) runs
-the C kernel in cpu_ops.c: each sequence's K / V blocks read in place through its block
-table, online softmax, the query heads of a KV head together; float32, bfloat16,
-float16 and int8 caches (the int8 dequantized as read), MLA's latent cache. No gathered
-copy, no padding to the longest sequence, no mask.
+Attention runs the C kernels in cpu_ops.c, every sequence's K / V blocks read in place
+through its block table with an online softmax; float32, bfloat16, float16 and int8 caches
+(the int8 dequantized as read), MLA's latent cache. No gathered copy, no padding to the
+longest sequence, no mask:
 
-Prefill, and decode where the kernel is not built (no C compiler) or on the cuda
-backend, reads each sequence's keys as a dense [B, KVH, L, D] view and runs torch's
-fused scaled-dot-product attention:
+- decode (one new token per sequence): the query heads of a KV head together;
+- prefill (fresh prompts, chunks after their context, speculative verification's few
+  tokens): tiles of a sequence's queries, every query head of a KV head in the lanes,
+  each K / V chunk read once per tile, causal within the chunk.
+
+Where the kernels are not built (no C compiler), a cache they cannot read, or on the cuda
+backend, attention reads each sequence's keys as a dense [B, KVH, L, D] view and runs
+torch's fused scaled-dot-product attention:
 
 - a lone sequence whose blocks are consecutive is a plain slice of the cache (no copy);
 - decode steps read a mirror of the batch's keys carried over from the previous step,
@@ -45,6 +49,10 @@ CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
 # times the longest sequence stay below AS_DECODE_MAX_KEYS (the gathered keys' count)
 AS_DECODE_MAX_QUERY = 17
 AS_DECODE_MAX_KEYS = 1 << 20
+# ... where the C prefill kernel is built, only while a step's query rows per KV head
+# (queries x query heads of one KV head) stay below its tiles' rows from which its lanes
+# pay (cpu_ops.c's LANES_FROM_ROWS)
+TILE_ROWS_FROM = 12
 # the C int8 / int4 kernels' output tile, and the most rows they take (they read the
 # weight once per 4 rows; beyond this torch._int_mm's blocked GEMM is faster, measured)
 INT8_TILE = 64
@@ -63,6 +71,12 @@ class _PagedDecodeArgs(ctypes.Structure):
                                                        "block_size", "table_stride",
                                                        "dtype", "q_stride", "portable")],
                 ("scale", ctypes.c_float)]
+
+
+class _PagedPrefillArgs(ctypes.Structure):
+    """cpu_ops.c's paged_prefill_args."""
+    _fields_ = [("base", _PagedDecodeArgs), ("qstart", ctypes.c_void_p),
+                ("qlens", ctypes.c_void_p)]
 
 
 class _SlotSource(ctypes.Structure):
@@ -94,6 +108,9 @@ class CPUBackend(KernelBackend):
         # memory only (the cuda backend decodes through the dense path below)
         self._paged = (device.type == "cpu" and self._ops is not None
                        and hasattr(self._ops, "pdmesh_paged_decode"))
+        # prompt chunks after their context read the cache in place too (an older build:
+        # gathered, as below)
+        self._paged_prefill = self._paged and hasattr(self._ops, "pdmesh_paged_prefill")
         self.portable_decode = False  # True: its portable path where AVX-512 is (tests)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -228,32 +245,57 @@ class CPUBackend(KernelBackend):
                 self._plan_dense_decode(meta, tables, seq_lens)
             return
         qlens = np.asarray(meta.query_lens_host)
+        if self._paged_prefill:
+            # every sequence's queries over the cache in place, one C call for the step
+            # (cpu_ops.c: tiles of queries, each K / V chunk read once per tile)
+            state["paged_prefill"] = (
+                np.ascontiguousarray(tables, dtype=np.int32),
+                np.ascontiguousarray(seq_lens, dtype=np.int32),
+                np.ascontiguousarray(np.cumsum(qlens) - qlens, dtype=np.int32),
+                np.ascontiguousarray(qlens, dtype=np.int32))
+            if self._as_decode(meta):  # (kept for a step of few query rows: see below)
+                state["as_decode"] = self._token_rows(meta, tables, seq_lens, qlens)
+            return
+        self._plan_gathered(meta, tables, seq_lens, qlens)
+
+    def _as_decode(self, meta: AttentionMetadata) -> bool:
+        """A few tokens per sequence (speculative verification, short chunks): each token
+        a decode row over the keys up to itself, one batched call."""
+        return (meta.num_seqs > 1 and meta.max_query_len <= AS_DECODE_MAX_QUERY
+                and meta.num_tokens * meta.max_seq_len <= AS_DECODE_MAX_KEYS)
+
+    def _plan_gathered(self, meta: AttentionMetadata, tables: np.ndarray,
+                       seq_lens: np.ndarray, qlens: np.ndarray) -> None:
+        """A prefill step without the C kernel: fresh prompts of one length in one
+        batched causal call (no plan), a few tokens per sequence as decode rows, anything
+        else sequence by sequence (varlen): no padding to the longest, no [B, Lq, Lk]
+        mask; a chunk after context gets its own [Lq, Lk] causal mask over its keys
+        gathered (or sliced where its blocks are consecutive)."""
+        state = meta.backend_state
         if not meta.has_context and bool((qlens == qlens[0]).all()):
-            return  # fresh prompts of one length: one batched causal call, nothing padded
-        if (meta.num_seqs > 1 and meta.max_query_len <= AS_DECODE_MAX_QUERY
-                and meta.num_tokens * meta.max_seq_len <= AS_DECODE_MAX_KEYS):
-            # a few tokens per sequence (speculative verification, short chunks): each
-            # token a decode row over the keys up to itself, one batched call
+            return
+        if self._as_decode(meta):
             state["as_decode"] = self._token_rows(meta, tables, seq_lens, qlens)
             return
-        # Anything else runs sequence by sequence (varlen): no padding to the longest,
-        # no [B, Lq, Lk] mask; a chunk after context gets its own [Lq, Lk] causal mask.
+        bs = meta.block_size
         ctx = np.asarray(meta.context_lens_host)
-        starts = np.concatenate(([0], np.cumsum(qlens)[:-1]))
+        starts = np.cumsum(qlens) - qlens
         plan = []
         for b in range(meta.num_seqs):
             ql, c, sl = int(qlens[b]), int(ctx[b]), int(seq_lens[b])
-            used = tables[b, : -(-sl // bs)]
-            if used.size == 1 or bool((np.diff(used) == 1).all()):
-                keys: tuple[int, int] | torch.Tensor = (int(used[0]) * bs, sl)
-            else:
-                pos = np.arange(sl)
-                keys = torch.from_numpy(used[pos // bs].astype(np.int64) * bs
-                                        + pos % bs).to(self.device)
+            keys: tuple[int, int] | torch.Tensor | None = None  # (a fresh prompt: k / v)
             mask = None
-            if c and ql > 1:  # query i sees keys j <= c + i
-                mask = _additive(np.arange(sl)[None, :] <= c + np.arange(ql)[:, None],
-                                 self.device)
+            if c:
+                used = tables[b, : -(-sl // bs)]
+                if used.size == 1 or bool((np.diff(used) == 1).all()):
+                    keys = (int(used[0]) * bs, sl)
+                else:
+                    pos = np.arange(sl)
+                    keys = torch.from_numpy(used[pos // bs].astype(np.int64) * bs
+                                            + pos % bs).to(self.device)
+                if ql > 1:  # query i sees keys j <= c + i
+                    mask = _additive(np.arange(sl)[None, :] <= c + np.arange(ql)[:, None],
+                                     self.device)
             plan.append((int(starts[b]), ql, c, keys, mask))
         state["varlen"] = plan
 
@@ -336,7 +378,22 @@ class CPUBackend(KernelBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = meta.backend_state.get("varlen")
+        state = meta.backend_state
+        in_place = state.get("paged_prefill")
+        if in_place is not None:
+            rows = meta.max_query_len * (q.shape[1] // k_cache.shape[2])
+            if "as_decode" in state and rows < TILE_ROWS_FROM:
+                return self.paged_attention_decode(q, k_cache, v_cache, state["as_decode"],
+                                                   scale)
+            if self._reads_in_place((k_cache, v_cache)):
+                return self._prefill_in_place(q, k_cache, v_cache, meta, scale)
+            state.pop("paged_prefill")  # (a cache the kernel cannot read: gathered)
+            state.pop("as_decode", None)
+            tables = meta.block_tables_host
+            self._plan_gathered(meta, meta.block_tables.cpu().numpy() if tables is None
+                                else tables, np.asarray(meta.seq_lens_host),
+                                np.asarray(meta.query_lens_host))
+        plan = state.get("varlen")
         if plan is not None:
             return self._varlen_prefill(q, k, v, k_cache, v_cache, plan, scale)
         rows = meta.backend_state.get("as_decode")
@@ -350,6 +407,42 @@ class CPUBackend(KernelBackend):
             is_causal=True, scale=scale, enable_gqa=True,
         )  # [B, H, L, D]
         return out.transpose(1, 2).reshape(q.shape)
+
+    def paged_attention_prefill_int8(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        if "paged_prefill" in meta.backend_state and self._reads_in_place(caches, scales):
+            return self._prefill_in_place(q, *caches, meta, scale, scales=scales)
+        return super().paged_attention_prefill_int8(q, k, v, caches, scales, meta, scale)
+
+    def latent_attention_prefill_int8(
+        self, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor,
+        cache_scale: torch.Tensor, meta: AttentionMetadata, scale: float, value_dim: int,
+    ) -> torch.Tensor:
+        if "paged_prefill" in meta.backend_state and self._reads_in_place((cache,),
+                                                                           (cache_scale,)):
+            return self._prefill_in_place(q, cache, cache, meta, scale, value_dim,
+                                          scales=(cache_scale, cache_scale))
+        return super().latent_attention_prefill_int8(q, entry, cache, cache_scale, meta,
+                                                     scale, value_dim)
+
+    def _prefill_in_place(self, q: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                          value_dim: int | None = None,
+                          scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> torch.Tensor:
+        """q [T, H, D], every sequence's queries, over the caches in place (cpu_ops.c;
+        this step's keys are in them already) -> [T, H, value_dim]. ``scales``: an int8
+        cache's per-token-and-head scales (k, v)."""
+        tables, lens, qstart, qlens = meta.backend_state["paged_prefill"]
+        base, out, _q = self._kernel_args(q, k_cache, v_cache, tables, lens, meta, scale,
+                                          value_dim, scales)
+        args = _PagedPrefillArgs(base, qstart.ctypes.data, qlens.ctypes.data)
+        if self._ops.pdmesh_paged_prefill(ctypes.byref(args)) != 0:
+            raise MemoryError("paged prefill attention: no memory for its scratch")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def _varlen_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list,
@@ -407,6 +500,13 @@ class CPUBackend(KernelBackend):
         )
         return out.reshape(b, h, d)
 
+    def latent_attention_prefill(self, q: torch.Tensor, entry: torch.Tensor,
+                                 cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                                 value_dim: int) -> torch.Tensor:
+        if "paged_prefill" in meta.backend_state and self._reads_in_place((cache,)):
+            return self._prefill_in_place(q, cache, cache, meta, scale, value_dim)
+        return super().latent_attention_prefill(q, entry, cache, meta, scale, value_dim)
+
     def latent_attention_decode(self, q: torch.Tensor, cache: torch.Tensor,
                                 meta: AttentionMetadata, scale: float, value_dim: int
                                 ) -> torch.Tensor:
@@ -459,23 +559,38 @@ class CPUBackend(KernelBackend):
             state["paged"] = (np.ascontiguousarray(tables, dtype=np.int32),
                               np.ascontiguousarray(meta.seq_lens_host, dtype=np.int32))
         tables, lens = state["paged"]
-        b, h, d = q.shape
+        args, out, _q = self._kernel_args(q, k_cache, v_cache, tables, lens, meta, scale,
+                                          value_dim, scales)
+        if self._ops.pdmesh_paged_decode(ctypes.byref(args)) != 0:
+            raise MemoryError("paged decode attention: no memory for its scratch")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def _kernel_args(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: np.ndarray, lens: np.ndarray, meta: AttentionMetadata,
+                     scale: float, value_dim: int | None,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[_PagedDecodeArgs, torch.Tensor, torch.Tensor]:
+        """cpu_ops.c's paged_decode_args for query rows q [N, H, D] over the caches in
+        place (the sequences ``lens`` lists, their ``tables``); the float32 output
+        [N, H, value_dim] they write (the value rows' first dims, MLA's latent; else all
+        of them); and the query rows the kernel reads (q itself where it is float32 heads
+        side by side: a slice of the step's q / k projection as it is), to be kept until
+        the call."""
+        n, h, d = q.shape
         kvh, v_row = k_cache.shape[2], v_cache.shape[3]
         vd = v_row if value_dim is None else value_dim
-        qf = q  # (a slice of the step's q / k projection: its rows as they are)
+        qf = q
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
             qf = q.float().contiguous()
-        out = torch.empty((b, h, vd), dtype=torch.float32)
+        out = torch.empty((n, h, vd), dtype=torch.float32)
         k_scale, v_scale = (None, None) if scales is None else (
             scales[0].data_ptr(), scales[1].data_ptr())
         args = _PagedDecodeArgs(
             qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale, v_scale,
-            tables.ctypes.data, lens.ctypes.data, out.data_ptr(), b, h, kvh, d, v_row, vd,
-            meta.block_size, tables.shape[1], PAGED_DECODE_DTYPES[k_cache.dtype],
+            tables.ctypes.data, lens.ctypes.data, out.data_ptr(), len(lens), h, kvh, d,
+            v_row, vd, meta.block_size, tables.shape[1], PAGED_DECODE_DTYPES[k_cache.dtype],
             qf.stride(0), int(self.portable_decode), scale)
-        if self._ops.pdmesh_paged_decode(ctypes.byref(args)) != 0:
-            raise MemoryError("paged decode attention: no memory for its scratch")
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return args, out, qf
 
     def sink_attention_decode(
         self, q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | None,
@@ -540,6 +655,9 @@ def _cpu_ops() -> ctypes.CDLL | None:
     if hasattr(lib, "pdmesh_paged_decode"):
         lib.pdmesh_paged_decode.argtypes = [ctypes.POINTER(_PagedDecodeArgs)]
         lib.pdmesh_paged_decode.restype = ctypes.c_int
+    if hasattr(lib, "pdmesh_paged_prefill"):
+        lib.pdmesh_paged_prefill.argtypes = [ctypes.POINTER(_PagedPrefillArgs)]
+        lib.pdmesh_paged_prefill.restype = ctypes.c_int
     if hasattr(lib, "pdmesh_sink_decode"):
         lib.pdmesh_sink_decode.argtypes = [ctypes.POINTER(_SinkDecodeArgs)]
         lib.pdmesh_sink_decode.restype = ctypes.c_int

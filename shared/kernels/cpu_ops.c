@@ -7,6 +7,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Normalise each row (sum over j) of an n x n matrix a: a / (sum + eps). */
 static void rows_f32(float *a, int64_t n, float eps) {
@@ -389,17 +390,21 @@ static inline void widen_row(const void *cache, const float *scales, int64_t dty
 
 /* A chunk of one KV head's keys: row t of K at element t * ks from k, of V at t * vs from
  * v, of `dtype` (a block's rows in the cache itself, or rows widened into scratch:
- * KV_F32); an int8 chunk's scales at t * ss from k_scale / v_scale. */
+ * KV_F32); an int8 chunk's scales at t * ss from k_scale / v_scale; `pos`: its first
+ * key's position in the sequence. */
 typedef struct {
     const void *k, *v;
     const float *k_scale, *v_scale;
-    int64_t ks, vs, ss, n, dtype;
+    int64_t ks, vs, ss, n, dtype, pos;
 } kv_chunk;
 
 /* A task's scratch: per query head the chunk's scores, an accumulator, the running
- * maximum, sum and last rescaling; then a chunk's K and V rows where they are widened. */
+ * maximum, sum and last rescaling; then a chunk's K and V rows where they are widened.
+ * `lim`: NULL, or per query row the keys it sees (a causal prefill row: the keys before
+ * it and its own), for a chunk that some row stops inside. */
 typedef struct {
     float *s, *acc, *m, *l, *alpha, *kbuf, *vbuf;
+    const int64_t *lim;
 } decode_scratch;
 
 /* Floats of scratch a task needs. */
@@ -416,6 +421,7 @@ static decode_scratch scratch(const paged_decode_args *a, float *work) {
     w.alpha = w.l + a->h;
     w.kbuf = w.alpha + a->h;
     w.vbuf = w.kbuf + CHUNK_KEYS * a->d;
+    w.lim = NULL;
     return w;
 }
 
@@ -439,6 +445,14 @@ static void finish_heads(const paged_decode_args *a, const decode_scratch *w, in
     }
 }
 
+/* Keys of chunk c that query row j sees (all n but where w->lim stops it inside). */
+static inline int64_t seen(const decode_scratch *w, const kv_chunk *c, int64_t j) {
+    if (w->lim == NULL)
+        return c->n;
+    const int64_t k = w->lim[j] - c->pos;
+    return k < 0 ? 0 : k < c->n ? k : c->n;
+}
+
 /* One chunk of one KV head: its keys' scores for the G query heads j0.. of the head, the
  * running maxima and sums brought up to date, the values added into the accumulators.
  * Each ISA path is one of these, with the cache dtypes it reads in place. */
@@ -455,7 +469,10 @@ static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
     for (int64_t j = j0; j < j0 + g; j++) {
         const float *qj = q + j * d;
         float *sj = w->s + j * CHUNK_KEYS, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
+        const int64_t nv = seen(w, c, j); /* (the scores past it weigh 0) */
+        for (int64_t t = nv; t < n; t++)
+            sj[t] = 0.0f;
+        for (int64_t t = 0; t < nv; t++) {
             const float *k = kc + t * c->ks;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -465,7 +482,7 @@ static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
             top = sj[t] > top ? sj[t] : top;
         }
         const float alpha = expf(w->m[j] - top); /* 0 at the first chunk (m = -inf) */
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = 0; t < nv; t++) {
             sj[t] = expf(sj[t] - top);
             sum += sj[t];
         }
@@ -497,7 +514,7 @@ static kv_chunk cache_chunk(const paged_decode_args *a, const int32_t *table, in
                         (const char *)a->v + row * a->v_row * e,
                         a->k_scale ? a->k_scale + row : NULL,
                         a->v_scale ? a->v_scale + row : NULL,
-                        a->kvh * a->d, a->kvh * a->v_row, a->kvh, n, a->dtype};
+                        a->kvh * a->d, a->kvh * a->v_row, a->kvh, n, a->dtype, start};
     return c;
 }
 
@@ -516,7 +533,7 @@ static kv_chunk widened_chunk(const paged_decode_args *a, const decode_scratch *
                       w->vbuf + t * a->vd);
     }
     const kv_chunk c = {w->kbuf, shared ? w->kbuf : w->vbuf, NULL, NULL,
-                        a->d, shared ? a->d : a->vd, 0, n, KV_F32};
+                        a->d, shared ? a->d : a->vd, 0, n, KV_F32, start};
     return c;
 }
 
@@ -533,6 +550,21 @@ static inline void prefetch_chunk(const paged_decode_args *a, const int32_t *tab
         __builtin_prefetch((const char *)c.k + o, 0, 3);
     for (int64_t o = 0; !shared && o < span * a->v_row * e; o += 64)
         __builtin_prefetch((const char *)c.v + o, 0, 3);
+}
+
+/* The rows of KV head `head` alone of a chunk at `start` asked for ahead of use (a
+ * prefill tile's: one head's rows lie KVH rows apart). */
+__attribute__((always_inline))
+static inline void prefetch_rows(const paged_decode_args *a, const int32_t *table,
+                                 int64_t start, int64_t n, int64_t head) {
+    const kv_chunk c = cache_chunk(a, table, start, n, head);
+    const int64_t e = dtype_bytes(a->dtype);
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t o = 0; o < a->d * e; o += 64)
+            __builtin_prefetch((const char *)c.k + t * c.ks * e + o, 0, 3);
+        for (int64_t o = 0; c.k != c.v && o < a->vd * e; o += 64)
+            __builtin_prefetch((const char *)c.v + t * c.vs * e + o, 0, 3);
+    }
 }
 
 /* Keys of the chunk at `start`: up to CHUNK_KEYS, within one block when read in place. */
@@ -740,19 +772,21 @@ static inline void chunk_softmax(const decode_scratch *w, const kv_chunk *c, int
     const int64_t n = c->n;
     for (int64_t j = j0; j < j0 + g; j++) {
         float *sj = w->s + j * CHUNK_KEYS;
+        const int64_t nv = seen(w, c, j); /* (the scores past it weigh 0) */
         __m512 top16 = _mm512_set1_ps(w->m[j]);
-        for (int64_t t = 0; t < n; t += 16)
-            top16 = _mm512_mask_max_ps(top16, lanes(n - t), top16,
-                                       _mm512_maskz_loadu_ps(lanes(n - t), sj + t));
+        for (int64_t t = 0; t < nv; t += 16)
+            top16 = _mm512_mask_max_ps(top16, lanes(nv - t), top16,
+                                       _mm512_maskz_loadu_ps(lanes(nv - t), sj + t));
         const float top = _mm512_reduce_max_ps(top16);
         const float alpha = expf(w->m[j] - top); /* 0 at the first chunk (m = -inf) */
         __m512 total = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 16) {
-            const __mmask16 mt = lanes(n - t);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sj + t),
-                                                  _mm512_set1_ps(top)));
+            const __mmask16 mt = lanes(n - t), mv = lanes(nv - t);
+            const __m512 e = _mm512_maskz_mov_ps(
+                mv, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mt, sj + t),
+                                         _mm512_set1_ps(top))));
             _mm512_mask_storeu_ps(sj + t, mt, e);
-            total = _mm512_mask_add_ps(total, mt, total, e);
+            total = _mm512_add_ps(total, e);
         }
         w->l[j] = w->l[j] * alpha + _mm512_reduce_add_ps(total);
         w->m[j] = top;
@@ -805,7 +839,7 @@ static inline kv_chunk widen_typed(const paged_decode_args *a, const decode_scra
         }
     }
     const kv_chunk f = {w->kbuf, shared ? w->kbuf : w->vbuf, NULL, NULL,
-                        a->d, shared ? a->d : a->vd, 0, c->n, KV_F32};
+                        a->d, shared ? a->d : a->vd, 0, c->n, KV_F32, c->pos};
     return f;
 }
 
@@ -870,6 +904,334 @@ int pdmesh_paged_decode(const paged_decode_args *a) {
         }
         free(work);
     }
+    return failed ? -1 : 0;
+}
+
+/* -- prompt chunks after their context ------------------------------------------------
+ *
+ * Chunked prefill, a prompt whose prefix was cached, speculative verification: query i
+ * of a sequence with `len` keys and `ql` queries sees keys [0, len - ql + i] (causal; its
+ * own K / V are in the cache already). A task is a tile of a sequence's consecutive
+ * queries for one KV head: their query heads of that KV head, about PREFILL_ROWS rows,
+ * go through the decode chunk steps as one KV head's query heads would, so each K / V
+ * chunk is read from the cache once for the whole tile; in the chunks where some row's
+ * keys end, the keys past its own weigh nothing.
+ */
+#ifndef PREFILL_ROWS
+#define PREFILL_ROWS 64
+#endif
+
+typedef struct {
+    paged_decode_args base; /* q [T, H, D] (rows q_stride apart), out [T, H, VD]; b, tables
+                             * and lens: the listed sequences */
+    const int32_t *qstart;  /* [b] each listed sequence's first row of q and out */
+    const int32_t *qlens;   /* [b] its queries */
+} paged_prefill_args;
+
+/* Queries a tile takes. */
+static int64_t tile_queries(const paged_decode_args *a) {
+    const int64_t g = a->h / a->kvh;
+    return g >= PREFILL_ROWS ? 1 : PREFILL_ROWS / g;
+}
+
+/* A tile of `rows` query rows as the chunk steps see them: one KV head's query heads. */
+static paged_decode_args tile_view(const paged_decode_args *a, int64_t rows) {
+    paged_decode_args v = *a;
+    v.h = rows;
+    v.kvh = 1;
+    return v;
+}
+
+/* A tile's query rows rounded up to whole vectors of 16 (the AVX-512 path's lanes). */
+static int64_t tile_lanes(int64_t rows) {
+    return (rows + 15) / 16 * 16;
+}
+
+/* Floats of scratch a task needs, for either path: each row's key limit (an int64_t, two
+ * floats' room), then the chunk steps' scratch and the tile's query rows (portable), or
+ * the AVX-512 path's transposed tiles (prefill_tile_avx512). */
+static int64_t prefill_work(const paged_decode_args *a) {
+    const int64_t rows = tile_queries(a) * (a->h / a->kvh), lanes16 = tile_lanes(rows);
+    const paged_decode_args v = tile_view(a, rows);
+    const int64_t portable = decode_work(&v) + rows * a->d;
+    const int64_t avx512 = (a->d + CHUNK_KEYS + a->vd + 3) * lanes16
+                           + CHUNK_KEYS * (a->d + a->vd);
+    return 2 * lanes16 + (portable > avx512 ? portable : avx512);
+}
+
+/* The keys a task's tile reads (its last query's), and the key limit of each of its
+ * rows (row r: query p0 + r / g); pad rows up to `upto` see every key. */
+static int64_t tile_limits(const paged_prefill_args *p, int64_t seq, int64_t p0, int64_t p1,
+                           int64_t upto, int64_t *lim) {
+    const paged_decode_args *a = &p->base;
+    const int64_t g = a->h / a->kvh, ctx = a->lens[seq] - p->qlens[seq];
+    for (int64_t r = 0; r < upto; r++)
+        lim[r] = r < (p1 - p0) * g ? ctx + p0 + r / g + 1 : ctx + p1;
+    return ctx + p1;
+}
+
+/* The portable path: queries [p0, p1) of listed sequence `seq`, KV head `head`, through
+ * the decode chunk steps. */
+static void prefill_task(const paged_prefill_args *p, chunk_step step, int in_place,
+                         int64_t seq, int64_t head, int64_t p0, int64_t p1, float *work) {
+    const paged_decode_args *a = &p->base;
+    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, rows = (p1 - p0) * g;
+    const int32_t *table = a->tables + seq * a->table_stride;
+    const paged_decode_args v = tile_view(a, rows);
+    int64_t *lim = (int64_t *)work;
+    const int64_t keys = tile_limits(p, seq, p0, p1, rows, lim);
+    decode_scratch w = scratch(&v, work + 2 * tile_lanes(rows));
+    float *q = (float *)w.vbuf + CHUNK_KEYS * vd; /* [rows, d]: query i's heads, i + 1's */
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(q + r * d, a->q + (p->qstart[seq] + p0 + r / g) * a->q_stride
+                              + (head * g + r % g) * d, (size_t)d * sizeof(float));
+    start_heads(&v, &w, 0, rows);
+    const int64_t every_row = lim[0]; /* keys the tile's first row sees, and so all */
+    if (in_place && keys > 0)
+        prefetch_chunk(a, table, 0, chunk_len(a, 0, keys, 1), head, head + 1);
+    for (int64_t start = 0, n; start < keys; start += n) {
+        n = chunk_len(a, start, keys, in_place);
+        if (in_place && start + n < keys)
+            prefetch_chunk(a, table, start + n, chunk_len(a, start + n, keys, 1), head,
+                           head + 1);
+        const kv_chunk c = in_place ? cache_chunk(a, table, start, n, head)
+                                    : widened_chunk(a, &w, table, start, n, head);
+        w.lim = start + n > every_row ? lim : NULL;
+        step(&v, &w, &c, q, 0);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = a->out + ((p->qstart[seq] + p0 + r / g) * a->h + head * g + r % g) * vd;
+        const float inv = 1.0f / w.l[r];
+        for (int64_t i = 0; i < vd; i++)
+            dst[i] = w.acc[r * vd + i] * inv;
+    }
+}
+
+/* -- the AVX-512 path: the tile's rows in the lanes ---------------------------------
+ * The tile's queries transposed, qt [d][L] (L: rows rounded up to 16, scaled by the
+ * softmax scale), so a chunk's scores are st [t][L] = sum_i k[t][i] qt[i][*]: a key's
+ * number broadcast against 16 rows at a time, no reduction across lanes; the running
+ * maximum, sum and the output ot [vd][L] are per row, so the softmax is 16 rows a vector
+ * too. K / V rows are read in place (float32) or widened a chunk at a time. */
+
+/* st[t][c..] for keys [t0, t0 + KB) and row vectors [c, c + RV x 16). */
+AVX512_INLINE
+static inline void tile_scores(const kv_chunk *c, const float *qt, int64_t d, int64_t l,
+                               float *st, int64_t t0, int64_t col, const int kb,
+                               const int rv) {
+    __m512 acc[4][4];
+    const float *k[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < kb; t++) {
+        k[t] = (const float *)c->k + (t0 + t) * c->ks;
+#pragma GCC unroll 4
+        for (int u = 0; u < rv; u++)
+            acc[t][u] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < d; i++) {
+        __m512 q[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < rv; u++)
+            q[u] = _mm512_loadu_ps(qt + i * l + col + 16 * u);
+#pragma GCC unroll 4
+        for (int t = 0; t < kb; t++) {
+            const __m512 kt = _mm512_set1_ps(k[t][i]);
+#pragma GCC unroll 4
+            for (int u = 0; u < rv; u++)
+                acc[t][u] = _mm512_fmadd_ps(kt, q[u], acc[t][u]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < kb; t++)
+#pragma GCC unroll 4
+        for (int u = 0; u < rv; u++)
+            _mm512_storeu_ps(st + (t0 + t) * l + col + 16 * u, acc[t][u]);
+}
+
+/* ot[i..][c..] = ot * alpha + sum_t v[t][i] st[t][c..] for value dims [i0, i0 + DB) and
+ * row vectors [c, c + RV x 16). */
+AVX512_INLINE
+static inline void tile_values(const kv_chunk *c, const float *st, const float *alpha,
+                               int64_t l, float *ot, int64_t i0, int64_t col, const int db,
+                               const int rv) {
+    __m512 acc[4][4], al[4];
+#pragma GCC unroll 4
+    for (int u = 0; u < rv; u++)
+        al[u] = _mm512_loadu_ps(alpha + col + 16 * u);
+#pragma GCC unroll 4
+    for (int i = 0; i < db; i++)
+#pragma GCC unroll 4
+        for (int u = 0; u < rv; u++)
+            acc[i][u] = _mm512_mul_ps(_mm512_loadu_ps(ot + (i0 + i) * l + col + 16 * u), al[u]);
+    const float *v = (const float *)c->v + i0;
+    for (int64_t t = 0; t < c->n; t++, v += c->vs) {
+        __m512 p[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < rv; u++)
+            p[u] = _mm512_loadu_ps(st + t * l + col + 16 * u);
+#pragma GCC unroll 4
+        for (int i = 0; i < db; i++) {
+            const __m512 vi = _mm512_set1_ps(v[i]);
+#pragma GCC unroll 4
+            for (int u = 0; u < rv; u++)
+                acc[i][u] = _mm512_fmadd_ps(vi, p[u], acc[i][u]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < db; i++)
+#pragma GCC unroll 4
+        for (int u = 0; u < rv; u++)
+            _mm512_storeu_ps(ot + (i0 + i) * l + col + 16 * u, acc[i][u]);
+}
+
+/* The row vectors [col, col + rv x 16) of a chunk: scores, softmax, values. */
+AVX512_INLINE
+static inline void tile_chunk(const kv_chunk *c, const float *qt, int64_t d, int64_t vd,
+                              int64_t l, float *st, float *ot, float *m, float *sum,
+                              float *alpha, const int32_t *lim, int64_t col, const int rv) {
+    const int64_t n = c->n;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4)
+        tile_scores(c, qt, d, l, st, t, col, 4, rv);
+    for (; t < n; t++)
+        tile_scores(c, qt, d, l, st, t, col, 1, rv);
+    for (int u = 0; u < rv; u++) {
+        const int64_t at = col + 16 * u;
+        const __m512i lim16 = _mm512_loadu_si512(lim + at);
+        const __m512 old = _mm512_loadu_ps(m + at);
+        __m512 top = old;
+        for (t = 0; t < n; t++) {
+            const __mmask16 seen = _mm512_cmpgt_epi32_mask(lim16,
+                                                           _mm512_set1_epi32((int)(c->pos + t)));
+            top = _mm512_mask_max_ps(top, seen, top, _mm512_loadu_ps(st + t * l + at));
+        }
+        __m512 total = _mm512_setzero_ps();
+        for (t = 0; t < n; t++) {
+            const __mmask16 seen = _mm512_cmpgt_epi32_mask(lim16,
+                                                           _mm512_set1_epi32((int)(c->pos + t)));
+            const __m512 e = _mm512_maskz_mov_ps(
+                seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + t * l + at), top)));
+            _mm512_storeu_ps(st + t * l + at, e);
+            total = _mm512_add_ps(total, e);
+        }
+        /* (the first chunk: old is -inf, alpha ~0 against an accumulator of 0) */
+        const __m512 a16 = exp512(_mm512_sub_ps(old, top));
+        _mm512_storeu_ps(alpha + at, a16);
+        _mm512_storeu_ps(sum + at, _mm512_fmadd_ps(_mm512_loadu_ps(sum + at), a16, total));
+        _mm512_storeu_ps(m + at, top);
+    }
+    int64_t i = 0;
+    for (; i + 4 <= vd; i += 4)
+        tile_values(c, st, alpha, l, ot, i, col, 4, rv);
+    for (; i < vd; i++)
+        tile_values(c, st, alpha, l, ot, i, col, 1, rv);
+}
+
+AVX512
+static void prefill_task_avx512(const paged_prefill_args *p, int64_t seq, int64_t head,
+                                int64_t p0, int64_t p1, float *work) {
+    const paged_decode_args *a = &p->base;
+    const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, rows = (p1 - p0) * g;
+    const int64_t l = tile_lanes(rows);
+    const int32_t *table = a->tables + seq * a->table_stride;
+    int64_t *lim64 = (int64_t *)work;
+    const int64_t keys = tile_limits(p, seq, p0, p1, l, lim64);
+    int32_t *lim = (int32_t *)lim64; /* (narrowed in place: a key count fits) */
+    for (int64_t r = 0; r < l; r++)
+        lim[r] = (int32_t)lim64[r];
+    float *qt = work + 2 * l, *st = qt + d * l, *ot = st + CHUNK_KEYS * l, *m = ot + vd * l;
+    float *sum = m + l, *alpha = sum + l;
+    decode_scratch w = {0};
+    w.kbuf = alpha + l;
+    w.vbuf = w.kbuf + CHUNK_KEYS * d;
+    for (int64_t r = 0; r < l; r++) {
+        const float *src = a->q + (p->qstart[seq] + p0 + r / g) * a->q_stride
+                           + (head * g + r % g) * d;
+        for (int64_t i = 0; i < d; i++)
+            qt[i * l + r] = r < rows ? src[i] * a->scale : 0.0f;
+        m[r] = -INFINITY;
+        sum[r] = 0.0f;
+    }
+    memset(ot, 0, (size_t)(vd * l) * sizeof(float));
+    /* float32 rows read in place; others widened a block's chunk at a time (blocks
+     * under 16 keys: gathered into chunks of CHUNK_KEYS) */
+    const int by_block = a->block_size >= 16, in_place = by_block && a->dtype == KV_F32;
+    for (int64_t start = 0, n; start < keys; start += n) {
+        n = chunk_len(a, start, keys, by_block);
+        if (in_place && start + n < keys)
+            prefetch_rows(a, table, start + n, chunk_len(a, start + n, keys, 1), head);
+        kv_chunk c = cache_chunk(a, table, start, n, head);
+        if (!by_block) {
+            c = widened_chunk(a, &w, table, start, n, head);
+        } else if (!in_place) {
+            if (a->dtype == KV_BF16)
+                c = widen_typed(a, &w, &c, KV_BF16);
+            else if (a->dtype == KV_F16)
+                c = widen_typed(a, &w, &c, KV_F16);
+            else
+                c = widen_typed(a, &w, &c, KV_INT8);
+        }
+        int64_t col = 0;
+        for (; col + 64 <= l; col += 64)
+            tile_chunk(&c, qt, d, vd, l, st, ot, m, sum, alpha, lim, col, 4);
+        for (; col < l; col += 16)
+            tile_chunk(&c, qt, d, vd, l, st, ot, m, sum, alpha, lim, col, 1);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = a->out + ((p->qstart[seq] + p0 + r / g) * a->h + head * g + r % g) * vd;
+        const float inv = 1.0f / sum[r];
+        for (int64_t i = 0; i < vd; i++)
+            dst[i] = ot[i * l + r] * inv;
+    }
+}
+
+/* Rows from which a tile goes through the AVX-512 path's lanes (fewer: a few queries of
+ * few query heads, as speculative verification's, which would leave most of 16 lanes
+ * empty, take the decode chunk steps; measured: 8 rows 0.8-1.2x the decode rows' time,
+ * 4 rows 1.4-1.6x, 16 rows 0.5-0.6x). */
+#ifndef LANES_FROM_ROWS
+#define LANES_FROM_ROWS 12
+#endif
+
+/* Tasks over OpenMP's threads, each tile's KV heads one after another, a sequence's last
+ * tiles (most keys) first. Returns 0, or -1 when scratch could not be allocated (out not
+ * written). */
+int pdmesh_paged_prefill(const paged_prefill_args *p) {
+    const paged_decode_args *a = &p->base;
+    const int64_t tq = tile_queries(a), need = prefill_work(a);
+    int64_t *first = (int64_t *)malloc((size_t)(a->b + 1) * sizeof(int64_t));
+    if (first == NULL)
+        return -1;
+    first[0] = 0; /* task numbers of each sequence's tiles */
+    for (int64_t s = 0; s < a->b; s++)
+        first[s + 1] = first[s] + (p->qlens[s] + tq - 1) / tq * a->kvh;
+    const int64_t tasks = first[a->b];
+    const int avx512 = avx512_path(a->portable);
+    const chunk_step step = avx512 ? chunk_avx512 : chunk_portable;
+    const int in_place = a->block_size >= 16 && (avx512 || a->dtype == KV_F32);
+    int failed = 0;
+#pragma omp parallel if (tasks > 1) reduction(| : failed)
+    {
+        float *work = (float *)malloc((size_t)need * sizeof(float));
+        failed = work == NULL;
+        int64_t seq = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (work == NULL)
+                continue;
+            while (t >= first[seq + 1] || t < first[seq]) /* (dynamic: t only grows) */
+                seq = t >= first[seq + 1] ? seq + 1 : 0;
+            const int64_t k = t - first[seq], tiles = (first[seq + 1] - first[seq]) / a->kvh;
+            const int64_t p0 = (tiles - 1 - k / a->kvh) * tq;
+            const int64_t p1 = p0 + tq < p->qlens[seq] ? p0 + tq : p->qlens[seq];
+            if (avx512 && (p1 - p0) * (a->h / a->kvh) >= LANES_FROM_ROWS)
+                prefill_task_avx512(p, seq, k % a->kvh, p0, p1, work);
+            else
+                prefill_task(p, step, in_place, seq, k % a->kvh, p0, p1, work);
+        }
+        free(work);
+    }
+    free(first);
     return failed ? -1 : 0;
 }
 

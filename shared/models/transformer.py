@@ -324,11 +324,11 @@ class CausalLM:
             if meta.is_decode:
                 o = be.paged_attention_decode_int8(q, (k_cache, v_cache), scales, meta,
                                                    self.scale)
-                return self._o_proj(w, o.reshape(t, self.q_size))
-            (k_cache, v_cache), meta = be.int8_cache_view(
-                [(k_cache, scales[0]), (v_cache, scales[1])], meta, x.dtype)
-        else:
-            be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            else:
+                o = be.paged_attention_prefill_int8(q, k, v, (k_cache, v_cache), scales, meta,
+                                                    self.scale)
+            return self._o_proj(w, o.reshape(t, self.q_size))
+        be.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = be.paged_attention_decode(q, k_cache, v_cache, meta, self.scale)
         else:
@@ -363,8 +363,6 @@ class CausalLM:
         cache, cache_scale = kv["latent"], kv.get("latent_scale")
         if cache_scale is not None:  # --kv-cache-dtype int8
             be.write_int8_cache(entry, cache, cache_scale, meta.slot_mapping)
-            if not meta.is_decode:  # (decode reads the int8 cache as it is)
-                (cache,), meta = be.int8_cache_view([(cache, cache_scale)], meta, x.dtype)
         else:
             be.write_cache(entry, cache, meta.slot_mapping)
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk).transpose(0, 1)
@@ -375,6 +373,9 @@ class CausalLM:
                                                 lat)
         elif meta.is_decode:
             o = be.latent_attention_decode(query, cache, meta, self.scale, lat)
+        elif cache_scale is not None:
+            o = be.latent_attention_prefill_int8(query, entry, cache, cache_scale, meta,
+                                                 self.scale, lat)
         else:
             o = be.latent_attention_prefill(query, entry, cache, meta, self.scale, lat)
         v = torch.bmm(o.transpose(0, 1), w.w_uv).transpose(0, 1)  # [T, H, v]

@@ -223,6 +223,71 @@ def test_decode_over_many_sequences_and_every_cache(decode_path, cache, block_si
     close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
 
 
+# prompt chunks after context of many lengths: a token after a long context, short
+# chunks (speculative verification's), chunks across several tiles of queries and blocks,
+# fresh prompts among them
+PREFILL_CTX = [0, 250, 1, 40, 0, 129, 7, 300, 16, 95, 0, 33]
+PREFILL_QUERIES = [1, 1, 3, 17, 40, 70, 100, 2, 5, 33, 24, 9]
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize(("kvh", "h", "d"),
+                         [(2, 8, 32), (1, 6, 40), (4, 4, 48), (1, 80, 16)])
+def test_prefill_over_many_sequences_and_every_cache(decode_path, cache, block_size, kvh,
+                                                     h, d):
+    """A step of prompt chunks after their context (and fresh prompts) read through the
+    block tables, every cache the engine keeps (int8 with its scales), grouped-query,
+    multi-query, one query head per KV head and more query heads than a tile's rows:
+    the reference over the same numbers."""
+    backend = decode_path
+    dtype = torch.float32 if cache == "int8" else getattr(torch, cache)
+    q, k, v, kc, vc, meta = _paged_batch(PREFILL_CTX, PREFILL_QUERIES, block_size, kvh=kvh,
+                                         h=h, d=d, dtype=dtype, seed=23)
+    dev = backend.device
+    dmeta = _to(meta, dev)
+    flat_k, flat_v = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
+    for row, slot in enumerate(meta.slot_mapping.tolist()):
+        flat_k[slot], flat_v[slot] = k[row], v[row]
+    # the query heads as the model hands them over: a slice of the step's q / k rows
+    qd = torch.cat((q, q[:, :1]), dim=1).to(dev)[:, :h]
+    backend.prepare_attention(dmeta)
+    if cache == "int8":
+        (kq, ks), (vq, vs) = backend.quantize_kv(kc.to(dev)), backend.quantize_kv(vc.to(dev))
+        out = backend.paged_attention_prefill_int8(qd, k.to(dev), v.to(dev), (kq, vq),
+                                                   (ks, vs), dmeta, d ** -0.5)
+        kc, vc = (kq.cpu().float() * ks.cpu()), (vq.cpu().float() * vs.cpu())
+    else:
+        out = backend.paged_attention_prefill(qd, k.to(dev), v.to(dev), kc.to(dev),
+                                              vc.to(dev), dmeta, d ** -0.5)
+    close(out, ref.paged_attention(q, kc, vc, meta, d ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("cache", ["float32", "int8"])
+def test_latent_prefill_over_many_sequences(decode_path, cache):
+    """MLA's absorbed prefill over one latent row per token, its values the first L dims,
+    an int8 latent cache read with its scales."""
+    backend = decode_path
+    q, k, _, kc, _, meta = _paged_batch(PREFILL_CTX, PREFILL_QUERIES, 16, kvh=1, h=16, d=80,
+                                        seed=24)
+    dev = backend.device
+    dmeta = _to(meta, dev)
+    flat = kc.view(-1, 1, 80)
+    for row, slot in enumerate(meta.slot_mapping.tolist()):
+        flat[slot] = k[row]
+    backend.prepare_attention(dmeta)
+    if cache == "int8":
+        cq, cs = backend.quantize_kv(kc.to(dev))
+        out = backend.latent_attention_prefill_int8(q.to(dev), k.to(dev), cq, cs, dmeta, 0.1,
+                                                    64)
+        kc = cq.cpu().float() * cs.cpu()
+    else:
+        out = backend.latent_attention_prefill(q.to(dev), k.to(dev), kc.to(dev), dmeta, 0.1,
+                                               64)
+    assert out.shape == (q.shape[0], 16, 64)
+    close(out, ref.paged_attention(q, kc, kc, meta, 0.1)[..., :64], torch.float32)
+
+
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
 def test_latent_decode_over_many_sequences(decode_path, cache):
     """MLA's absorbed decode (one latent row of L + R per token, values its first L) over
