@@ -87,6 +87,11 @@ class EngineCore:
     # measured (0: no such budget; a decode instance's --decode-tpot-slo-ms: the prompts
     # the gateway offloads to it are computed in chunks its decode streams can bear)
     chunk_step_ms: float = 0.0
+    # a step whose rows all decode (no prompt chunk) runs on this many torch threads,
+    # every other step on the threads the engine started with (0: every step on those;
+    # the serving loop sets it where the engine's threads take every core: decode steps
+    # leave one to the processes that carry their tokens out)
+    decode_threads: int = 0
     spec_stats: SpecStats = field(default_factory=SpecStats)
     hooks: list[StepHook] = field(default_factory=list)  # in the order they run
     # parallel ranks: the other tensor-parallel ranks (rank 0 drives them), the engines'
@@ -102,6 +107,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._needs_hidden = self.proposer is not None and self.proposer.needs_hidden
+        self._all_threads = 0  # (read at the first step that sets its threads)
 
     @property
     def proposer(self) -> Proposer | None:
@@ -243,6 +249,8 @@ class EngineCore:
             self.idle_step()
             return saved + handed_back
         step = StepRecord(sched, started)
+        if self.decode_threads:
+            self._set_step_threads(step)
         logits = self._execute(step)
         self._score_prompts()
         step.tokens = self._sample(sched, logits, step.sample_idx)
@@ -254,6 +262,12 @@ class EngineCore:
         for hook in self.hooks:
             hook.updated(step)
         return saved + step.outputs() + handed_back
+
+    def _set_step_threads(self, step: StepRecord) -> None:
+        self._all_threads = self._all_threads or torch.get_num_threads()
+        n = self.decode_threads if not step.prompt_tokens else self._all_threads
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     def measure_step_costs(self, prompt_tokens: int = 128, new_tokens: int = 3) -> None:
         """Before serving: a prompt of random tokens computed in one step and a few

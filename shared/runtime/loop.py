@@ -17,10 +17,11 @@ with an UNAVAILABLE error (its caller continues elsewhere).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from pdmesh.shared.engine.request import Request, RequestStatus
@@ -46,6 +47,9 @@ if TYPE_CHECKING:  # (the gRPC edge processes import the runtime without torch)
 log = logging.getLogger(__name__)
 
 LOAD_EVERY_S = 0.1  # how often the loop publishes its load while it runs
+# cores an engine whose threads take all of them leaves, while it decodes, to the processes
+# that carry its tokens out (its gRPC edge, a gateway, the clients of one box); 0: none
+FREE_CORES_ENV = "PDMESH_DECODE_FREE_CORES"
 YIELD_POLL_S = 0.002  # a yielding decode engine looks this often whether prefill is done
 
 
@@ -194,11 +198,14 @@ class EngineLoop:
         """Step in the calling thread until stopped. Call it from the main thread: torch's
         OpenMP kernels ran ~3x slower when stepping from a helper thread."""
         self.engine.grammars.prepare()  # (not on the step loop at the first grammar)
-        if self.cores is not None and not self._full_threads:
-            import torch
+        import torch
 
+        if self.cores is not None and not self._full_threads:
             self._full_threads = torch.get_num_threads()
         self._threads = self._full_threads
+        if self.cores is None and not self.engine.lockstep and self.engine.tp_ranks is None:
+            self.engine.decode_threads = decode_threads(torch.get_num_threads(),
+                                                        usable_cores(), os.environ)
         self._publish(force=True)
         if self.engine.lockstep:
             self._run_lockstep()
@@ -423,3 +430,32 @@ def _delta(req: Request, tokens: list[int], finished: bool) -> TokenDelta:
         return TokenDelta(req.request_id, tokens, cached, lps, prompt_logprobs=prompt)
     return TokenDelta(req.request_id, tokens, cached, lps, req.finish_reason,
                       req.stop_reason, list(req.kv_keys), req.timing(), prompt_logprobs=prompt)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
+def decode_threads(threads: int, cores: int, environ: Mapping[str, str]) -> int:
+    """The torch threads an engine decodes on (EngineCore.decode_threads; 0: its own).
+
+    Measured (docs/benchmarks.md, issue 40, session 27): a mixed instance on 2 cores
+    stepping its decode steps on both had TPOT 1.2-1.8x that of one thread, the tokens
+    computed in time and then waiting for a core to reach the client, while its prompt
+    steps want both. So where the engine's threads take every core it may run on, its
+    decode steps leave ``PDMESH_DECODE_FREE_CORES`` (1) of them, as vLLM's CPU worker
+    keeps one for its frontend all the time; prompt steps use all."""
+    raw = environ.get(FREE_CORES_ENV, "")
+    try:
+        free = int(raw or 1)
+    except ValueError:
+        raise ValueError(f"{FREE_CORES_ENV}: expected a whole number, got {raw!r}") from None
+    if free < 0:
+        raise ValueError(f"{FREE_CORES_ENV}: must be >= 0, got {raw!r}")
+    if not free or threads < cores or threads <= 1:
+        return 0
+    return max(1, threads - free)
