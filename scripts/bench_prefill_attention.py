@@ -42,7 +42,8 @@ def main() -> None:
         raise SystemExit("--context and --queries list the same sequences")
     be = CPUBackend(torch.device("cpu"))
     if not be._paged_prefill:
-        raise SystemExit("this build has no C paged prefill kernel (cpu_ops.c)")
+        raise SystemExit("no C paged prefill kernel here (cpu_ops.c: not built, or a CPU "
+                         "without AVX-512)")
     g = torch.Generator().manual_seed(0)
     bs, dtype = a.block_size, CACHES[a.cache]
     lens = ctx + qlens

@@ -7,12 +7,12 @@ longest sequence, no mask:
 
 - decode (one new token per sequence): the query heads of a KV head together;
 - prefill (fresh prompts, chunks after their context, speculative verification's few
-  tokens): tiles of a sequence's queries, every query head of a KV head in the lanes,
-  each K / V chunk read once per tile, causal within the chunk.
+  tokens), where the CPU has AVX-512: tiles of a sequence's queries, every query head of
+  a KV head in the lanes, each K / V chunk read once per tile, causal within the chunk.
 
-Where the kernels are not built (no C compiler), a cache they cannot read, or on the cuda
-backend, attention reads each sequence's keys as a dense [B, KVH, L, D] view and runs
-torch's fused scaled-dot-product attention:
+Where the kernels are not built (no C compiler), a cache they cannot read, prefill on a
+CPU without AVX-512, or on the cuda backend, attention reads each sequence's keys as a
+dense [B, KVH, L, D] view and runs torch's fused scaled-dot-product attention:
 
 - a lone sequence whose blocks are consecutive is a plain slice of the cache (no copy);
 - decode steps read a mirror of the batch's keys carried over from the previous step,
@@ -108,10 +108,13 @@ class CPUBackend(KernelBackend):
         # memory only (the cuda backend decodes through the dense path below)
         self._paged = (device.type == "cpu" and self._ops is not None
                        and hasattr(self._ops, "pdmesh_paged_decode"))
-        # prompt chunks after their context read the cache in place too (an older build:
-        # gathered, as below)
-        self._paged_prefill = self._paged and hasattr(self._ops, "pdmesh_paged_prefill")
-        self.portable_decode = False  # True: its portable path where AVX-512 is (tests)
+        # prefill attention read in place too, where the CPU has AVX-512 (without it the
+        # kernel's chunk steps alone measured 2.7-5x torch's SDPA: the path below stays)
+        self._paged_prefill = (self._paged and hasattr(self._ops, "pdmesh_paged_prefill")
+                               and bool(self._ops.pdmesh_paged_prefill_supported()))
+        # True: the paths a CPU without AVX-512 takes, where it has them (tests): the decode
+        # kernel's portable chunk steps, torch's prefill attention
+        self.portable_decode = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -245,7 +248,7 @@ class CPUBackend(KernelBackend):
                 self._plan_dense_decode(meta, tables, seq_lens)
             return
         qlens = np.asarray(meta.query_lens_host)
-        if self._paged_prefill:
+        if self._paged_prefill and not self.portable_decode:
             # every sequence's queries over the cache in place, one C call for the step
             # (cpu_ops.c: tiles of queries, each K / V chunk read once per tile)
             state["paged_prefill"] = (
@@ -658,6 +661,7 @@ def _cpu_ops() -> ctypes.CDLL | None:
     if hasattr(lib, "pdmesh_paged_prefill"):
         lib.pdmesh_paged_prefill.argtypes = [ctypes.POINTER(_PagedPrefillArgs)]
         lib.pdmesh_paged_prefill.restype = ctypes.c_int
+        lib.pdmesh_paged_prefill_supported.restype = ctypes.c_int
     if hasattr(lib, "pdmesh_sink_decode"):
         lib.pdmesh_sink_decode.argtypes = [ctypes.POINTER(_SinkDecodeArgs)]
         lib.pdmesh_sink_decode.restype = ctypes.c_int

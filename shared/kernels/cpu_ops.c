@@ -469,10 +469,7 @@ static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
     for (int64_t j = j0; j < j0 + g; j++) {
         const float *qj = q + j * d;
         float *sj = w->s + j * CHUNK_KEYS, *aj = w->acc + j * vd, top = w->m[j], sum = 0.0f;
-        const int64_t nv = seen(w, c, j); /* (the scores past it weigh 0) */
-        for (int64_t t = nv; t < n; t++)
-            sj[t] = 0.0f;
-        for (int64_t t = 0; t < nv; t++) {
+        for (int64_t t = 0; t < n; t++) {
             const float *k = kc + t * c->ks;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -482,7 +479,7 @@ static void chunk_portable(const paged_decode_args *a, const decode_scratch *w,
             top = sj[t] > top ? sj[t] : top;
         }
         const float alpha = expf(w->m[j] - top); /* 0 at the first chunk (m = -inf) */
-        for (int64_t t = 0; t < nv; t++) {
+        for (int64_t t = 0; t < n; t++) {
             sj[t] = expf(sj[t] - top);
             sum += sj[t];
         }
@@ -970,10 +967,10 @@ static int64_t tile_limits(const paged_prefill_args *p, int64_t seq, int64_t p0,
     return ctx + p1;
 }
 
-/* The portable path: queries [p0, p1) of listed sequence `seq`, KV head `head`, through
- * the decode chunk steps. */
-static void prefill_task(const paged_prefill_args *p, chunk_step step, int in_place,
-                         int64_t seq, int64_t head, int64_t p0, int64_t p1, float *work) {
+/* A tile of few rows (under LANES_FROM_ROWS): queries [p0, p1) of listed sequence `seq`,
+ * KV head `head`, through the decode kernel's AVX-512 chunk steps. */
+static void prefill_task(const paged_prefill_args *p, int in_place, int64_t seq,
+                         int64_t head, int64_t p0, int64_t p1, float *work) {
     const paged_decode_args *a = &p->base;
     const int64_t g = a->h / a->kvh, d = a->d, vd = a->vd, rows = (p1 - p0) * g;
     const int32_t *table = a->tables + seq * a->table_stride;
@@ -997,7 +994,7 @@ static void prefill_task(const paged_prefill_args *p, chunk_step step, int in_pl
         const kv_chunk c = in_place ? cache_chunk(a, table, start, n, head)
                                     : widened_chunk(a, &w, table, start, n, head);
         w.lim = start + n > every_row ? lim : NULL;
-        step(&v, &w, &c, q, 0);
+        chunk_avx512(&v, &w, &c, q, 0);
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dst = a->out + ((p->qstart[seq] + p0 + r / g) * a->h + head * g + r % g) * vd;
@@ -1195,11 +1192,19 @@ static void prefill_task_avx512(const paged_prefill_args *p, int64_t seq, int64_
 #define LANES_FROM_ROWS 12
 #endif
 
+/* The CPU runs this kernel (AVX-512: its lanes path; without it, the decode chunk steps
+ * alone measured 2.7-5x torch's SDPA, so the caller keeps torch's path there). */
+int pdmesh_paged_prefill_supported(void) {
+    return avx512_path(0);
+}
+
 /* Tasks over OpenMP's threads, each tile's KV heads one after another, a sequence's last
- * tiles (most keys) first. Returns 0, or -1 when scratch could not be allocated (out not
- * written). */
+ * tiles (most keys) first. Returns 0, -1 when scratch could not be allocated, or -2 on a
+ * CPU without AVX-512 (pdmesh_paged_prefill_supported); out not written then. */
 int pdmesh_paged_prefill(const paged_prefill_args *p) {
     const paged_decode_args *a = &p->base;
+    if (!avx512_path(0))
+        return -2;
     const int64_t tq = tile_queries(a), need = prefill_work(a);
     int64_t *first = (int64_t *)malloc((size_t)(a->b + 1) * sizeof(int64_t));
     if (first == NULL)
@@ -1208,9 +1213,7 @@ int pdmesh_paged_prefill(const paged_prefill_args *p) {
     for (int64_t s = 0; s < a->b; s++)
         first[s + 1] = first[s] + (p->qlens[s] + tq - 1) / tq * a->kvh;
     const int64_t tasks = first[a->b];
-    const int avx512 = avx512_path(a->portable);
-    const chunk_step step = avx512 ? chunk_avx512 : chunk_portable;
-    const int in_place = a->block_size >= 16 && (avx512 || a->dtype == KV_F32);
+    const int in_place = a->block_size >= 16;
     int failed = 0;
 #pragma omp parallel if (tasks > 1) reduction(| : failed)
     {
@@ -1226,10 +1229,10 @@ int pdmesh_paged_prefill(const paged_prefill_args *p) {
             const int64_t k = t - first[seq], tiles = (first[seq + 1] - first[seq]) / a->kvh;
             const int64_t p0 = (tiles - 1 - k / a->kvh) * tq;
             const int64_t p1 = p0 + tq < p->qlens[seq] ? p0 + tq : p->qlens[seq];
-            if (avx512 && (p1 - p0) * (a->h / a->kvh) >= LANES_FROM_ROWS)
+            if ((p1 - p0) * (a->h / a->kvh) >= LANES_FROM_ROWS)
                 prefill_task_avx512(p, seq, k % a->kvh, p0, p1, work);
             else
-                prefill_task(p, step, in_place, seq, k % a->kvh, p0, p1, work);
+                prefill_task(p, in_place, seq, k % a->kvh, p0, p1, work);
         }
         free(work);
     }

@@ -254,9 +254,11 @@ def test_prefill_over_many_sequences_and_every_cache(decode_path, cache, block_s
     backend.prepare_attention(dmeta)
     if cache == "int8":
         (kq, ks), (vq, vs) = backend.quantize_kv(kc.to(dev)), backend.quantize_kv(vc.to(dev))
+        kc, vc = (kq.cpu().float() * ks.cpu()), (vq.cpu().float() * vs.cpu())
+        # this step's k / v as the cache holds them (a fresh prompt may read either)
+        k, v = (c.view(-1, kvh, d)[meta.slot_mapping] for c in (kc, vc))
         out = backend.paged_attention_prefill_int8(qd, k.to(dev), v.to(dev), (kq, vq),
                                                    (ks, vs), dmeta, d ** -0.5)
-        kc, vc = (kq.cpu().float() * ks.cpu()), (vq.cpu().float() * vs.cpu())
     else:
         out = backend.paged_attention_prefill(qd, k.to(dev), v.to(dev), kc.to(dev),
                                               vc.to(dev), dmeta, d ** -0.5)
@@ -278,9 +280,10 @@ def test_latent_prefill_over_many_sequences(decode_path, cache):
     backend.prepare_attention(dmeta)
     if cache == "int8":
         cq, cs = backend.quantize_kv(kc.to(dev))
+        kc = cq.cpu().float() * cs.cpu()
+        k = kc.view(-1, 1, 80)[meta.slot_mapping]  # (this step's entries as the cache holds them)
         out = backend.latent_attention_prefill_int8(q.to(dev), k.to(dev), cq, cs, dmeta, 0.1,
                                                     64)
-        kc = cq.cpu().float() * cs.cpu()
     else:
         out = backend.latent_attention_prefill(q.to(dev), k.to(dev), kc.to(dev), dmeta, 0.1,
                                                64)
