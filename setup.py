@@ -33,7 +33,7 @@ BIND_SHIM = Extension("pdmesh.shared.infra._bindhost", ["shared/infra/bindhost.c
                       libraries=["dl"], optional=True)
 
 # Not a Python module either: small C kernels the cpu backend calls through ctypes
-# (shared/kernels/cpu.py). Optional too: without them it runs the same math as torch ops.
+# (shared/kernels/cpu_ops.py). Optional too: without them it runs the same math as torch ops.
 # OpenMP: loaded after torch, it binds to the libgomp torch has loaded (one thread pool);
 # no fused multiply-add contraction, so activations round exactly as torch rounds them.
 CPU_OPS = Extension("pdmesh.shared.kernels._cpu_ops", ["shared/kernels/cpu_ops.c"],

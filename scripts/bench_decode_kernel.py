@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from pdmesh.shared.kernels.base import AttentionMetadata
-from pdmesh.shared.kernels.cpu import CPUBackend, _PagedDecodeArgs
+from pdmesh.shared.kernels.cpu import CPUBackend
+from pdmesh.shared.kernels.cpu_ops import PagedDecodeArgs
 
 CACHES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.int8}
@@ -51,7 +52,7 @@ def main() -> None:
     libs = {"installed": be._ops}
     for path in filter(None, a.libs.split(",")):
         lib = ctypes.CDLL(path)
-        lib.pdmesh_paged_decode.argtypes = [ctypes.POINTER(_PagedDecodeArgs)]
+        lib.pdmesh_paged_decode.argtypes = [ctypes.POINTER(PagedDecodeArgs)]
         lib.pdmesh_paged_decode.restype = ctypes.c_int
         libs[path] = lib
     if a.libs:

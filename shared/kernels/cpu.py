@@ -31,19 +31,18 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.util
 import logging
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdmesh.shared.kernels import cpu_ops
 from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
 from pdmesh.shared.kernels.quant import FP8_BLOCK, QuantExperts, QuantLinear
 
 log = logging.getLogger(__name__)
-CPU_OPS_MODULE = "pdmesh.shared.kernels._cpu_ops"
 # A step whose sequences each compute at most this many tokens (one and up to 16 drafts
 # to verify) attends as decode rows, one per token, in one batched call; while the rows
 # times the longest sequence stay below AS_DECODE_MAX_KEYS (the gathered keys' count)
@@ -57,42 +56,6 @@ TILE_ROWS_FROM = 12
 # weight once per 4 rows; beyond this torch._int_mm's blocked GEMM is faster, measured)
 INT8_TILE = 64
 INT8_TILE_ROWS = 32
-# cache dtypes the C paged decode kernel reads (cpu_ops.c's KV_F32 ... KV_F16)
-PAGED_DECODE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3}
-
-
-class _PagedDecodeArgs(ctypes.Structure):
-    """cpu_ops.c's paged_decode_args."""
-    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
-                ("tables", ctypes.c_void_p), ("lens", ctypes.c_void_p),
-                ("out", ctypes.c_void_p),
-                *[(name, ctypes.c_int64) for name in ("b", "h", "kvh", "d", "v_row", "vd",
-                                                       "block_size", "table_stride",
-                                                       "dtype", "q_stride", "portable")],
-                ("scale", ctypes.c_float)]
-
-
-class _PagedPrefillArgs(ctypes.Structure):
-    """cpu_ops.c's paged_prefill_args."""
-    _fields_ = [("base", _PagedDecodeArgs), ("qstart", ctypes.c_void_p),
-                ("qlens", ctypes.c_void_p)]
-
-
-class _SlotSource(ctypes.Structure):
-    """cpu_ops.c's slot_source."""
-    _fields_ = [("rows", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("slots", ctypes.c_void_p), ("n", ctypes.c_int64)]
-
-
-class _SinkDecodeArgs(ctypes.Structure):
-    """cpu_ops.c's sink_decode_args."""
-    _fields_ = [("q", ctypes.c_void_p), ("src", _SlotSource * 2), ("nsrc", ctypes.c_int64),
-                ("sinks", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                *[(name, ctypes.c_int64) for name in ("b", "h", "d", "dtype", "portable")],
-                ("scale", ctypes.c_float)]
-
-
 class CPUBackend(KernelBackend):
     name = "cpu"
 
@@ -100,7 +63,7 @@ class CPUBackend(KernelBackend):
         super().__init__(device)
         _keep_freed_memory()
         self._mirror = DecodeKVMirror()
-        self._ops = _cpu_ops()
+        self._ops = cpu_ops.load()
         # the int8 / int4 kernels: AVX-512 VNNI on this CPU, and a build that has them
         self._int8 = self._ops is not None and hasattr(
             self._ops, "pdmesh_int8_static_linear") and bool(self._ops.pdmesh_int8_supported())
@@ -442,7 +405,7 @@ class CPUBackend(KernelBackend):
         tables, lens, qstart, qlens = meta.backend_state["paged_prefill"]
         base, out, _q = self._kernel_args(q, k_cache, v_cache, tables, lens, meta, scale,
                                           value_dim, scales)
-        args = _PagedPrefillArgs(base, qstart.ctypes.data, qlens.ctypes.data)
+        args = cpu_ops.PagedPrefillArgs(base, qstart.ctypes.data, qlens.ctypes.data)
         if self._ops.pdmesh_paged_prefill(ctypes.byref(args)) != 0:
             raise MemoryError("paged prefill attention: no memory for its scratch")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -545,7 +508,7 @@ class CPUBackend(KernelBackend):
         if caches[0].dtype == torch.int8:
             return scales is not None and all(s.dtype == torch.float32 and s.is_contiguous()
                                               for s in scales)
-        return scales is None and caches[0].dtype in PAGED_DECODE_DTYPES
+        return scales is None and caches[0].dtype in cpu_ops.PAGED_DECODE_DTYPES
 
     def _paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, value_dim: int | None = None,
@@ -572,7 +535,7 @@ class CPUBackend(KernelBackend):
                      tables: np.ndarray, lens: np.ndarray, meta: AttentionMetadata,
                      scale: float, value_dim: int | None,
                      scales: tuple[torch.Tensor, torch.Tensor] | None
-                     ) -> tuple[_PagedDecodeArgs, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[cpu_ops.PagedDecodeArgs, torch.Tensor, torch.Tensor]:
         """cpu_ops.c's paged_decode_args for query rows q [N, H, D] over the caches in
         place (the sequences ``lens`` lists, their ``tables``); the float32 output
         [N, H, value_dim] they write (the value rows' first dims, MLA's latent; else all
@@ -588,11 +551,12 @@ class CPUBackend(KernelBackend):
         out = torch.empty((n, h, vd), dtype=torch.float32)
         k_scale, v_scale = (None, None) if scales is None else (
             scales[0].data_ptr(), scales[1].data_ptr())
-        args = _PagedDecodeArgs(
+        args = cpu_ops.PagedDecodeArgs(
             qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale, v_scale,
             tables.ctypes.data, lens.ctypes.data, out.data_ptr(), len(lens), h, kvh, d,
-            v_row, vd, meta.block_size, tables.shape[1], PAGED_DECODE_DTYPES[k_cache.dtype],
-            qf.stride(0), int(self.portable_decode), scale)
+            v_row, vd, meta.block_size, tables.shape[1],
+            cpu_ops.PAGED_DECODE_DTYPES[k_cache.dtype], qf.stride(0), int(self.portable_decode),
+            scale)
         return args, out, qf
 
     def sink_attention_decode(
@@ -613,14 +577,14 @@ class CPUBackend(KernelBackend):
         out = torch.empty((b, h, d), dtype=torch.float32)
         lists = [torch.where(visible, slots, -1).to(torch.int64).contiguous()
                  for _, _, slots, visible in sources]
-        src = (_SlotSource * 2)(*[
-            _SlotSource(cache.data_ptr(), None if sc is None else sc.data_ptr(),
-                        listed.data_ptr(), listed.shape[1])
+        src = (cpu_ops.SlotSource * 2)(*[
+            cpu_ops.SlotSource(cache.data_ptr(), None if sc is None else sc.data_ptr(),
+                               listed.data_ptr(), listed.shape[1])
             for (cache, sc, _, _), listed in zip(sources, lists, strict=True)])
         sinks32 = sinks.float().contiguous()
-        args = _SinkDecodeArgs(qf.data_ptr(), src, len(sources), sinks32.data_ptr(),
-                               out.data_ptr(), b, h, d, PAGED_DECODE_DTYPES[caches[0].dtype],
-                               int(self.portable_decode), scale)
+        args = cpu_ops.SinkDecodeArgs(
+            qf.data_ptr(), src, len(sources), sinks32.data_ptr(), out.data_ptr(), b, h, d,
+            cpu_ops.PAGED_DECODE_DTYPES[caches[0].dtype], int(self.portable_decode), scale)
         if self._ops.pdmesh_sink_decode(ctypes.byref(args)) != 0:
             raise MemoryError("sink decode attention: no memory for its scratch")
         return out.to(q.dtype)
@@ -640,46 +604,6 @@ class CPUBackend(KernelBackend):
 def _additive(visible: np.ndarray, device: torch.device) -> torch.Tensor:
     """Boolean visibility -> float32 mask of 0 / -inf."""
     return torch.from_numpy(np.where(visible, np.float32(0), np.float32(-np.inf))).to(device)
-
-
-def _cpu_ops() -> ctypes.CDLL | None:
-    """The C kernels built beside this module (cpu_ops.c), or None if pdmesh was built
-    without a C compiler (said once; the torch fallback computes the same)."""
-    spec = importlib.util.find_spec(CPU_OPS_MODULE)
-    if spec is None or not spec.origin:
-        log.info("cpu backend: built without its C kernels (%s); hyper-connection "
-                 "Sinkhorn runs as torch ops", CPU_OPS_MODULE)
-        return None
-    lib = ctypes.CDLL(spec.origin)
-    fn = lib.pdmesh_hc_sinkhorn_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_float]
-    fn.restype = None
-    if hasattr(lib, "pdmesh_paged_decode"):
-        lib.pdmesh_paged_decode.argtypes = [ctypes.POINTER(_PagedDecodeArgs)]
-        lib.pdmesh_paged_decode.restype = ctypes.c_int
-    if hasattr(lib, "pdmesh_paged_prefill"):
-        lib.pdmesh_paged_prefill.argtypes = [ctypes.POINTER(_PagedPrefillArgs)]
-        lib.pdmesh_paged_prefill.restype = ctypes.c_int
-        lib.pdmesh_paged_prefill_supported.restype = ctypes.c_int
-    if hasattr(lib, "pdmesh_sink_decode"):
-        lib.pdmesh_sink_decode.argtypes = [ctypes.POINTER(_SinkDecodeArgs)]
-        lib.pdmesh_sink_decode.restype = ctypes.c_int
-    if hasattr(lib, "pdmesh_int8_static_linear"):  # (an older build: none of them)
-        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        signatures = {
-            "pdmesh_int8_pack": [ptr, i64, i64, ptr, ptr],
-            "pdmesh_int8_linear": [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
-            "pdmesh_int4_pack": [ptr, i64, i64, ptr],
-            "pdmesh_int4_linear": [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
-            "pdmesh_int8_static_linear": [ptr, i64, i64, i64, ptr, ptr, f32, f32, ptr, ptr,
-                                          ptr, ptr],
-        }
-        for name, args in signatures.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
-        lib.pdmesh_int8_supported.restype = ctypes.c_int
-    return lib
 
 
 def _keep_freed_memory() -> None:
