@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdmesh.shared.kernels import cpu_ops
+from pdmesh.shared.kernels import cpu_ops, onednn_linear
 from pdmesh.shared.kernels.base import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.decode_mirror import DecodeKVMirror
 from pdmesh.shared.kernels.quant import FP8_BLOCK, QuantExperts, QuantLinear
@@ -78,11 +78,22 @@ class CPUBackend(KernelBackend):
         # True: the paths a CPU without AVX-512 takes, where it has them (tests): the decode
         # kernel's portable chunk steps, torch's prefill attention
         self.portable_decode = False
+        # float32 projections through oneDNN, weights reordered once (onednn_linear.py)
+        self._onednn = onednn_linear.OneDNNLinears() \
+            if device.type == "cpu" and onednn_linear.available() else None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
         return super().rms_norm(x, weight, eps)
+
+    # -- float projections: oneDNN's GEMM on its blocked weights --------------------------
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantLinear,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._onednn is not None and isinstance(w, torch.Tensor) \
+                and self._onednn.usable(x, w):
+            return self._onednn.linear(x, w, bias)
+        return super().linear(x, w, bias)
 
     # -- int8 projections: VNNI tiles for a few rows, torch._int_mm for batches -------
     def prepare(self, w: QuantLinear | QuantExperts) -> QuantLinear | QuantExperts:
@@ -119,6 +130,8 @@ class CPUBackend(KernelBackend):
 
     def quant_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
         m = x.shape[0]
+        if w.scheme == FP8_BLOCK and w.packed is None:  # held dequantized: a float one
+            return self.linear(x, w.weight)
         if w.packed is None or not 0 < m <= INT8_TILE_ROWS:
             return super().quant_linear(x, w)
         k, n = w.shape
