@@ -78,7 +78,8 @@ class CPUBackend(KernelBackend):
         # True: the paths a CPU without AVX-512 takes, where it has them (tests): the decode
         # kernel's portable chunk steps, torch's prefill attention
         self.portable_decode = False
-        # float32 projections through oneDNN, weights reordered once (onednn_linear.py)
+        # float32 / bfloat16 projections through oneDNN, weights reordered once
+        # (onednn_linear.py)
         self._onednn = onednn_linear.OneDNNLinears() \
             if device.type == "cpu" and onednn_linear.available() else None
 
