@@ -25,8 +25,9 @@ import hmac
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,11 +66,13 @@ from pdmesh.services.gateway.protocol import (
 )
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.engine.sampling_params import SamplingParams
+from pdmesh.shared.engine.structured import GrammarCompiler
 from pdmesh.shared.infra.metrics import VllmNames
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OPEN_PATHS = ("/health", "/ping")  # answered without the API key (the probes)
 
@@ -106,6 +109,11 @@ class Gateway:
         self.tracing = state.tracing or Tracing("pdmesh-gateway", None)
         self.in_flight = InFlight()  # generation requests being answered (/load)
         self.vocab_size = state.tokenizer.vocab_size
+        # a grammar that accepts nothing is a 400 here, not a failed generation there
+        # (the tokenizer built for llguidance on the first grammar asked for)
+        file = getattr(state.tokenizer, "file", None)
+        self._accepts = None if file is None else GrammarCompiler(
+            file, self.vocab_size, state.eos_token_ids).check_accepts
         # a text longer than this holds more than max_model_len tokens, whatever they are
         # (None: the tokenizer's tokens are not bounded in length); 4x for normalizers
         # that compose characters (NFC: "e" + a combining accent is one)
@@ -247,11 +255,8 @@ class Gateway:
                                 output)
                    for g, (prompt, params) in enumerate(runs) for j in range(k)]
         try:  # the first token before any answer: a failure here gets its status code
-            # (each prompt's other choices after its first: its KV is in the pool for them)
-            await _all(a.start(a.journey.run()) for a in answers[::k])
-            await _all(a.start(a.journey.run()) for i, a in enumerate(answers) if i % k)
-            for i, a in enumerate(answers):  # (the first's: the others did not ask)
-                a.prompt_logprobs = answers[i - i % k].prompt_logprobs
+            if not await _unless_gone(self._first_tokens(answers, k), request):
+                return await _left(answers)  # (before its first token: queued, computing)
             if not body.stream:
                 return await self._whole(answers, body.n, k, request)
         except MeshError as e:
@@ -319,8 +324,9 @@ class Gateway:
         params = body.to_sampling(context - len(prompt))
         grammar = None
         if wants_grammar(body):  # compiled off the event loop: a schema can be large
-            grammar = await asyncio.to_thread(grammar_for, body)
-        forced = await asyncio.to_thread(tool_grammar, output, body) if output else None
+            grammar = await asyncio.to_thread(grammar_for, body, self._accepts)
+        forced = await asyncio.to_thread(tool_grammar, output, body,
+                                         self._accepts) if output else None
         after = None
         if output is not None and (grammar or forced) is not None:
             after = output.grammar_after()
@@ -339,21 +345,23 @@ class Gateway:
                                    skip_special_tokens=params.skip_special_tokens and not keep)
 
     @staticmethod
+    async def _first_tokens(answers: list[Answer], k: int) -> bool:
+        """Every answer's first token (each prompt's other choices after its first: its
+        KV is in the pool for them)."""
+        await _all(a.start(a.journey.run()) for a in answers[::k])
+        await _all(a.start(a.journey.run()) for i, a in enumerate(answers) if i % k)
+        for i, a in enumerate(answers):  # (the first's: the others did not ask)
+            a.prompt_logprobs = answers[i - i % k].prompt_logprobs
+        return True
+
+    @staticmethod
     async def _whole(answers: list[Answer], n: int, k: int, request: Request) -> Response:
         """The whole answer; a client that leaves before it is ready aborts the request
         (its journeys closed: the instances stop and free its KV), as a stream's does."""
-        whole = asyncio.ensure_future(_all(a.whole() for a in answers))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if whole.done():  # (a MeshError of any choice: raised here, the others stopped)
-            return JSONResponse(merge_whole(answers, whole.result(), n, k))
-        whole.cancel()
-        await asyncio.gather(whole, return_exceptions=True)
-        for a in answers:
-            await a.close()
-        log.info("request %s: the client left before its answer; aborted", answers[0].rid)
-        return Response(status_code=499)  # (nobody reads it)
+        whole = await _unless_gone(_all(a.whole() for a in answers), request)
+        if whole is None:
+            return await _left(answers)
+        return JSONResponse(merge_whole(answers, whole, n, k))
 
     def _span(self, rid: str, chat: bool, prompt: list[int], body: _Base, headers: Any
               ) -> Any:
@@ -384,6 +392,30 @@ def _prompts(p: Any) -> list[str | list[int]]:
     if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
         return [p]
     return list(p)
+
+
+async def _unless_gone(work: Coroutine[Any, Any, T], request: Request) -> T | None:
+    """``work``'s result, or None once the client has gone first (``work`` cancelled and
+    waited for: a request queued or computing on an instance is aborted there, as a
+    stream's is when its reader leaves). Its error, if it fails first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # (also when this handler is cancelled)
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def _left(answers: list[Answer]) -> Response:
+    """The client left before its answer: every journey closed, nothing more sent."""
+    for a in answers:
+        await a.close()
+    log.info("request %s: the client left before its answer; aborted", answers[0].rid)
+    return Response(status_code=499)  # (nobody reads it)
 
 
 async def _disconnected(request: Request) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pdmesh.services.gateway.parsers import REASONING_PARSERS
@@ -74,8 +75,9 @@ def reasoning_parser_named(config: dict[str, Any] | None, flag: str | None) -> s
     return named
 
 
-def grammar_for(body: _Base) -> str | None:
-    """The grammar the output obeys (None: free). ValueError "field: why"."""
+def grammar_for(body: _Base, accepts: Callable[[str], None] | None = None) -> str | None:
+    """The grammar the output obeys (None: free). ValueError "field: why"; ``accepts``
+    (``GrammarCompiler.check_accepts``): raises for a grammar that accepts nothing."""
     asked = _asked(body)
     if len(asked) > 1:
         raise ValueError(f"{asked[1][0]}: one kind of structured output per request; "
@@ -86,6 +88,8 @@ def grammar_for(body: _Base) -> str | None:
     try:
         grammar = make()
         check_grammar(grammar)
+        if accepts is not None:
+            accepts(grammar)
     except ValueError as e:
         raise ValueError(f"{field}: {e}") from None
     return grammar
@@ -177,13 +181,17 @@ def bad_words_token_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def tool_grammar(output: Any, body: Any) -> str | None:
+def tool_grammar(output: Any, body: Any, accepts: Callable[[str], None] | None = None
+                 ) -> str | None:
     """The grammar a forced tool choice needs (``ChatOutput.grammar``), checked: a tool's
-    parameters that are not a usable schema are a 400 naming the tools."""
+    parameters that are not a usable schema (or accept nothing) are a 400 naming the
+    tools."""
     try:
         grammar = output.grammar(body)
         if grammar is not None:
             check_grammar(grammar)
+            if accepts is not None:
+                accepts(grammar)
     except ValueError as e:
         raise ValueError(f"tools: {e}") from None
     return grammar

@@ -77,11 +77,10 @@ def add_routes(app: FastAPI, gw: Any) -> None:
             tokens = await asyncio.to_thread(_tokens, gw, body)
         except ValueError as e:
             return error(400, str(e), str(e).split(":", 1)[0])
-        out: dict[str, Any] = {"count": len(tokens), "max_model_len": gw.context_len(),
-                               "tokens": tokens}
-        if body.return_token_strs:
-            out["token_strs"] = [gw.state.tokenizer.id_to_token(t) for t in tokens]
-        return out
+        strs = ([gw.state.tokenizer.id_to_token(t) for t in tokens]
+                if body.return_token_strs else None)
+        return {"count": len(tokens), "max_model_len": gw.context_len(), "tokens": tokens,
+                "token_strs": strs}
 
     async def detokenize(body: DetokenizeRequest) -> Any:
         refused = _check(gw, body.model)
@@ -136,10 +135,23 @@ def _check(gw: Any, model: str | None) -> JSONResponse | None:
 
 
 def _tokens(gw: Any, body: TokenizeRequest) -> list[int]:
+    """The tokens, at most the context's (``max_model_len``): a longer text is a
+    ValueError naming its field, told by its length before tokenizing where it can be."""
     tok = gw.state.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise ValueError("prompt: give a prompt or messages (one of them)")
+    field = "prompt" if body.prompt is not None else "messages"
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        return tok.encode(body.prompt, special)
-    return tok.encode(render_chat(tok, body), bool(body.add_special_tokens))
+        text = body.prompt
+    else:
+        text, special = render_chat(tok, body), bool(body.add_special_tokens)
+    context = gw.context_len()
+    if gw.max_text_chars is not None and len(text) > gw.max_text_chars:
+        raise ValueError(f"{field}: {len(text)} characters are more than max_model_len "
+                         f"({context}) tokens can hold")
+    tokens = tok.encode(text, special)
+    if len(tokens) > context:
+        raise ValueError(f"{field}: {len(tokens)} tokens are more than max_model_len "
+                         f"({context})")
+    return tokens

@@ -243,11 +243,10 @@ class CompletionRequest(_Base):
         return self.prompt_logprobs
 
     def effective_max_tokens(self) -> int | None:
-        """As asked; none asked: 16 (vLLM's and OpenAI's default; an explicit null is
-        "as many as fit", as vLLM reads it)."""
-        if "max_tokens" not in self.model_fields_set:
-            return COMPLETION_MAX_TOKENS
-        return self.max_tokens
+        """As asked; none asked, or an explicit null: 16 (OpenAI's default for the
+        field; vLLM 0.32 reads an explicit null as "as many as fit" - see
+        docs/vllm-crosscheck.md)."""
+        return COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 class FunctionCall(BaseModel):

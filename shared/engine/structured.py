@@ -90,6 +90,17 @@ class GrammarCompiler:
                                      f"({type(e).__name__}: {e})") from e
             return self._tokenizer
 
+    def check_accepts(self, grammar: str) -> None:
+        """ValueError when ``grammar`` (valid) accepts no output at all: a schema whose
+        only content is a reference to itself, types no value can have together. Found
+        the way the engine would meet it: the first token's mask, in error or empty."""
+        matcher = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+        allowed = b"" if matcher.is_error() else matcher.compute_logit_bias()
+        if matcher.is_error() or not any(allowed):
+            why = matcher.get_error().strip().splitlines()
+            raise ValueError("grammar: accepts no output" + (f" ({why[0]})" if why and why[0]
+                                                               else ""))
+
     def start(self, grammar: str, after: str | None = None) -> Grammar:
         """A new matcher, held off until the output has written ``after`` when given
         (the text that closes the model's reasoning); ValueError naming the grammar's

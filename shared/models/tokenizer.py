@@ -45,6 +45,7 @@ class Tokenizer:
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"model: {tok_file} not found (the tokenizer)")
+        self.file = tok_file
         self._tok = _HFTokenizer.from_file(str(tok_file))
         cfg_file = folder / "tokenizer_config.json"
         self.config: dict[str, Any] = {}

@@ -76,6 +76,14 @@ def _cases(model: str) -> list[tuple[str, str, Any, int, str]]:
         ("response-format-bad-schema", CHAT, m(response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}), 400,
          "response_format"),
+        ("response-format-schema-only-refers-to-itself", CHAT, m(response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}),
+         400, "accepts no output"),
+        ("guided-json-no-value-fits", CMPL, c(guided_json={
+            "allOf": [{"type": "string"}, {"type": "integer"}]}), 400, "guided_json"),
+        ("forced-tool-parameters-refer-to-themselves", CHAT, m(tools=[{
+            "type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+            tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
         ("best-of-below-n", CMPL, c(best_of=2, n=3), 400, "best_of"),
         ("best-of-streamed", CMPL, c(best_of=3, n=1, stream=True), 400, "best_of"),
         ("n-too-many", CMPL, c(n=129), 400, "n"),

@@ -15,6 +15,7 @@ import pytest
 from pdmesh.services.gateway.constraints import bad_words_token_ids
 from pdmesh.shared.engine import LLM, SamplingParams
 from tests.mesh import MODEL, pd_mesh
+from tests.prometheus_text import sample
 from tests.services.gateway.bad_inputs import cases as bad_cases
 from tests.shared.engine.hf_reference import assert_like_reference, from_json, hf_prompt_logprobs
 
@@ -23,13 +24,18 @@ ENGINE_LEN = 3584  # the decode instance's --max-model-len (the checkpoint's: 40
 
 
 @pytest.fixture(scope="module")
-def mesh(qwen3_path, tmp_path_factory, registry_prefix):
+def services(qwen3_path, tmp_path_factory, registry_prefix):
     # the decode instance serves shorter sequences than the checkpoint: the gateway
     # enforces and reports the engines' limit
     with pd_mesh(qwen3_path, tmp_path_factory.mktemp("mesh-logs"), registry_prefix + "-gw",
                  gateway_args=["--api-key", KEY],
-                 decode_args=["--max-model-len", str(ENGINE_LEN)]) as services:
-        yield services["gateway"].info["http"]
+                 decode_args=["--max-model-len", str(ENGINE_LEN)]) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def mesh(services):
+    return services["gateway"].info["http"]
 
 
 @pytest.fixture(scope="module")
@@ -180,15 +186,17 @@ def test_mesh_still_serves_after_bad_requests(client):
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
 
-def decode_load(registry_prefix):
-    """A function that reads the (one) decode instance's load over its Health RPC."""
+def decode_load(registry_prefix, role="decode"):
+    """A function that reads the (one) decode (or prefill) instance's load over its Health
+    RPC."""
     import grpc
 
     from pdmesh.shared.infra.registry import Registry
-    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
+    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
-    [dec] = Registry(prefix=registry_prefix + "-gw").instances(role="decode")
-    health = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(dec.address)).Health
+    [inst] = Registry(prefix=registry_prefix + "-gw").instances(role=role)
+    stub = (decode_pb2_grpc.DecodeStub if role == "decode" else prefill_pb2_grpc.PrefillStub)
+    health = stub(grpc.insecure_channel(inst.address)).Health
     return lambda: health(common_pb2.HealthRequest(), timeout=5).load
 
 
@@ -216,6 +224,49 @@ def test_client_disconnect_aborts_on_decode(mesh, registry_prefix):
                 next(lines)
             assert load().running == 1
     assert decode_freed(load), load()
+
+
+def test_clients_that_leave_before_their_first_token_abort_their_prompts(services, mesh,
+                                                                         client, offline,
+                                                                         registry_prefix):
+    """32 long prompts at once, half streamed, whose clients give up after 0.5 s, most
+    before their first token (their prompts queued on prefill, or offloaded to decode):
+    the engines drop them instead of computing every one, and the mesh answers the next
+    request as before."""
+    loads = [decode_load(registry_prefix, role) for role in ("prefill", "decode")]
+    metrics = [services[role].info["metrics"] for role in ("prefill", "decode")]
+
+    def scheduled() -> float:  # requests an engine started computing (aborted waiting: not)
+        return sum(sample(httpx.get(url, timeout=10).text,
+                          "pdmesh_request_queue_time_seconds_count") for url in metrics)
+
+    before = scheduled()
+    bodies = [{"model": MODEL, "prompt": [(37 * i + 11 * j) % 4000 + 50 for j in range(3000)],
+               "max_tokens": 8, "ignore_eos": True, "stream": i % 2 == 1} for i in range(32)]
+
+    def leave(body) -> bool:  # whether the client gave up (no answer within 0.5 s)
+        with httpx.Client(timeout=httpx.Timeout(30, read=0.5),
+                          headers={"Authorization": f"Bearer {KEY}"}) as c:
+            try:
+                c.post(mesh + "/v1/completions", json=body)
+            except httpx.ReadTimeout:
+                return True
+        return False
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        gave_up = sum(pool.map(leave, bodies))
+    assert gave_up >= 24, f"only {gave_up} of 32 clients left before an answer"
+    deadline = time.monotonic() + 30
+    while any(ld().running or ld().waiting for ld in loads):
+        assert time.monotonic() < deadline, [ld() for ld in loads]
+        time.sleep(0.1)
+    started = scheduled() - before
+    assert started <= 16, f"{started:.0f} of 32 abandoned prompts were computed anyway"
+    assert all(decode_freed(ld) for ld in loads), [ld() for ld in loads]
+    prompt = list(range(600, 640))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == greedy(offline, prompt, 8)
 
 
 def test_min_tokens_past_the_prefill_token(client):
@@ -448,6 +499,16 @@ def test_vllm_endpoints(mesh, client, offline):
     assert r["tokens"] == offline.tokenizer.encode(text) and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == ENGINE_LEN and len(r["token_strs"]) == r["count"]
     messages = [{"role": "user", "content": "hi"}]
+    plain = httpx.post(mesh + "/tokenize", headers=auth, timeout=10,
+                       json={"prompt": text}).json()
+    assert plain["token_strs"] is None and plain["tokens"] == r["tokens"]  # (vLLM's shape)
+    for words in (ENGINE_LEN + 10, 2_000_000):  # past the context: tokens, then the text
+        t0 = time.monotonic()
+        long = httpx.post(mesh + "/tokenize", headers=auth, timeout=30,
+                          json={"prompt": " x" * words})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
+        assert f"max_model_len ({ENGINE_LEN})" in long.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
     chat = httpx.post(mesh + "/tokenize", headers=auth, timeout=10,
                       json={"messages": messages}).json()["tokens"]
     assert chat == offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages),

@@ -41,14 +41,14 @@ def test_a_field_it_does_not_know_is_accepted_and_warned_of_once(caplog):
 
 
 def test_a_completion_without_max_tokens_asks_for_16():
-    """vLLM's and OpenAI's default for completions; an explicit null is "what fits";
-    chat asks for what fits."""
+    """OpenAI's default for completions, also for an explicit null (vLLM 0.32 reads that
+    as "what fits"); chat asks for what fits."""
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).to_sampling(
         100).max_tokens == 16
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).to_sampling(
         5).max_tokens == 5  # a default never runs past the context
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None}
-                                            ).to_sampling(100).max_tokens == 100
+                                            ).to_sampling(100).max_tokens == 16
     assert ChatCompletionRequest.model_validate(CHAT).to_sampling(100).max_tokens == 100
     asked = ChatCompletionRequest.model_validate({**CHAT, "max_completion_tokens": 9,
                                                   "max_tokens": 3})
