@@ -91,6 +91,7 @@ class GatewayState:
     max_body_bytes: int = 8 << 20  # --max-request-body-bytes
     body_timeout_s: float = 30.0  # --request-body-timeout
     stall_timeout_s: float = 10.0  # --stall-timeout
+    instance_grace_s: float = 15.0  # --instance-grace
     output: OutputSettings = OutputSettings()  # the chat output's parsers
     metrics_names: str = "pdmesh"  # --metrics-names (vllm: /metrics as vllm:X)
     eos_token_ids: tuple[int, ...] = ()  # the model's (config and generation config)
@@ -104,7 +105,8 @@ class Gateway:
         self.clients = GrpcClients()
         self.metrics = GatewayMetrics(state.model_name, state.router, state.max_model_len)
         self.mesh = Mesh(state.router, self.clients, self.clients,
-                         RetryPolicy(stall_timeout_s=state.stall_timeout_s),
+                         RetryPolicy(stall_timeout_s=state.stall_timeout_s,
+                                     instance_grace_s=state.instance_grace_s),
                          events=self.metrics)
         self.tracing = state.tracing or Tracing("pdmesh-gateway", None)
         self.in_flight = InFlight()  # generation requests being answered (/load)
@@ -123,7 +125,7 @@ class Gateway:
 
     async def health(self) -> JSONResponse:
         router = self.state.router
-        n_pre, n_dec, n_mix = (len(router.instances(r)) for r in ("prefill", "decode", "mixed"))
+        n_pre, n_dec, n_mix = (len(router.live(r)) for r in ("prefill", "decode", "mixed"))
         # decode instances alone still serve (they prefill themselves), slower: degraded
         ok = n_dec > 0 or n_mix > 0
         status = ("ok" if n_pre > 0 or n_mix > 0 else "degraded") if ok else "unavailable"

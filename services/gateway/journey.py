@@ -67,6 +67,10 @@ class RetryPolicy:
     # a decode stream silent this long whose instance stopped heartbeating (gone from
     # the registry: SIGSTOPped, hung whole) is given up on and the request migrates
     stall_timeout_s: float = 10.0
+    # no decode instance live: how long a request waits for one to come back (a
+    # supervisor restarting it) before it fails
+    instance_grace_s: float = 0.0
+    grace_poll_s: float = 0.25
 
     def retryable(self, code: grpc.StatusCode) -> bool:
         return code in RETRYABLE
@@ -190,7 +194,7 @@ class Journey:
             self.mesh.events.offloaded.inc()
             router.sent(offload, self.req.prompt)
         while True:
-            inst = offload or self._next_decode_instance()
+            inst = offload or await self._next_decode_instance()
             async with aclosing(self._decode(inst, offloaded=offload is not None)) as deltas:
                 async for delta in deltas:
                     yield delta
@@ -278,14 +282,19 @@ class Journey:
             return TokenDelta(self.req.request_id, finish_reason=stored.finish_reason)
         return None
 
-    def _next_decode_instance(self) -> Instance:
-        """A decode instance that has not failed this request (migration picks again)."""
-        if len(self.failed) >= self.mesh.retry.decode_attempts:
+    async def _next_decode_instance(self) -> Instance:
+        """A decode instance that has not failed this request (migration picks again);
+        while there is none, one that comes back within the retry policy's grace."""
+        retry = self.mesh.retry
+        if len(self.failed) >= retry.decode_attempts:
             raise gave_up("decode", self.codes, f"decode failed on {len(self.failed)} "
                                                 "instances")
-        inst = self.mesh.router.pick("decode", exclude=self.failed)
-        if inst is None:
-            raise gave_up("decode", self.codes, "no decode instance is available")
+        loop = asyncio.get_running_loop()
+        until = loop.time() + retry.instance_grace_s
+        while (inst := self.mesh.router.pick("decode", exclude=self.failed)) is None:
+            if loop.time() >= until:
+                raise gave_up("decode", self.codes, "no decode instance is available")
+            await asyncio.sleep(retry.grace_poll_s)
         return inst
 
     async def _decode(self, inst: Instance, offloaded: bool) -> AsyncIterator[TokenDelta]:

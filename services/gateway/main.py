@@ -40,6 +40,8 @@ def run(a: ServeConfig) -> int:
                          f"{a.max_request_body_bytes}")
     if not a.stall_timeout > 0:
         raise ValueError(f"--stall-timeout: must be > 0, got {a.stall_timeout}")
+    if not a.instance_grace >= 0:
+        raise ValueError(f"--instance-grace: must be >= 0, got {a.instance_grace}")
     if not a.request_body_timeout > 0:
         raise ValueError(f"--request-body-timeout: must be > 0, got {a.request_body_timeout}")
     if a.enable_auto_tool_choice and not a.tool_call_parser:
@@ -75,6 +77,7 @@ def run(a: ServeConfig) -> int:
                              max_body_bytes=a.max_request_body_bytes,
                              body_timeout_s=a.request_body_timeout,
                              stall_timeout_s=a.stall_timeout,
+                             instance_grace_s=a.instance_grace,
                              metrics_names=a.metrics_names,
                              eos_token_ids=cfg.eos_token_ids)
         sock = host.http_socket()

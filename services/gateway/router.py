@@ -30,6 +30,9 @@ from pdmesh.shared.infra.registry import Instance, Registry
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128  # for instances that do not publish theirs
+# an instance whose heartbeat (every second) has not changed for this long is not counted
+# live (/health), though its entry lasts until the registry's TTL (6 s) expires it
+LIVE_S = 3.0
 # --decode-tpot-slo-ms: a decode step that also computes an offloaded prompt stays under
 # this (DistServe's and Splitwise's chat SLOs put TPOT at 50-100 ms; the stricter end)
 DEFAULT_DECODE_TPOT_SLO_MS = 50.0
@@ -154,6 +157,9 @@ class Router:
         # instance id -> prompt tokens sent and not yet answered (prefill instances, and
         # decode instances prefilling offloaded prompts)
         self._inflight: dict[str, int] = {}
+        # instance id -> (its last heartbeat's stamp, when this router saw it change): an
+        # instance whose beats stopped stays in the registry until its key expires
+        self._beats: dict[str, tuple[float, float]] = {}
 
     def start(self) -> None:
         self._refresh()
@@ -172,6 +178,11 @@ class Router:
                 found += [i for i in self._cache if i.id not in ids]
             self._cache = found
             self._at = now
+            beats = {}
+            for i in found:  # (stamps compared as written: no clock shared with the host)
+                stamp, seen = self._beats.get(i.id, (None, now))
+                beats[i.id] = (i.heartbeat, now if stamp != i.heartbeat else seen)
+            self._beats = beats
 
     def _refresh_loop(self) -> None:
         while True:
@@ -189,6 +200,14 @@ class Router:
         with self._lock:
             return [i for i in self._cache if i.role == role and not i.draining
                     and i.load.get("stalled_ms", 0) < self.stall_ms]
+
+    def live(self, role: str, within_s: float = LIVE_S) -> list[Instance]:
+        """``instances(role)`` whose heartbeats still come: a new one seen within
+        ``within_s`` (a killed instance's entry, until its key expires, is not)."""
+        now = time.monotonic()
+        found = self.instances(role)
+        with self._lock:
+            return [i for i in found if now - self._beats.get(i.id, (0.0, now))[1] < within_s]
 
     def listed(self, instance_id: str) -> bool:
         """Whether the instance is alive: still in the registry (heartbeating; draining

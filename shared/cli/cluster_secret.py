@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import secrets
 import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from pdmesh.shared.infra.cluster_auth import write_private
 
 SA = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KEY = "cluster-secret"  # the file's name in the Secret (and so under its mount)
@@ -64,10 +65,7 @@ def write_file(path: Path) -> bool:
     """Write a fresh secret unless the file holds one; True if written."""
     if path.is_file() and path.read_text().strip():
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)  # read by every
-    with os.fdopen(fd, "w") as f:  # service's user; the volume is the mesh's only
-        f.write(new_secret() + "\n")
+    write_private(path, (new_secret() + "\n").encode())  # 0600; a new folder 0700
     return True
 
 

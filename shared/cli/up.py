@@ -39,6 +39,7 @@ from pdmesh.shared.config.command_line import to_words
 from pdmesh.shared.config.flags import FLAGS
 from pdmesh.shared.config.serve import KV_ROLE_OF, ServeConfig, api_key, serve_config
 from pdmesh.shared.infra.bindhost import bound_env
+from pdmesh.shared.infra.cluster_auth import SECRET_FILE_ENV, per_run_secret
 from pdmesh.shared.infra.launcher import Service, die_with_parent, stop_together
 from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.models.config import ModelConfig
@@ -89,11 +90,12 @@ def _start_redis(log_dir: Path, port: int | None = None
 # as they are: they are the launcher's, the gateway's, or passed on by the launcher itself
 NOT_FOR_THE_ENGINE = {"--model", "--port", "--api-key", "--api-key-file",
                       "--max-request-body-bytes", "--request-body-timeout", "--stall-timeout",
+                      "--instance-grace",
                       "--served-model-name", "--host",
                       "--redis-url", "--registry-prefix", "--log-dir", "--engine-args",
                       "--prefill-args", "--decode-args", "--prefill-offload-threshold",
                       "--enable-trace", "--otlp-traces-endpoint", "--log-level",
-                      "--log-format", *SERVING_FLAGS}
+                      "--log-format", "--max-queued-requests", *SERVING_FLAGS}
 
 
 @dataclass
@@ -106,6 +108,13 @@ class Plan:
     engine_words: dict[str, list[str]]  # role -> its flags (beyond the common ones)
     ranks: dict[str, int]  # role -> processes per instance (its data-parallel size)
     log_dir: Path
+    slots: int = 0  # requests the engines that decode run at once, all of them together
+
+    def queue_bound(self, asked: int | None) -> int:
+        """The requests the gateway takes in flight before it answers 429: as asked, or
+        twice the decoding engines' batch slots (a batch running, one waiting: past
+        that a request would wait longer than a batch takes to finish)."""
+        return asked if asked is not None else max(1, 2 * self.slots)
 
 
 def plan(cfg: ServeConfig) -> Plan:
@@ -128,14 +137,16 @@ def plan(cfg: ServeConfig) -> Plan:
     words = {"prefill": [*common, *_words("--prefill-args", cfg.prefill_flags)],
              "decode": ["--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms), *common, *decode],
              "mixed": [*common, *decode]}
-    ranks = {}
-    for role, _ in roles:  # (each engine finds its device itself)
+    ranks, slots = {}, 0
+    for role, count in roles:  # (each engine finds its device itself)
         checked = serve_config(role, [str(model), *words[role]], device="cpu")
         ranks[role] = checked.data_parallel_size
+        if role != "prefill":
+            slots += count * ranks[role] * checked.engine.max_num_seqs
     # served as given on the command line, as `vllm serve MODEL` is (the demo model by
     # its folder's name)
     names = cfg.served_model_name or ((cfg.model,) if cfg.model else (model.name,))
-    return Plan(model, names, roles, words, ranks, log_dir)
+    return Plan(model, names, roles, words, ranks, log_dir, slots)
 
 
 def _words(flag: str, text: str) -> list[str]:
@@ -156,7 +167,15 @@ def run(cfg: ServeConfig) -> int:
     stop = SignalStop().install()
     started: list[Service] = []
     redis = None
+    secret = per_run_secret()  # internals and the registry closed to other processes
+    if secret is not None:
+        os.environ[SECRET_FILE_ENV] = str(secret)  # (every service inherits it)
+        atexit.register(shutil.rmtree, secret.parent, True)
     try:
+        if secret is not None:
+            print(f"[up] a cluster secret for this run: {SECRET_FILE_ENV}={secret} (for "
+                  "`pdmesh status` and other callers of the services' internals)",
+                  flush=True)
         if cfg.redis_url:
             redis_url = cfg.redis_url
         else:
@@ -178,10 +197,12 @@ def run(cfg: ServeConfig) -> int:
                                                        "--max-request-body-bytes",
                                                        "--request-body-timeout",
                                                        "--stall-timeout",
+                                                       "--instance-grace",
                                                        "--metrics-names",
                                                        *SERVING_FLAGS]),
                                  "--prefill-offload-threshold",
-                                 str(cfg.prefill_offload_threshold),
+                                 str(cfg.prefill_offload_threshold), "--max-queued-requests",
+                                 str(p.queue_bound(cfg.flags.max_queued_requests)),
                                  "--decode-tpot-slo-ms", str(cfg.decode_tpot_slo_ms)],
                      p.log_dir, env=key_env)
         started.append(gw)
@@ -196,6 +217,8 @@ def run(cfg: ServeConfig) -> int:
         stop_together(pool)
         if redis is not None:
             redis.stop()
+        if secret is not None:
+            shutil.rmtree(secret.parent, ignore_errors=True)
     return 0
 
 

@@ -251,10 +251,12 @@ FLAGS: list[Flag] = [
              ENGINE_DEFAULT["abort_on_priority_when_disabled"], "refuse a request that gives "
              "a priority when the engine does not schedule by priority (otherwise it runs, "
              "its priority ignored, with a warning)")),
-    Flag("--max-queued-requests", "int", ENGINE_LINE | {"gateway"},
+    Flag("--max-queued-requests", "int", ENGINE_LINE | {"gateway", "up"},
          ENGINE_DEFAULT["max_queued_requests"],
-         "refuse requests while this many wait (engine: gRPC RESOURCE_EXHAUSTED; gateway: "
-         "429 with Retry-After while this many are in flight); default: no limit"),
+         "refuse requests while this many wait (engine: gRPC RESOURCE_EXHAUSTED; gateway, "
+         "and its gateway for up / serve: 429 with Retry-After while this many are in "
+         "flight); default: no limit (up / serve: twice the batch slots of the engines "
+         "that decode, --max-num-seqs x their ranks)"),
     Flag("--api-key", "str", ENGINE_LINE | {"gateway", "up"}, None,
          "require 'Authorization: Bearer KEY' on every path but /health (the gateway "
          "checks it; also from --api-key-file, PDMESH_API_KEY or VLLM_API_KEY, which "
@@ -293,6 +295,9 @@ FLAGS: list[Flag] = [
     Flag("--request-body-timeout", "float", {"gateway", "up", "serve"}, 30.0,
          "seconds a client gets to send a whole request body (then 408); a request takes "
          "a --max-queued-requests slot only once its body is in"),
+    Flag("--instance-grace", "float", {"gateway", "up", "serve"}, 15.0,
+         "seconds a request waits for a decode instance to come back (a restart) when none "
+         "is live, before it fails with 503; 0: fail at once"),
     Flag("--stall-timeout", "float", {"gateway", "up", "serve"}, 10.0,
          "seconds a decode stream may go without a token once its instance has stopped "
          "heartbeating (SIGSTOPped, hung) before the request moves to another instance"),

@@ -20,7 +20,10 @@ import hashlib
 import hmac
 import logging
 import os
+import secrets
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -52,6 +55,33 @@ def secret() -> bytes | None:
     if len(value) < 16:
         raise ValueError(f"{name}: the cluster secret must be at least 16 characters")
     return value.encode()
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """``data`` into ``path``, readable by its owner alone (``mode``); a folder made for
+    it is the owner's alone (0700). The services that read it run as one user (root in
+    the images)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)  # (a file that was there keeps its mode otherwise)
+        f.write(data)
+
+
+def per_run_secret(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """A fresh secret for one `pdmesh up` (or `serve`) run, unless the caller gave one
+    (PDMESH_CLUSTER_SECRET / _FILE): its file, 0600 in a new 0700 folder (in /dev/shm
+    where there is one: never on disk), for the run's services to read; the caller
+    removes the folder when the run ends. None when one was given."""
+    if environ.get(SECRET_ENV) or environ.get(SECRET_FILE_ENV):
+        return None
+    shm = Path("/dev/shm")
+    folder = Path(tempfile.mkdtemp(prefix="pdmesh-secret-",
+                                   dir=shm if shm.is_dir() and os.access(shm, os.W_OK)
+                                   else None))
+    path = folder / "cluster-secret"
+    write_private(path, (secrets.token_hex(32) + "\n").encode())
+    return path
 
 
 def _derive(purpose: bytes) -> bytes | None:

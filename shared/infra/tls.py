@@ -25,6 +25,8 @@ from typing import Any
 
 import grpc
 
+from pdmesh.shared.infra.cluster_auth import write_private
+
 TLS_DIR_ENV = "PDMESH_TLS_DIR"
 SERVER_NAME = "pdmesh.internal"
 FILES = ("ca.pem", "cert.pem", "key.pem")
@@ -149,10 +151,8 @@ def write(folder: Path) -> bool:
     paths = [folder / name for name in FILES]
     if all(p.is_file() and p.stat().st_size for p in paths):
         return False
-    folder.mkdir(parents=True, exist_ok=True)
     made = make()
-    for path, data in zip(paths, (made.ca, made.cert, made.key), strict=True):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)  # read by every
-        with os.fdopen(fd, "wb") as f:  # service's user (the volume is the mesh's only)
-            f.write(data)
+    for path, data, mode in zip(paths, (made.ca, made.cert, made.key), (0o644, 0o644, 0o600),
+                                strict=True):  # (the key its owner's alone)
+        write_private(path, data, mode)
     return True

@@ -367,3 +367,40 @@ def test_a_client_that_leaves_during_the_put_cancels_the_prefill():
     asyncio.run(asyncio.wait_for(leave(), 5))
     assert pre.answers[0].cancelled and not dec.calls
     assert [j.mesh.router.queued_tokens(i) for i in PD] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 2.0])
+def test_the_only_decode_dies_and_the_stream_waits_for_it_to_come_back(grace_s):
+    """Every decode instance gone mid-stream: the request waits up to the grace for one
+    to register again (a supervisor's restart), and continues there; without a grace
+    (or past it) it fails with 503."""
+    instances = [inst("p1", "prefill"), inst("d1", "decode")]
+    registry = FakeRegistry(*instances)
+    router = Router(registry)  # type: ignore[arg-type]
+    pre, dec, events = FakePrefill({"p1": [7]}), FakeDecode(
+        {"d1": [[8, 9, FAIL]], "d2": [[10, "length"]]}), Events()
+    mesh = Mesh(router, pre, dec, RetryPolicy(backoff_s=0, instance_grace_s=grace_s,
+                                              grace_poll_s=0.01), events)  # type: ignore[arg-type]
+    j = Journey(mesh, MeshRequest("req", PROMPT, SamplingParams(max_tokens=50)))
+
+    async def collect() -> list[TokenDelta]:
+        async def restart() -> None:  # d1's entry gone, d2 registers 0.3 s later
+            registry.found.remove(instances[1])
+            await asyncio.sleep(0.3)
+            registry.found.append(inst("d2", "decode"))
+
+        out, task = [], None
+        async for d in j.run():
+            out.append(d)
+            if d.token_ids == [9]:  # (the next read finds d1 failed)
+                task = asyncio.ensure_future(restart())
+        await task
+        return out
+
+    if not grace_s:
+        with pytest.raises(MeshError) as err:
+            asyncio.run(asyncio.wait_for(collect(), 5))
+        assert err.value.status == 503
+        return
+    deltas = asyncio.run(asyncio.wait_for(collect(), 5))
+    assert tokens(deltas) == [7, 8, 9, 10] and [w for w, _ in dec.calls] == ["d1", "d2"]

@@ -292,3 +292,19 @@ def test_a_restarted_redis_does_not_empty_the_routes(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_an_instance_whose_heartbeats_stopped_is_not_counted_live(registry_prefix):
+    """A killed instance's entry lasts until its key expires; /health counts only those
+    whose heartbeat stamps still change."""
+    import time
+
+    a, b = (Instance(f"p{n}", "prefill", f"127.0.0.1:{n}") for n in (1, 2))
+    reg = registry(registry_prefix + "-live", a, b)
+    r = Router(reg, refresh_s=0.0)
+    assert [i.id for i in r.live("prefill", within_s=0.5)] == ["p1", "p2"]  # new: live
+    for _ in range(4):
+        time.sleep(0.2)
+        reg.put(a)  # p1 beats (a new stamp), p2 does not
+        assert {i.id for i in r.instances("prefill")} == {"p1", "p2"}  # both still listed
+    assert [i.id for i in r.live("prefill", within_s=0.5)] == ["p1"]

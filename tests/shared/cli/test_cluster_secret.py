@@ -23,6 +23,34 @@ def test_a_file_is_written_once(tmp_path, monkeypatch):
     monkeypatch.setenv(cluster_auth.SECRET_FILE_ENV, str(path))
     assert cluster_auth.secret() == first.strip().encode()  # what the services read
     assert len(first.strip()) == 64
+    assert path.stat().st_mode & 0o777 == 0o600  # its owner's alone, in a folder made
+    assert path.parent.stat().st_mode & 0o777 == 0o700  # for it that is the owner's alone
+
+
+def test_tls_files_beside_it_keep_the_key_private(tmp_path):
+    from pdmesh.shared.infra import tls
+
+    assert tls.write(tmp_path / "mesh") is True
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "mesh").iterdir()}
+    assert modes == {"ca.pem": 0o644, "cert.pem": 0o644, "key.pem": 0o600}
+
+
+def test_a_run_gets_its_own_secret_unless_one_is_given(tmp_path):
+    given = {cluster_auth.SECRET_FILE_ENV: str(tmp_path / "s")}
+    assert cluster_auth.per_run_secret(given) is None
+    assert cluster_auth.per_run_secret({cluster_auth.SECRET_ENV: "x" * 32}) is None
+    made = [cluster_auth.per_run_secret({}) for _ in range(2)]
+    try:
+        assert made[0] != made[1] and made[0].read_text() != made[1].read_text()
+        for path in made:
+            assert path.stat().st_mode & 0o777 == 0o600
+            assert path.parent.stat().st_mode & 0o777 == 0o700
+            assert len(path.read_text().strip()) == 64
+    finally:
+        import shutil
+
+        for path in made:
+            shutil.rmtree(path.parent)
 
 
 class _Api(BaseHTTPRequestHandler):

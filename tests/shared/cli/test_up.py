@@ -79,6 +79,15 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
                        json={"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 8,
                              "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
+        secret = _per_run_secret(out)  # internals closed to other local processes
+        assert secret.stat().st_mode & 0o777 == 0o600
+        assert secret.parent.stat().st_mode & 0o777 == 0o700
+        _refused_without_the_secret(prefix, "mixed" if command == "serve" else "decode")
+        # overload is a 429: the gateway's bound, twice the decoding engines' slots (256
+        # sequences each, default; two DP ranks in the MoE case)
+        [gateway] = [cmd for pid in running_with(prefix)
+                     if " gateway " in (cmd := _cmdline(pid))]
+        assert f"--max-queued-requests {1024 if moe else 512} " in gateway + " ", gateway
         offline = LLM(str(model_path), device="cpu", block_size=16)
         expected = offline.generate([[5, 6, 7, 8]], SamplingParams(
             temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
@@ -93,6 +102,7 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
         proc.send_signal(signal.SIGTERM)  # the second arrives while the first is handled
         proc.wait(60)
         assert running_with(prefix) == []  # every service it started is gone
+        assert not secret.parent.exists()  # and the run's secret
         assert not [pid for pid in edges if alive(pid)]
         if master:
             host, port = master.split(":")
@@ -100,6 +110,35 @@ def test_up_serves_and_stops_cleanly(tiny_models, tmp_path, registry_prefix, com
                 assert s.connect_ex((host, int(port))) != 0
     finally:
         kill_all(proc, prefix)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _per_run_secret(out: list[str]) -> Path:
+    found = [m.group(1) for line in out
+             if (m := re.search(r"PDMESH_CLUSTER_SECRET_FILE=(\S+)", line))]
+    assert found, "".join(out)
+    return Path(found[0])
+
+
+def _refused_without_the_secret(prefix: str, role: str) -> None:
+    """An engine's internal gRPC answers a caller without the run's token with
+    UNAUTHENTICATED."""
+    import grpc
+
+    from pdmesh.shared.infra.registry import Registry
+    from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
+
+    inst = Registry("redis://127.0.0.1:6379/0", prefix).instances(role=role)[0]
+    with grpc.insecure_channel(inst.address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            decode_pb2_grpc.DecodeStub(channel).Health(common_pb2.HealthRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def kill_all(proc: subprocess.Popen, prefix: str) -> None:
