@@ -39,6 +39,7 @@ class Answer:
         self.cumulative_logprob = 0.0  # of its sampled tokens, when they come with them
         self.echo = echo  # a completion's prompt text, put before its answer (echo)
         self.output = output  # a chat's reasoning and tool calls (None: a completion)
+        self._split_char: list[int] = []  # a character's first tokens (reasoning counts)
         self.params, self.tok, self.metrics = params, tok, metrics
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
@@ -176,9 +177,24 @@ class Answer:
         finally:
             await self.close()
 
+    def _pieces(self, ids: list[int]) -> list[tuple[str, int]]:
+        """Each token's text, with 1; the tokens of a character split over several (up to
+        four bytes), together: the text, and how many."""
+        out = []
+        for t in ids:
+            self._split_char.append(t)
+            text = self.tok.decode(self._split_char, skip_special_tokens=False)
+            if text.endswith("\ufffd") and len(self._split_char) < 4:
+                continue
+            out.append((text, len(self._split_char)))
+            self._split_char = []
+        return out
+
     def _take(self, delta: TokenDelta) -> str:
         """The text ``delta`` makes final; sets ``done`` at a stop string or the end."""
         self.completion_tokens += len(delta.token_ids)
+        if self.output is not None and self.output.counting:  # (its reasoning tokens)
+            self.output.count(self._pieces(delta.token_ids))
         for t, lp in zip(delta.token_ids, delta.logprobs, strict=False):
             self.cumulative_logprob += lp[t].logprob if t in lp else 0.0
         self._timing(len(delta.token_ids))
@@ -250,9 +266,13 @@ class Answer:
             m.tpot.observe((e2e - self.ttft) / (self.completion_tokens - 1))
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
-                "total_tokens": len(self.prompt) + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
+               "total_tokens": len(self.prompt) + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        details = self.output.usage_details if self.output is not None else None
+        if details is not None:
+            out["completion_tokens_details"] = details
+        return out
 
     def _log(self) -> None:
         level = self.log_level or 0

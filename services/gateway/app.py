@@ -91,6 +91,7 @@ class GatewayState:
     max_body_bytes: int = 8 << 20  # --max-request-body-bytes
     body_timeout_s: float = 30.0  # --request-body-timeout
     stall_timeout_s: float = 10.0  # --stall-timeout
+    model_path: str = ""  # the model as given (--model): a model card's root, as vLLM's
     instance_grace_s: float = 15.0  # --instance-grace
     output: OutputSettings = OutputSettings()  # the chat output's parsers
     metrics_names: str = "pdmesh"  # --metrics-names (vllm: /metrics as vllm:X)
@@ -143,7 +144,9 @@ class Gateway:
         now = int(time.time())  # (vLLM's model cards: the time of the answer)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": now, "owned_by": "pdmesh",
-            "max_model_len": self.context_len()} for name in self.names]}
+            "root": self.state.model_path or name, "parent": None,
+            "max_model_len": self.context_len(), "permission": [_permission(now)]}
+            for name in self.names]}
 
     def context_len(self) -> int:
         """The longest sequence the mesh serves: the gateway's --max-model-len (else the
@@ -394,6 +397,15 @@ def _prompts(p: Any) -> list[str | list[int]]:
     if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
         return [p]
     return list(p)
+
+
+def _permission(now: int) -> dict[str, Any]:
+    """A model card's permission entry, as vLLM (and OpenAI's older API) give it."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+            "created": now, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}
 
 
 async def _unless_gone(work: Coroutine[Any, Any, T], request: Request) -> T | None:

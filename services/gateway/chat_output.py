@@ -1,7 +1,8 @@
-"""What a chat answer's text becomes: ``reasoning_content``, ``content`` and ``tool_calls``,
-whole or as the deltas of a stream, as vLLM's chat server shapes them.
+"""What a chat answer's text becomes: ``reasoning``, ``content`` and ``tool_calls``, whole
+or as the deltas of a stream, as vLLM's chat server shapes them (vLLM 0.32 names the
+reasoning ``reasoning``; earlier ones, SGLang and DeepSeek's API ``reasoning_content``).
 
-    text ──reasoning parser (--reasoning-parser)──▶ reasoning_content
+    text ──reasoning parser (--reasoning-parser)──▶ reasoning
                     └──▶ the rest ──tool_choice──▶ auto: the tool-call parser's content and
                                                    calls (--tool-call-parser)
                                                    required: a JSON list of {name,
@@ -74,6 +75,11 @@ class ChatOutput:
         self._buf = ""  # a forced answer's text so far
         self._calls: list[ToolCall] = []  # forced calls made
         self._named_started = False
+        # the reasoning tokens generated (usage's completion_tokens_details): a parser of
+        # its own, fed token by token, counts those inside the reasoning
+        self.reasoning_tokens = 0
+        self._counter = (type(self.reasoning)(self.reasoning.thinking)
+                         if self.reasoning is not None and self.reasoning.thinking else None)
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -122,6 +128,32 @@ class ChatOutput:
             return "tool_calls"
         return reason
 
+    @property
+    def counting(self) -> bool:
+        """Still inside the reasoning: ``count`` wants each token's text."""
+        return self._counter is not None
+
+    @property
+    def usage_details(self) -> dict[str, Any] | None:
+        """usage's completion_tokens_details (with a reasoning parser, as vLLM's)."""
+        return None if self.reasoning is None else {"reasoning_tokens": self.reasoning_tokens}
+
+    def count(self, pieces: list[tuple[str, int]]) -> None:
+        """Count the generated tokens that are reasoning: those before the reasoning's
+        end, less its markers (vLLM counts the tokens between its start and end tokens).
+        ``pieces``: the text of each token in order, with 1; a character split over
+        several tokens comes whole, with their number."""
+        machine = self._counter
+        for piece, tokens in pieces:
+            if machine is None:
+                return
+            opening = machine.in_opening
+            _, content = machine.feed(piece)
+            if content or not machine.in_reasoning and not machine.in_opening:
+                self._counter = machine = None  # (this token closed it)
+            elif not (opening and piece.strip() == machine.start):
+                self.reasoning_tokens += tokens
+
     # -- whole ---------------------------------------------------------------------------
     def _split_whole(self, text: str) -> tuple[str | None, str | None]:
         r = self.reasoning
@@ -133,15 +165,15 @@ class ChatOutput:
     def message(self, text: str) -> dict[str, Any]:
         reasoning, content = self._split_whole(text)
         msg: dict[str, Any] = {"role": "assistant", "content": content,
-                               "reasoning_content": reasoning, "tool_calls": []}
+                               "reasoning": reasoning, "tool_calls": []}
         calls: list[ToolCall] = []
         if self.tools is not None:
             msg["content"], calls = self.tools.extract(content or "")
         elif self.mode == "required":
             calls = _listed_calls(content or "")
             msg["content"] = None if calls else content
-        elif self.mode != "none":
-            calls = [ToolCall(call_id(), self.mode, content or "{}")]
+        elif self.mode != "none" and content:  # (none while it still reasons: vLLM's)
+            calls = [ToolCall(call_id(), self.mode, content)]
             msg["content"] = None
         calls = calls if self.parallel else calls[:1]
         self._calls = calls
@@ -167,7 +199,7 @@ class ChatOutput:
         return self.reasoning.finish() if final else self.reasoning.feed(text)
 
     def _route(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+        out: list[dict[str, Any]] = [{"reasoning": reasoning}] if reasoning else []
         if self.tools is not None:
             parts = self.tools.feed(content) if content else []
             parts += self.tools.finish() if final else []
@@ -187,16 +219,17 @@ class ChatOutput:
         return [d for d in out if d and (d.get("content") != "" or len(d) > 1)]
 
     def _named(self, fragment: str) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
+        if not fragment:  # (the call starts with its arguments: none while it reasons)
+            return out
         if not self._named_started:
             self._named_started = True
             call = ToolCall(call_id(), self.mode, "")
             self._calls = [call]
             out.append({"tool_calls": [{"index": 0, "id": call.id, "type": "function",
                                         "function": {"name": call.name, "arguments": ""}}]})
-        if fragment:
-            self._calls[0].arguments += fragment
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
+        self._calls[0].arguments += fragment
+        out.append({"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]})
         return out
 
 

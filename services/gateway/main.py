@@ -68,7 +68,7 @@ def run(a: ServeConfig) -> int:
                                 reasoning_parser=reasoning,
                                 grammar_in_reasoning=in_reasoning)
         state = GatewayState(tokenizer=Tokenizer(a.model, a.tokenizer_mode), router=router,
-                             model_name=name, output=output,
+                             model_name=name, output=output, model_path=str(a.model),
                              model_names=a.served_model_name or (name,),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
                              api_key=key, max_queued_requests=a.max_queued_requests,

@@ -41,9 +41,14 @@ def usage(answers: list[Answer], k: int) -> dict[str, Any]:
     prompt = sum(len(a.prompt) for a in answers[::k])
     generated = sum(a.completion_tokens for a in answers)
     cached = sum(a.cached_tokens for a in answers[::k])
-    return {"prompt_tokens": prompt, "completion_tokens": generated,
-            "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": generated,
+           "total_tokens": prompt + generated,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    details = [a.output.usage_details for a in answers if a.output is not None]
+    if details and all(d is not None for d in details):
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(
+            d["reasoning_tokens"] for d in details)}  # type: ignore[index]
+    return out
 
 
 async def merged_sse(answers: list[Answer], k: int, include_usage: bool

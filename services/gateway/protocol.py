@@ -269,12 +269,15 @@ class ToolCallIn(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # "function": the legacy role of a function's result (older agent frameworks), read
+    # as a tool message
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = None  # (earlier vLLM's, SGLang's, DeepSeek's name)
+    reasoning: str | None = None  # (vLLM 0.32's)
 
     @field_validator("content")
     @classmethod
@@ -302,10 +305,14 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: text content; an earlier call's
         arguments as a mapping (templates iterate them, as vLLM hands them over)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_call_id", "reasoning_content"):
+        out: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role,
+                               "content": self.text()}
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # (templates read either name)
+            out["reasoning_content"] = out["reasoning"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
                 "name": c.function.name, "arguments": _as_mapping(c.function.arguments)}}

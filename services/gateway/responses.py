@@ -143,8 +143,8 @@ def _envelope(req: ResponsesRequest, created: int, status: str) -> dict[str, Any
 
 def _items(msg: dict[str, Any]) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
-    if msg.get("reasoning_content"):
-        items.append(_reasoning_item(msg["reasoning_content"]))
+    if msg.get("reasoning"):
+        items.append(_reasoning_item(msg["reasoning"]))
     if msg.get("content"):
         items.append(_message_item(msg["content"]))
     for call in msg.get("tool_calls") or []:
@@ -218,8 +218,8 @@ class _Stream:
         for choice in data.get("choices") or []:
             self.finish = choice.get("finish_reason") or self.finish
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._text("reasoning", delta["reasoning_content"])
+            if delta.get("reasoning"):
+                out += self._text("reasoning", delta["reasoning"])
             if delta.get("content"):
                 out += self._text("message", delta["content"])
             for call in delta.get("tool_calls") or []:

@@ -275,7 +275,7 @@ FLAGS: list[Flag] = [
          "how the model writes tool calls (vLLM's parser of the same name)",
          choices=TOOL_CALL_PARSERS, effect=AT_THE_GATEWAY),
     Flag("--reasoning-parser", "str", ENGINE_LINE | {"gateway", "up"}, None,
-         "split the model's reasoning into reasoning_content (vLLM's parser of the same "
+         "split the model's reasoning into `reasoning` (vLLM's parser of the same "
          "name)", choices=REASONING_PARSERS, effect=AT_THE_GATEWAY),
     Flag("--structured-outputs-config", "json", ENGINE_LINE | {"gateway", "up"}, None,
          'structured output, as vLLM: {"enable_in_reasoning": true} binds a grammar '

@@ -561,8 +561,12 @@ class Scheduler:
             req.grammar.sync(req.output_token_ids)
             if req.grammar.error is not None:  # (logged by the grammar)
                 return RequestStatus.FINISHED_ERROR
-            if req.grammar.done:  # complete: only the end of sequence could follow
+            ends_later = bool(req.eos_token_ids) and not sp.ignore_eos
+            if req.grammar.done and not ends_later and token not in req.stop_ids:
+                # complete, and no end of sequence to come (none, or ignored): stop here
                 return RequestStatus.FINISHED_STOPPED
+            # (complete otherwise: the end of sequence, the one token the grammar allows
+            # now, is sampled next and ends it, counted, with its logprobs, as vLLM's)
         if token in req.stop_ids and num_output >= sp.min_tokens:
             if token in sp.stop_token_ids or token != req.eos_token_ids[0]:
                 # (vLLM: the model's end of sequence gives no reason; generation_config's

@@ -109,7 +109,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"grammar: not valid: {matcher.get_error()}")
         held = _Reasoning(after.encode(), self.tokenizer) if after else None
-        return Grammar(matcher, self.vocab_size, held)
+        return Grammar(matcher, self.vocab_size, held, self.eos_token_ids)
 
 
 def markup_as_text(tokenizer_json: str) -> str:
@@ -157,9 +157,11 @@ class Grammar:
         output: reasoning ... </think> | answer tokens ──▶ the matcher, masks from here
     """
 
-    def __init__(self, matcher: Any, vocab_size: int, held: _Reasoning | None = None):
+    def __init__(self, matcher: Any, vocab_size: int, held: _Reasoning | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)  # what may follow a complete one
         self.consumed = 0  # output tokens read (by the matcher, or by the reasoning scan)
         self.held = held  # None once the reasoning has closed (or when there is none)
         self.error: str | None = None  # why the matcher refused an output token
@@ -172,6 +174,8 @@ class Grammar:
             new = self.held.after(new)
             if not self.held.open:
                 self.held = None
+        if new and self.matcher.is_stopped() and set(new) <= self.eos_token_ids:
+            return  # the end of sequence after a complete grammar: what it allowed
         if new and not self.matcher.consume_tokens(new):
             self.error = self.matcher.get_error() or "refused"
             log.warning("grammar: output token(s) %s refused by the grammar: %s", new,

@@ -1,6 +1,6 @@
 """Output parsers of the gateway, chosen by name as vLLM's --tool-call-parser and
 --reasoning-parser are: tool-call parsers turn call markup in the model's text into
-OpenAI ``tool_calls``; reasoning parsers split ``reasoning_content`` from ``content``.
+OpenAI ``tool_calls``; reasoning parsers split ``reasoning`` from ``content``.
 Both work on a whole output (``extract``) and on a stream (``feed`` then ``finish``), and
 a parser instance serves one request.
 """

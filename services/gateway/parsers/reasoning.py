@@ -43,6 +43,14 @@ class ReasoningParser:
         self._buf = ""
         self._implicit = self.implicit_end is not None  # still looking for it
 
+    @property
+    def in_opening(self) -> bool:
+        return self._phase is Phase.OPENING
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._phase is Phase.REASONING
+
     # -- the interface -------------------------------------------------------------------
     def extract(self, text: str) -> tuple[str | None, str | None]:
         machine = type(self)(self.thinking)

@@ -58,11 +58,44 @@ def test_a_forced_call_follows_the_reasoning():
     named = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})
     text = '<think>\nwhich tool?\n</think>\n\n{"x": 7}'
     msg = ChatOutput(named, qwen3).message(text)
-    assert msg["reasoning_content"] == "\nwhich tool?\n"
+    assert msg["reasoning"] == "\nwhich tool?\n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in msg["tool_calls"]] == [("g", {"x": 7})]
     deltas = streamed(ChatOutput(named, qwen3), text)
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nwhich tool?\n"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nwhich tool?\n"
     args = "".join(c["function"].get("arguments", "") for d in deltas
                    for c in d.get("tool_calls", []))
     assert json.loads(args) == {"x": 7}
+
+
+def test_a_named_call_cut_off_in_its_reasoning_is_no_call():
+    """The token limit came while the model still thought: no call made up with {}
+    arguments (vLLM returns none), whole or streamed."""
+    qwen3 = OutputSettings(reasoning_parser="qwen3")
+    named = request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}})
+    text = "<think>\nwhich tool shall I"
+    msg = ChatOutput(named, qwen3).message(text)
+    assert msg["tool_calls"] == [] and msg["reasoning"] == "\nwhich tool shall I"
+    deltas = streamed(ChatOutput(named, qwen3), text)
+    assert not [d for d in deltas if "tool_calls" in d]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nwhich tool shall I"
+
+
+def test_reasoning_tokens_are_counted_up_to_the_end_of_the_reasoning():
+    """Each token's text, in order: the markers are not reasoning, nor is the answer."""
+    qwen3 = OutputSettings(reasoning_parser="qwen3")
+    pieces = [(p, 1) for p in ("<think>", "\n", "which", " tool", "?", "\n", "</think>",
+                               "\n\n", "It", " is")]
+    for split in (1, 3, len(pieces)):  # deltas of one token, three, all at once
+        out = ChatOutput(request(), qwen3)
+        for i in range(0, len(pieces), split):
+            if out.counting:
+                out.count(pieces[i:i + split])
+        assert out.reasoning_tokens == 5 and not out.counting
+        assert out.usage_details == {"reasoning_tokens": 5}
+    no_open = ChatOutput(request(), qwen3)  # (the template opened it: none generated)
+    no_open.count([("天", 3), *pieces[1:]])  # (a character of three tokens)
+    assert no_open.reasoning_tokens == 8
+    off = ChatOutput(request(chat_template_kwargs={"enable_thinking": False}), qwen3)
+    assert not off.counting and off.usage_details == {"reasoning_tokens": 0}
+    assert ChatOutput(request(), OutputSettings()).usage_details is None  # no parser

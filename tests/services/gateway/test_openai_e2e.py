@@ -54,13 +54,17 @@ def greedy(offline: LLM, prompt, n: int) -> str:
     return out[0].outputs[0].text
 
 
-def test_models_and_health(mesh, client):
+def test_models_and_health(mesh, client, qwen3_path):
     import time
 
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert abs(models[0].created - time.time()) < 60  # a real time, not 0
     assert models[0].max_model_len == ENGINE_LEN  # the engines', not the checkpoint's
+    card = models[0].model_dump()  # vLLM's fields: the model as given, its permission
+    assert card["root"] == str(qwen3_path) and card["parent"] is None
+    assert card["permission"][0]["object"] == "model_permission"
+    assert card["permission"][0]["allow_sampling"] is True
     h = httpx.get(mesh + "/health", timeout=10)
     assert h.status_code == 200 and h.json()["prefill"] == 1 and h.json()["decode"] == 1
 

@@ -87,7 +87,7 @@ def streamed(stream) -> tuple[str, dict[int, dict], str | None, str]:
             continue
         d = chunk.choices[0].delta
         content += d.content or ""
-        reasoning += getattr(d, "reasoning_content", None) or ""
+        reasoning += getattr(d, "reasoning", None) or ""
         for tc in d.tool_calls or []:
             if tc.index not in calls:  # the first delta of a call: id, type and name
                 assert tc.id and tc.type == "function" and tc.function.name, tc
@@ -217,7 +217,10 @@ def test_reasoning_is_split_from_the_answer(gateways, gateway, parser):
         r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=300,
                                       temperature=0, extra_body=force)
         msg = r.choices[0].message
-        assert (msg.reasoning_content, msg.content) == (case["reasoning"], case["content"])
+        assert (msg.reasoning, msg.content) == (case["reasoning"], case["content"])
+        # its tokens counted (vLLM's usage detail): some, fewer than the answer's
+        counted = r.usage.completion_tokens_details.reasoning_tokens
+        assert 0 < counted < r.usage.completion_tokens, r.usage
         content, _, _, reasoning = streamed(c.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=300, temperature=0, stream=True,
             extra_body=force))
@@ -227,7 +230,8 @@ def test_reasoning_is_split_from_the_answer(gateways, gateway, parser):
     r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=300, temperature=0,
                                   extra_body=off)
     assert r.choices[0].message.content == cases[0]["text"]  # thinking off: all content
-    assert not r.choices[0].message.reasoning_content
+    assert not r.choices[0].message.reasoning
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_responses_api_text_reasoning_and_function_calls(gateways):
@@ -292,7 +296,7 @@ def test_a_grammar_with_a_reasoning_parser_answers_content(gateways, qwen3_path)
               response_format={"type": "json_object"}, logit_bias={str(close[0]): 50})
     r = c.chat.completions.create(**kw)
     assert json.loads(r.choices[0].message.content) == {}
-    assert not r.choices[0].message.reasoning_content
+    assert not r.choices[0].message.reasoning
     content, _, _, reasoning = streamed(c.chat.completions.create(**kw, stream=True))
     assert content == r.choices[0].message.content and not reasoning
 

@@ -142,20 +142,20 @@ def test_chats_tools_and_thinking_as_the_recipes_serve_them(mesh, tiny_models):
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls", msg
     # (the blank line V4 writes between </think> and its calls is the content)
-    assert msg.reasoning_content == CALL["reasoning_content"] and not msg.content.strip()
+    assert msg.reasoning == CALL["reasoning_content"] and not msg.content.strip()
     assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] \
         == [("get_weather", {"city": "Paris", "days": 3})]
     reasoning, args, reason = "", "", None
     for chunk in client.chat.completions.create(**ask, stream=True):
         for choice in chunk.choices:
-            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
             args += "".join(t.function.arguments or "" for t in choice.delta.tool_calls or [])
             reason = choice.finish_reason or reason
     assert (reasoning, json.loads(args), reason) == (
         CALL["reasoning_content"], {"city": "Paris", "days": 3}, "tool_calls")
     off = client.chat.completions.create(**{**ask, "extra_body": {
         "guided_choice": ["Sunny."], "chat_template_kwargs": {"thinking": False}}})
-    assert (off.choices[0].message.content, off.choices[0].message.reasoning_content) \
+    assert (off.choices[0].message.content, off.choices[0].message.reasoning) \
         == ("Sunny.", None)
 
 
@@ -177,11 +177,11 @@ def test_a_grammar_binds_the_answer_after_the_reasoning(mesh, tiny_models):
     r = client.chat.completions.create(**ask)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "stop", msg
-    assert not msg.reasoning_content and json.loads(msg.content)["n"] in range(10)
+    assert not msg.reasoning and json.loads(msg.content)["n"] in range(10)
     reasoning, content = "", ""
     for chunk in client.chat.completions.create(**ask, stream=True):
         for choice in chunk.choices:
-            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
             content += choice.delta.content or ""
     assert (reasoning, content) == ("", msg.content)
     # thinking off: the answer is bound from its first token

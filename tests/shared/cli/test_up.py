@@ -470,7 +470,7 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
             tools=tools, max_tokens=200, temperature=0, extra_body={"guided_choice": [text]})
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "tool_calls", msg
-        assert msg.reasoning_content == "\nthe user asks for the weather\n"
+        assert msg.reasoning == "\nthe user asks for the weather\n"
         assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [
             ("get_weather", '{"city": "Oslo"}')]
     finally:

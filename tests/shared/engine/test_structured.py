@@ -86,6 +86,19 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
     assert out.text == "done" and out.finish_reason == "stop"
 
 
+def test_a_complete_grammar_ends_on_the_end_of_sequence_as_vllm(llm):
+    """Complete, the grammar allows only the end of sequence: it is sampled next and
+    counted, with its logprobs (vLLM's usage and logprobs count it too); the text is
+    the grammar's alone."""
+    eos = llm.tokenizer.eos_token_id
+    for choice in (["done"], ["a", "bb"]):
+        out = texts(llm, [[1, 2, 3]], temperature=0, max_tokens=20, logprobs=1,
+                    grammar=choice_grammar(choice))[0]
+        assert out.text in choice and out.finish_reason == "stop"
+        assert out.token_ids[-1] == eos and len(out.logprobs) == len(out.token_ids)
+        assert out.token_ids[:-1] == llm.tokenizer.encode(out.text, add_special_tokens=False)
+
+
 def test_a_bad_grammar_is_refused_naming_it(llm):
     good = SamplingParams(max_tokens=4, grammar=regex_grammar("a+"))
     with pytest.raises(ValueError, match="grammar: not valid"):  # before any runs
