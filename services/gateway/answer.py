@@ -40,6 +40,7 @@ class Answer:
         self.echo = echo  # a completion's prompt text, put before its answer (echo)
         self.output = output  # a chat's reasoning and tool calls (None: a completion)
         self._split_char: list[int] = []  # a character's first tokens (reasoning counts)
+        self._text_offset = 0  # a completion's logprobs: the text their tokens spell so far
         self.params, self.tok, self.metrics = params, tok, metrics
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
@@ -329,12 +330,19 @@ class Answer:
                                   "bytes": list(word([k]).encode())}
                                  for k, v in sorted(d.items(), key=lambda kv: kv[1].rank)
                                  if v.rank <= n]} for t, d in lps]}
-        return {"tokens": [word([t]) for t, _ in lps],
+        tokens = [word([t]) for t, _ in lps]
+        offsets = []  # (each token's place in the whole answer's text, as vLLM counts it)
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens,
                 "token_logprobs": [None if d is None else d[t].logprob for t, d in lps],
-                "top_logprobs": [None if d is None else {word([k]): v.logprob
-                                                         for k, v in d.items() if v.rank <= n}
-                                 for _, d in lps],
-                "text_offset": []}
+                # the chosen (or echoed) token first, then the n likeliest: vLLM's n + 1
+                "top_logprobs": [None if d is None else {
+                    word([k]): v.logprob for k, v in sorted(
+                        d.items(), key=lambda kv: (kv[0] != t, kv[1].rank))
+                    if k == t or v.rank <= n} for t, d in lps],
+                "text_offset": offsets}
 
 
 def _chat_chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None, index: int

@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings.
 
 Text is released only when it is final: a trailing incomplete UTF-8 sequence ("\\ufffd")
-is held back, and so is any tail that could still grow into a stop string.
+is held back (and never sent when generation ends inside it, as vLLM), and so is any tail
+that could still grow into a stop string.
 
 Each step decodes a short window, not the whole output (which made a request's
 detokenization quadratic in its length): the text of ``ids[prefix:]`` minus that of
@@ -41,14 +42,18 @@ class IncrementalText:
 
     def _decoded(self, final: bool) -> str:
         """Text the tokens since ``_read`` add; "" while they end inside a character
-        (unless ``final``: then as decoded, replacement character included)."""
+        (``final``: the text of the longest run of them that does not, as vLLM's: an
+        answer cut inside a character ends before it)."""
         ids = self.token_ids
+        end = len(ids)
         window = self.tokenizer.decode(ids[self._prefix:], skip_special_tokens=self.skip)
-        if len(window) <= len(self._prefix_text) or (
-                window.endswith("\ufffd") and not final):
+        while final and window.endswith("\ufffd") and end > self._read:
+            end -= 1  # (a character is at most 4 bytes: a few tokens back at most)
+            window = self.tokenizer.decode(ids[self._prefix:end], skip_special_tokens=self.skip)
+        if len(window) <= len(self._prefix_text) or window.endswith("\ufffd"):
             return ""
         new = window[len(self._prefix_text):]
-        self._prefix, self._read = self._read, len(ids)
+        self._prefix, self._read = self._read, end
         self._prefix_text = self.tokenizer.decode(ids[self._prefix:self._read],
                                                   skip_special_tokens=self.skip)
         return new

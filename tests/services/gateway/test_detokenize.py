@@ -43,13 +43,32 @@ def test_streamed_text_is_the_full_decode(tok, text):
     assert not any("\ufffd" in d for d in deltas)  # no half characters released
 
 
+def whole(tok: Tokenizer, ids: list[int]) -> str:
+    """The full decode of the longest head of ``ids`` that does not end inside a
+    character: what an answer that ends there says (vLLM's)."""
+    end = len(ids)
+    while end and tok.decode(ids[:end]).endswith("\ufffd"):
+        end -= 1
+    return tok.decode(ids[:end])
+
+
 def test_random_token_ids_match_the_full_decode(tok):
     rng = random.Random(1)
     vocab = tok.vocab_size
     for _ in range(50):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
         _, out = stream(tok, ids, [], rng)
-        assert out == tok.decode(ids)
+        assert out == whole(tok, ids)
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it(tok):
+    """The token limit came inside a character (an emoji's bytes over several tokens):
+    its bytes are not sent as U+FFFD, as vLLM withholds them."""
+    ids = tok.encode("ok 🚀")
+    cut = next(k for k in range(len(ids), 0, -1) if tok.decode(ids[:k]).endswith("\ufffd"))
+    for seed in range(3):
+        deltas, out = stream(tok, ids[:cut], [], random.Random(seed))
+        assert out == "ok " and not any("\ufffd" in d for d in deltas)
 
 
 @pytest.mark.parametrize("text,stop", [(TEXTS[0], "fib(n - 1)"), (TEXTS[1], "🚀"),

@@ -127,3 +127,17 @@ def test_prompt_logprobs_as_vllm_asks_them():
     assert chat.to_sampling(8).prompt_logprobs == 1
     with pytest.raises(ValidationError, match="prompt_logprobs"):
         ChatCompletionRequest.model_validate({**CHAT, "prompt_logprobs": 1, "stream": True})
+
+
+def test_legacy_function_messages_and_either_reasoning_name_reach_the_template():
+    """role "function" (a function's result, as older agent frameworks send it) is read
+    as a tool message; an assistant turn's reasoning by vLLM 0.32's name or the older
+    one reaches templates under both."""
+    from pdmesh.services.gateway.protocol import ChatMessage
+
+    fn = ChatMessage.model_validate({"role": "function", "name": "f", "content": "42"})
+    assert fn.for_template() == {"role": "tool", "name": "f", "content": "42"}
+    for key in ("reasoning", "reasoning_content"):
+        turn = ChatMessage.model_validate({"role": "assistant", "content": "a", key: "r"})
+        assert turn.for_template()["reasoning_content"] == "r"
+        assert turn.for_template()["reasoning"] == "r"
