@@ -354,8 +354,8 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_their_logprobs(client, offli
     assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
     # vLLM's: the echoed or chosen token always among its top_logprobs (n + 1 when it is
     # not among the n likeliest), and each token's place in the answer's text
-    assert all(tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:],
-                                                               strict=True))
+    tops = zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True)
+    assert all(tok in top for tok, top in tops)
     assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
     assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(len(lp.tokens))]
     chunks = [ch.choices[0].logprobs for ch in client.completions.create(**kw, stream=True)
