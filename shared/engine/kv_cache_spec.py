@@ -158,15 +158,16 @@ def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0,
 def allocate_caches(spec: KVCacheSpec, num_blocks: list[int], dtype: torch.dtype,
                     device: torch.device) -> list[list[torch.Tensor]]:
     """Per group, its tensors (in ``group.tensors`` order), each
-    [num_blocks + 1, slots, heads, dim] with the null block zeroed: a slot is read only
-    after it was written, or is padding redirected to the null block (masked, and
-    finite, since NaN * 0 would still be NaN)."""
+    [num_blocks + 1, slots, heads, dim], zeroed: the null block must be (padding is
+    redirected to it: masked, and finite, since NaN * 0 would still be NaN), and the
+    whole cache is touched now, as vLLM's is. Left untouched, a CPU engine's memory
+    grew for hours as the prefix cache cycled through blocks never used before (an
+    engine's resident memory is its whole cache from the start: flat under load)."""
     out = []
     for g, n in zip(spec.groups, num_blocks, strict=True):
         tensors = []
         for t in g.tensors:
-            x = torch.empty((n + 1, t.slots, t.heads, t.dim), dtype=t.dtype(dtype), device=device)
-            x[NULL_BLOCK_ID].zero_()
+            x = torch.zeros((n + 1, t.slots, t.heads, t.dim), dtype=t.dtype(dtype), device=device)
             tensors.append(x)
         out.append(tensors)
     return out

@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 # faster); bfloat16 takes it from one row
 MIN_ROWS = 2
 
+# oneDNN keeps each GEMM it built, per shape - so per row count: its primitive cache and
+# ideep's (1,024 entries each by default), each entry with its scratch memory. A prefill
+# engine steps on prompts of every length, and its memory grew ~2.5 MB a new length with
+# the tiny model (+730 MB over 320 single prompts; a soak of `pdmesh up`: +1.5 GB in 8
+# minutes); with both at CACHED_GEMMS it stays flat, and steps took as long (a decode
+# batch keeps its shapes: they stay cached; a prompt's GEMMs are built anew, a small part
+# of its step). Read by the libraries when they first build one: set here, at import,
+# before this backend builds any; the user's own values win.
+CACHED_GEMMS = 32
+for _name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_name, str(CACHED_GEMMS))
+
 
 def available() -> bool:
     """oneDNN's packed linear works here and gives mm's products (checked once on a small
