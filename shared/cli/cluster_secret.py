@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdmesh.shared.infra.cluster_auth import write_private
+from pdmesh.shared.infra.private_files import write_private
 
 SA = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KEY = "cluster-secret"  # the file's name in the Secret (and so under its mount)

@@ -115,7 +115,7 @@ class LLM:
             cumulative = sum(step[t].logprob for step, t in zip(logprobs, ids, strict=False))
         completion = CompletionOutput(
             index=0,
-            text=self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens),
+            text=self.tokenizer.decode_answer(ids, skip_special_tokens=sp.skip_special_tokens),
             token_ids=list(ids),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,

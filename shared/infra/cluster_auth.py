@@ -28,6 +28,8 @@ from typing import Any
 
 import grpc
 
+from pdmesh.shared.infra.private_files import write_private
+
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "PDMESH_CLUSTER_SECRET"
@@ -55,17 +57,6 @@ def secret() -> bytes | None:
     if len(value) < 16:
         raise ValueError(f"{name}: the cluster secret must be at least 16 characters")
     return value.encode()
-
-
-def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """``data`` into ``path``, readable by its owner alone (``mode``); a folder made for
-    it is the owner's alone (0700). The services that read it run as one user (root in
-    the images)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), mode)  # (a file that was there keeps its mode otherwise)
-        f.write(data)
 
 
 def per_run_secret(environ: Mapping[str, str] = os.environ) -> Path | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from pdmesh.shared.infra.cluster_auth import write_private
+from pdmesh.shared.infra.private_files import write_private
 
 TLS_DIR_ENV = "PDMESH_TLS_DIR"
 SERVER_NAME = "pdmesh.internal"

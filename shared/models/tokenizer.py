@@ -91,6 +91,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_answer(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """An answer's text: an answer that ends inside a character (its bytes split over
+        tokens, the last ones never generated) ends before it, as vLLM's detokenizer
+        withholds the incomplete tail rather than sending U+FFFD."""
+        end = len(ids)
+        text = self.decode(ids, skip_special_tokens)
+        while text.endswith("\ufffd") and end:
+            end -= 1
+            text = self.decode(ids[:end], skip_special_tokens)
+        return text
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
