@@ -158,16 +158,20 @@ def cache_spec(cfg: ModelConfig, block_size: int, mtp_layers: int = 0,
 def allocate_caches(spec: KVCacheSpec, num_blocks: list[int], dtype: torch.dtype,
                     device: torch.device) -> list[list[torch.Tensor]]:
     """Per group, its tensors (in ``group.tensors`` order), each
-    [num_blocks + 1, slots, heads, dim], zeroed: the null block must be (padding is
-    redirected to it: masked, and finite, since NaN * 0 would still be NaN), and the
-    whole cache is touched now, as vLLM's is. Left untouched, a CPU engine's memory
-    grew for hours as the prefix cache cycled through blocks never used before (an
-    engine's resident memory is its whole cache from the start: flat under load)."""
+    [num_blocks + 1, slots, heads, dim] with the null block zeroed: a slot is read only
+    after it was written, or is padding redirected to the null block (masked, and
+    finite, since NaN * 0 would still be NaN). On cpu the rest is left untouched: its
+    pages become resident as blocks are first written (the prefix cache's LRU order
+    reaches every block in time, so an engine's memory grows to its whole cache, then
+    stays). Zeroing it all here, as vLLM does, made that flat from the start but held
+    every engine's whole cache at once: the test suite's engines ran this box out of
+    memory (issue 41, session 29)."""
     out = []
     for g, n in zip(spec.groups, num_blocks, strict=True):
         tensors = []
         for t in g.tensors:
-            x = torch.zeros((n + 1, t.slots, t.heads, t.dim), dtype=t.dtype(dtype), device=device)
+            x = torch.empty((n + 1, t.slots, t.heads, t.dim), dtype=t.dtype(dtype), device=device)
+            x[NULL_BLOCK_ID].zero_()
             tensors.append(x)
         out.append(tensors)
     return out
