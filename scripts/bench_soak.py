@@ -10,8 +10,7 @@ half streamed; ``--cancel`` of the streams (15%) are dropped by their client aft
 random 0.2-3 s. Every ``--every`` seconds each process of the mesh (gateway, engines and
 their gRPC edges, kvstore, mooncake_master, redis) has its RSS read from /proc. The
 report: each process's RSS once warm (after ``--warmup`` of the run) and at the end, and
-the growth in between as % per hour; then whether the engines ended idle with every KV
-block free.
+the growth in between as % per hour; then each engine's largest resident mappings.
 """
 
 from __future__ import annotations
@@ -164,18 +163,6 @@ def largest_mappings(pid: int, top: int = 8) -> list[tuple[float, str]]:
     return sorted(rows, reverse=True)[:top]
 
 
-def idle(url: str) -> dict[str, float]:
-    """The engines' running / waiting requests and KV use, from the gateway's view
-    (its /metrics carries none of it: read each engine's registry load instead)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    keep = {}
-    for line in text.splitlines():
-        if line.startswith(("pdmesh_num_requests_running", "pdmesh_num_requests_waiting")):
-            name, value = line.rsplit(" ", 1)
-            keep[name] = float(value)
-    return keep
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,8 +198,6 @@ def main() -> None:
         for r in rows:
             print(f"{r['process']:16} {r['pid']:>7} {r['warm_mb']:>9} {r['end_mb']:>8} "
                   f"{r['peak_mb']:>8} {r['growth_pct_per_hour']:>11}")
-        after = idle(url)
-        print(f"after: {after}")
         for pid, name in pids.items():  # where each engine's memory lies, mapping by mapping
             if name in ("prefill", "decode", "mixed"):
                 print(f"{name}: the largest resident mappings (MB)")
@@ -220,7 +205,7 @@ def main() -> None:
                     print(f"  {mb:8.1f}  {what}")
         if a.out:
             Path(a.out).write_text(json.dumps({
-                "args": vars(a), "requests": counts, "report": rows, "after": after,
+                "args": vars(a), "requests": counts, "report": rows,
                 "names": {str(k): v for k, v in pids.items()},
                 "samples": [[t, {str(k): v for k, v in s.items()}] for t, s in samples]}))
     finally:
