@@ -32,8 +32,10 @@ class Answer:
                  params: SamplingParams, stops: list[str], tok: Tokenizer,
                  metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
                  echo: str = "", output: ChatOutput | None = None, index: int = 0,
-                 shape: Shape | None = None, eos_token_ids: tuple[int, ...] = ()):
+                 shape: Shape | None = None, eos_token_ids: tuple[int, ...] = (),
+                 prompt_text: str | None = None):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        self.prompt_text = prompt_text  # a chat's prompt as its template rendered it
         self.index = index  # its choice's index (n > 1: one Answer per choice)
         self.journey: Any = None  # the Journey it answers (set by the gateway)
         self.cumulative_logprob = 0.0  # of its sampled tokens, when they come with them
@@ -45,6 +47,7 @@ class Answer:
         self.span = span  # the request's trace span, ended with the answer
         self.log_level = log_level  # log the request when it ends (--log-requests)
         self.shape = shape or Shape()
+        self.token_ids: list[int] = []  # the tokens generated (return_token_ids)
         # what ends a sequence (the model's, its generation config's too): not text
         self.eos = frozenset(eos_token_ids or (tok.eos_token_id,))
         # the tokenizer's end of sequence is no stop_reason; generation_config's other
@@ -89,18 +92,29 @@ class Answer:
         content = "".join(parts)
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
                                   "stop_reason": self.stop_reason,
-                                  "logprobs": self._logprobs(lps)}
-        if self.output is not None:
-            choice["message"] = self.output.message(content)
-            choice["finish_reason"] = self.output.finish_reason(self.finish_reason)
-        else:
-            choice["text"] = content
+                                  "logprobs": self._logprobs(lps),
+                                  "token_ids": self._ids(self.token_ids),
+                                  "routed_experts": None}  # (vLLM's, never asked here)
+        prompt = {"prompt_logprobs": None if self.params.prompt_logprobs is None
+                  else self._prompt_logprobs(), "prompt_token_ids": self._ids(self.prompt)}
         whole = {"id": self.rid, "object": "chat.completion" if self.chat
                  else "text_completion", "created": self.created, "model": self.model,
-                 "system_fingerprint": None, "choices": [choice], "usage": self.usage()}
-        if self.params.prompt_logprobs is not None:  # (vLLM's places: the chat's top)
-            (whole if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs()
+                 "system_fingerprint": None, "service_tier": None, "choices": [choice],
+                 "usage": self.usage(), **_VLLM_EXTRAS}
+        if self.output is not None:  # (vLLM's places: the chat's at the top)
+            choice["message"] = self.output.message(content)
+            choice["finish_reason"] = self.output.finish_reason(self.finish_reason)
+            whole.update(prompt, prompt_text=self._prompt_text())
+        else:
+            choice.update(prompt, text=content)
         return whole
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        """Token ids as return_token_ids asks for them (else null, as vLLM answers)."""
+        return list(ids) if self.shape.token_ids else None
+
+    def _prompt_text(self) -> str | None:
+        return self.prompt_text if self.shape.prompt_text else None
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
@@ -108,7 +122,7 @@ class Answer:
                                 else self._text_events()):
                 yield event
             if include_usage:
-                yield self._event([], usage=self.usage())
+                yield self._event([], usage=self.usage(streamed=True))
         except MeshError as e:
             self.metrics.failures.inc()
             yield _sse({"error": {"message": str(e), "type": error_type(e.status),
@@ -126,11 +140,14 @@ class Answer:
             lps += zip(delta.token_ids, delta.logprobs, strict=False)
             yield self._event([{"index": self.index,
                                 "text": self.echo + text if first else text,
-                                "logprobs": self._logprobs(lps), "finish_reason": None}])
+                                "logprobs": self._logprobs(lps), "finish_reason": None,
+                                "prompt_token_ids": self._ids(self.prompt) if first
+                                else None, "token_ids": self._ids(delta.token_ids)}])
             first = False
         self._finished()
         yield self._event([{"index": self.index, "text": "", "logprobs": None,
-                            "finish_reason": self.finish_reason}])
+                            "finish_reason": self.finish_reason, "prompt_token_ids": None,
+                            "token_ids": self._ids([])}])
 
     async def _chat_events(self) -> AsyncIterator[str]:
         """A chat's chunks: the role alone first (as vLLM sends it), then what the
@@ -138,25 +155,31 @@ class Answer:
         the logprobs of tokens held back riding with the next chunk sent."""
         output = self.output
         assert output is not None
-        yield self._event([_chat_chunk({"role": "assistant", "content": ""}, None, self.index)])
+        yield self._event([_chat_chunk({"role": "assistant", "content": ""}, None, self.index)],
+                          prompt_token_ids=self._ids(self.prompt),
+                          prompt_text=self._prompt_text())
         pending: list[tuple[int, dict[int, Logprob]]] = []
+        ids: list[int] = []  # (the tokens of the text held back, likewise)
         async for delta in self._deltas():
             text = self._take(delta)
             pending += zip(delta.token_ids, delta.logprobs, strict=False)
+            ids += delta.token_ids
             for part in output.feed(text) if text else []:
-                yield self._event([_chat_chunk(part, self._logprobs(pending), self.index)])
-                pending = []
+                yield self._event([_chat_chunk(part, self._logprobs(pending), self.index,
+                                               self._ids(ids))])
+                pending, ids = [], []
         for part in output.finish():
-            yield self._event([_chat_chunk(part, self._logprobs(pending), self.index)])
-            pending = []
+            yield self._event([_chat_chunk(part, self._logprobs(pending), self.index,
+                                           self._ids(ids))])
+            pending, ids = [], []
         self._finished()
-        end = _chat_chunk({}, self._logprobs(pending), self.index)
+        end = _chat_chunk({}, self._logprobs(pending), self.index, self._ids(ids))
         end["finish_reason"] = output.finish_reason(self.finish_reason)
         yield self._event([end])
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         if choices and self.shape.continuous_usage and "usage" not in extra:
-            extra["usage"] = self.usage()  # (vLLM's continuous_usage_stats: so far)
+            extra["usage"] = self.usage(streamed=True)  # (continuous_usage_stats: so far)
         for c in choices:
             if c.get("finish_reason"):
                 c["stop_reason"] = self.stop_reason
@@ -194,6 +217,8 @@ class Answer:
     def _take(self, delta: TokenDelta) -> str:
         """The text ``delta`` makes final; sets ``done`` at a stop string or the end."""
         self.completion_tokens += len(delta.token_ids)
+        if self.shape.token_ids:
+            self.token_ids += delta.token_ids
         if self.output is not None and self.output.counting:  # (its reasoning tokens)
             self.output.count(self._pieces(delta.token_ids))
         for t, lp in zip(delta.token_ids, delta.logprobs, strict=False):
@@ -266,14 +291,15 @@ class Answer:
         if self.ttft is not None and self.completion_tokens > 1:  # (vLLM's TPOT)
             m.tpot.observe((e2e - self.ttft) / (self.completion_tokens - 1))
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, streamed: bool = False) -> dict[str, Any]:
+        """The answer's usage; ``streamed``: as a stream's chunk carries it (its null
+        fields left out, as vLLM leaves them)."""
         out = {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
                "total_tokens": len(self.prompt) + self.completion_tokens,
-               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-        details = self.output.usage_details if self.output is not None else None
-        if details is not None:
-            out["completion_tokens_details"] = details
-        return out
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+               "completion_tokens_details": self.output.usage_details
+               if self.output is not None else None}
+        return {f: v for f, v in out.items() if v is not None} if streamed else out
 
     def _log(self) -> None:
         level = self.log_level or 0
@@ -345,9 +371,15 @@ class Answer:
                 "text_offset": offsets}
 
 
-def _chat_chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None, index: int
-                ) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+# vLLM 0.32's fields of a whole answer for what pdmesh does not do (vLLM's own KV and
+# encoder-cache transfer parameters, its per-request metrics): null, as vLLM sends them
+_VLLM_EXTRAS = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+def _chat_chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None, index: int,
+                token_ids: list[int] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None,
+            "token_ids": token_ids}
 
 
 def _sse(obj: dict[str, Any]) -> str:

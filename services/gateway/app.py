@@ -96,6 +96,7 @@ class GatewayState:
     output: OutputSettings = OutputSettings()  # the chat output's parsers
     metrics_names: str = "pdmesh"  # --metrics-names (vllm: /metrics as vllm:X)
     eos_token_ids: tuple[int, ...] = ()  # the model's (config and generation config)
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream's usage
 
 
 class Gateway:
@@ -202,7 +203,8 @@ class Gateway:
                                       add_special_tokens=bool(body.add_special_tokens))
         if isinstance(prompt, JSONResponse):
             return prompt
-        return await self.serve(body, [prompt], True, request, output=output)
+        return await self.serve(body, [prompt], True, request, output=output,
+                                prompt_text=text)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
         return None if body.model in self.names else self.refuse_model(body.model)
@@ -237,10 +239,11 @@ class Gateway:
         return await asyncio.to_thread(self.state.tokenizer.encode, text, add_special_tokens)
 
     async def serve(self, body: _Base, prompts: list[list[int]], chat: bool, request: Request,
-                    echoes: list[str] | None = None, output: ChatOutput | None = None
-                    ) -> Response:
-        """Answer ``body`` on ``prompts`` (a completion's batch; one for a chat): each
-        prompt's choices (n, or best_of's candidates) in the order vLLM numbers them."""
+                    echoes: list[str] | None = None, output: ChatOutput | None = None,
+                    prompt_text: str | None = None) -> Response:
+        """Answer ``body`` on ``prompts`` (a completion's batch; one for a chat, whose
+        rendered text is ``prompt_text``): each prompt's choices (n, or best_of's
+        candidates) in the order vLLM numbers them."""
         field = "messages" if chat else "prompt"
         context = self.context_len()  # (once: it reads every registered instance)
         runs, echoes = [], list(echoes or [""] * len(prompts))
@@ -257,7 +260,7 @@ class Gateway:
         span = self._span(rid, chat, runs[0][0], body, request.headers)
         k = body.choices_generated()
         answers = [self._answer(rid, g * k + j, body, prompt, params, span, echoes[g],
-                                output)
+                                output, prompt_text)
                    for g, (prompt, params) in enumerate(runs) for j in range(k)]
         try:  # the first token before any answer: a failure here gets its status code
             if not await _unless_gone(self._first_tokens(answers, k), request):
@@ -269,14 +272,15 @@ class Gateway:
                 await a.close()
             (self.metrics.rejected if e.status == 429 else self.metrics.failures).inc()
             return error(e.status, str(e))
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = self.state.force_include_usage or bool(
+            (body.stream_options or {}).get("include_usage"))
         events = answers[0].sse(include_usage) if len(answers) == 1 else \
             merged_sse(answers, k, include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     def _answer(self, rid: str, i: int, body: _Base, prompt: list[int],
-                params: SamplingParams, span: Any, echo: str, output: ChatOutput | None
-                ) -> Answer:
+                params: SamplingParams, span: Any, echo: str, output: ChatOutput | None,
+                prompt_text: str | None = None) -> Answer:
         """Answer ``i`` (prompt i // k's choice i % k, k choices generated per prompt)
         and its journey (``answer.journey``): a seeded request's choice j draws from
         seed + j; best_of's candidates bring their sampled tokens' logprobs (to be
@@ -299,7 +303,7 @@ class Gateway:
         answer = Answer(rid, body.model, output is not None, prompt, params,
                         body.stop_strings(), state.tokenizer, self.metrics, span,
                         state.log_requests, echo, output, i, body.shape(),
-                        state.eos_token_ids)
+                        state.eos_token_ids, prompt_text)
         answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)

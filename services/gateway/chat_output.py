@@ -164,8 +164,10 @@ class ChatOutput:
 
     def message(self, text: str) -> dict[str, Any]:
         reasoning, content = self._split_whole(text)
-        msg: dict[str, Any] = {"role": "assistant", "content": content,
-                               "reasoning": reasoning, "tool_calls": []}
+        # (OpenAI's fields for what is never made here: null, as vLLM answers them)
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None,
+                               "annotations": None, "audio": None, "function_call": None,
+                               "reasoning": reasoning}
         calls: list[ToolCall] = []
         if self.tools is not None:
             msg["content"], calls = self.tools.extract(content or "")
@@ -177,7 +179,8 @@ class ChatOutput:
             msg["content"] = None
         calls = calls if self.parallel else calls[:1]
         self._calls = calls
-        msg["tool_calls"] = [_call_json(c) for c in calls]
+        if calls:  # (none: no tool_calls field, as vLLM and OpenAI answer)
+            msg["tool_calls"] = [_call_json(c) for c in calls]
         return msg
 
     # -- a stream ------------------------------------------------------------------------

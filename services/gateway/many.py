@@ -36,19 +36,21 @@ def merge_whole(answers: list[Answer], wholes: list[dict[str, Any]], n: int, k: 
     return out
 
 
-def usage(answers: list[Answer], k: int) -> dict[str, Any]:
-    """Each prompt once; the tokens generated for every choice (best_of's too)."""
+def usage(answers: list[Answer], k: int, streamed: bool = False) -> dict[str, Any]:
+    """Each prompt once; the tokens generated for every choice (best_of's too);
+    ``streamed``: its null fields left out (Answer.usage)."""
     prompt = sum(len(a.prompt) for a in answers[::k])
     generated = sum(a.completion_tokens for a in answers)
     cached = sum(a.cached_tokens for a in answers[::k])
     out = {"prompt_tokens": prompt, "completion_tokens": generated,
            "total_tokens": prompt + generated,
-           "prompt_tokens_details": {"cached_tokens": cached}}
+           "prompt_tokens_details": {"cached_tokens": cached},
+           "completion_tokens_details": None}
     details = [a.output.usage_details for a in answers if a.output is not None]
     if details and all(d is not None for d in details):
         out["completion_tokens_details"] = {"reasoning_tokens": sum(
             d["reasoning_tokens"] for d in details)}  # type: ignore[index]
-    return out
+    return {f: v for f, v in out.items() if v is not None} if streamed else out
 
 
 async def merged_sse(answers: list[Answer], k: int, include_usage: bool
@@ -79,7 +81,7 @@ async def merged_sse(answers: list[Answer], k: int, include_usage: bool
             yield "data: " + json.dumps({
                 "id": first.rid, "object": "chat.completion.chunk" if first.chat
                 else "text_completion", "created": first.created, "model": first.model,
-                "choices": [], "usage": usage(answers, k)}) + "\n\n"
+                "choices": [], "usage": usage(answers, k, streamed=True)}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:
         for t in tasks:

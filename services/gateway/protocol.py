@@ -10,6 +10,7 @@ and no float may be infinite or NaN.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class Shape:
     include_stop_str: bool = False  # include_stop_str_in_output
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: "token_id:N" tokens
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    token_ids: bool = False  # return_token_ids: the prompt's and the answer's token ids
+    prompt_text: bool = False  # return_prompt_text: the chat's rendered prompt
 
 
 class ResponseFormat(BaseModel):
@@ -123,6 +126,7 @@ class _Base(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False  # the prompt's and the answer's token ids with the text
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     # None: the engine's --default-priority-value (0 unless set); int32 on the wire
     priority: Int32 | None = None
@@ -167,7 +171,8 @@ class _Base(BaseModel):
     def shape(self) -> Shape:
         usage = self.stream_options or {}
         return Shape(self.include_stop_str_in_output, self.return_tokens_as_token_ids,
-                     bool(usage.get("include_usage") and usage.get("continuous_usage_stats")))
+                     bool(usage.get("include_usage") and usage.get("continuous_usage_stats")),
+                     self.return_token_ids)
 
     def truncated(self, prompt: list[int], context: int) -> list[int]:
         """The prompt's last truncate_prompt_tokens tokens (-1: as many as the context
@@ -403,6 +408,7 @@ class ChatCompletionRequest(_Base):
     add_special_tokens: bool = False  # the chat template puts them where they go
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # to the chat template, which may read it
+    return_prompt_text: bool = False  # the prompt as the chat template rendered it
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -444,6 +450,9 @@ class ChatCompletionRequest(_Base):
 
     def top_logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def shape(self) -> Shape:
+        return dataclasses.replace(super().shape(), prompt_text=self.return_prompt_text)
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -119,16 +119,27 @@ def response(chat: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]:
     msg = chat["choices"][0]["message"]
     out = _envelope(req, chat["created"], "completed")
     out["output"] = _items(msg)
-    u = chat["usage"]
-    out["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens":
-                    u["completion_tokens"], "total_tokens": u["total_tokens"],
-                    "input_tokens_details": {"cached_tokens": u.get(
-                        "prompt_tokens_details", {}).get("cached_tokens", 0)},
-                    "output_tokens_details": {"reasoning_tokens": 0}}
+    out["usage"] = _usage(chat["usage"])
     if chat["choices"][0]["finish_reason"] == "length":
         out["status"], out["incomplete_details"] = "incomplete", {"reason":
                                                                  "max_output_tokens"}
     return out
+
+
+def _usage(u: dict[str, Any]) -> dict[str, Any]:
+    """A chat's usage as a Response's (vLLM 0.32's per-turn lists: one turn, none
+    kept; no built-in tools run here, so none of their output)."""
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": (u.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0),
+                "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "output_tokens_details": {
+                "reasoning_tokens": (u.get("completion_tokens_details") or {}).get(
+                    "reasoning_tokens", 0),
+                "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": []}}
 
 
 def _envelope(req: ResponsesRequest, created: int, status: str) -> dict[str, Any]:
@@ -138,7 +149,15 @@ def _envelope(req: ResponsesRequest, created: int, status: str) -> dict[str, Any
             "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens":
             req.max_output_tokens, "incomplete_details": None, "error": None,
-            "metadata": {}, "usage": None}
+            "metadata": {}, "usage": None,
+            # OpenAI's fields for what is not served here (background runs, stored
+            # prompts and responses, truncation), as vLLM 0.32 fills them
+            "background": False, "max_tool_calls": None, "previous_response_id": None,
+            "prompt": None, "reasoning": req.reasoning, "service_tier": "auto",
+            "text": req.text, "top_logprobs": None, "truncation": "disabled",
+            "user": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "kv_transfer_params": None, "ec_transfer_params": None,
+            "input_messages": None, "output_messages": None}
 
 
 def _items(msg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -160,8 +179,9 @@ def _reasoning_item(text: str) -> dict[str, Any]:
 
 def _message_item(text: str) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant",
-            "status": "completed", "content": [{"type": "output_text", "text": text,
-                                                "annotations": []}]}
+            "status": "completed", "phase": None,
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": None}]}
 
 
 def _call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -290,11 +310,10 @@ class _Stream:
             out.append(self._event("response.output_item.done", output_index=at, item=item))
         self.response["output"] = self.items
         self.response["status"] = "incomplete" if self.finish == "length" else "completed"
+        if self.finish == "length":
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
         if self.usage is not None:
-            u = self.usage
-            self.response["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens":
-                                      u["completion_tokens"], "total_tokens":
-                                      u["total_tokens"]}
+            self.response["usage"] = _usage(self.usage)
         kind = "response.incomplete" if self.finish == "length" else "response.completed"
         out.append(self._event(kind, response=self.response))
         return out

