@@ -96,7 +96,8 @@ class Answer:
                                   "token_ids": self._ids(self.token_ids),
                                   "routed_experts": None}  # (vLLM's, never asked here)
         prompt = {"prompt_logprobs": None if self.params.prompt_logprobs is None
-                  else self._prompt_logprobs(), "prompt_token_ids": self._ids(self.prompt)}
+                  else self._prompt_logprobs(),
+                  "prompt_token_ids": self._ids(self.prompt, prompt=True)}
         whole = {"id": self.rid, "object": "chat.completion" if self.chat
                  else "text_completion", "created": self.created, "model": self.model,
                  "system_fingerprint": None, "service_tier": None, "choices": [choice],
@@ -109,9 +110,14 @@ class Answer:
             choice.update(prompt, text=content)
         return whole
 
-    def _ids(self, ids: list[int]) -> list[int] | None:
-        """Token ids as return_token_ids asks for them (else null, as vLLM answers)."""
-        return list(ids) if self.shape.token_ids else None
+    def _ids(self, ids: list[int], prompt: bool = False) -> list[int] | None:
+        """Token ids as return_token_ids asks for them (else null, as vLLM answers); the
+        answer's not when they would show a reasoning left out (include_reasoning)."""
+        return list(ids) if self.shape.token_ids and (prompt or not self._hidden) else None
+
+    @property
+    def _hidden(self) -> bool:
+        return self.output is not None and self.output.hides_reasoning
 
     def _prompt_text(self) -> str | None:
         return self.prompt_text if self.shape.prompt_text else None
@@ -141,7 +147,7 @@ class Answer:
             yield self._event([{"index": self.index,
                                 "text": self.echo + text if first else text,
                                 "logprobs": self._logprobs(lps), "finish_reason": None,
-                                "prompt_token_ids": self._ids(self.prompt) if first
+                                "prompt_token_ids": self._ids(self.prompt, prompt=True) if first
                                 else None, "token_ids": self._ids(delta.token_ids)}])
             first = False
         self._finished()
@@ -156,7 +162,7 @@ class Answer:
         output = self.output
         assert output is not None
         yield self._event([_chat_chunk({"role": "assistant", "content": ""}, None, self.index)],
-                          prompt_token_ids=self._ids(self.prompt),
+                          prompt_token_ids=self._ids(self.prompt, prompt=True),
                           prompt_text=self._prompt_text())
         pending: list[tuple[int, dict[int, Logprob]]] = []
         ids: list[int] = []  # (the tokens of the text held back, likewise)
@@ -342,7 +348,7 @@ class Answer:
     def _logprobs(self, lps: list[tuple[int, dict[int, Logprob] | None]]
                   ) -> dict[str, Any] | None:
         n = self.params.logprobs
-        if n is None or not lps:
+        if n is None or not lps or self._hidden:  # (they would show a hidden reasoning)
             return None
         # a token a grammar forbids has logprob -inf, which JSON cannot hold: vLLM's floor
         lps = [(t, None if d is None else {k: Logprob(max(v.logprob, -9999.0), v.rank)

@@ -67,7 +67,10 @@ class ChatOutput:
             # (read as the chat template reads it: see thinking_asked)
             thinking = thinking_enabled(settings.reasoning_parser, chat_kwargs(body))
             self.reasoning = reasoning_parser(settings.reasoning_parser, thinking)
-        self.grammar_in_reasoning = settings.grammar_in_reasoning
+        # include_reasoning false: a grammar binds from the first token, as vLLM's
+        self.grammar_in_reasoning = settings.grammar_in_reasoning or not body.include_reasoning
+        # ... and the reasoning is left out, with what would show it (vLLM's)
+        self.hides_reasoning = self.reasoning is not None and not body.include_reasoning
         # a grammar (response_format, guided_*, a forced call) that binds from the first
         # token of a thinking answer: it is reasoning only if it closes it itself
         self.constrained = False
@@ -167,7 +170,7 @@ class ChatOutput:
         # (OpenAI's fields for what is never made here: null, as vLLM answers them)
         msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None,
                                "annotations": None, "audio": None, "function_call": None,
-                               "reasoning": reasoning}
+                               "reasoning": None if self.hides_reasoning else reasoning}
         calls: list[ToolCall] = []
         if self.tools is not None:
             msg["content"], calls = self.tools.extract(content or "")
@@ -202,7 +205,8 @@ class ChatOutput:
         return self.reasoning.finish() if final else self.reasoning.feed(text)
 
     def _route(self, reasoning: str, content: str, final: bool) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [{"reasoning": reasoning}] if reasoning else []
+        out: list[dict[str, Any]] = [{"reasoning": reasoning}] if reasoning and \
+            not self.hides_reasoning else []
         if self.tools is not None:
             parts = self.tools.feed(content) if content else []
             parts += self.tools.finish() if final else []

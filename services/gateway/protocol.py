@@ -409,6 +409,9 @@ class ChatCompletionRequest(_Base):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # to the chat template, which may read it
     return_prompt_text: bool = False  # the prompt as the chat template rendered it
+    # False: the reasoning is not sent (with a reasoning parser: nor the answer's logprobs
+    # and token ids, which would show it), and a grammar binds from the first token
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:

@@ -99,3 +99,21 @@ def test_reasoning_tokens_are_counted_up_to_the_end_of_the_reasoning():
     off = ChatOutput(request(chat_template_kwargs={"enable_thinking": False}), qwen3)
     assert not off.counting and off.usage_details == {"reasoning_tokens": 0}
     assert ChatOutput(request(), OutputSettings()).usage_details is None  # no parser
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out():
+    """vLLM's include_reasoning: false drops the reasoning, whole and streamed (still
+    counted in usage), and a grammar binds from the first token."""
+    qwen3 = OutputSettings(reasoning_parser="qwen3")
+    text = "<think>\nwhich tool?\n</think>\n\nIt is"
+    shown, hidden = ChatOutput(request(), qwen3), ChatOutput(
+        request(include_reasoning=False), qwen3)
+    assert shown.message(text)["reasoning"] == "\nwhich tool?\n"
+    msg = hidden.message(text)
+    assert msg["reasoning"] is None and msg["content"] == "\n\nIt is"
+    deltas = streamed(ChatOutput(request(include_reasoning=False), qwen3), text)
+    assert not [d for d in deltas if d.get("reasoning")]
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nIt is"
+    assert shown.grammar_after() == "</think>" and hidden.grammar_after() is None
+    assert hidden.hides_reasoning and not ChatOutput(  # (no parser: nothing to hide)
+        request(include_reasoning=False), OutputSettings()).hides_reasoning
