@@ -9,7 +9,11 @@ VENV=.venv
 STAMP=$VENV/.pdmesh-installed
 key=$(cat pyproject.toml setup.py requirements/*.txt scripts/setup.sh shared/kernels/cpu_ops.c \
   shared/infra/bindhost.c | sha256sum | cut -d' ' -f1)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ]; then
+# torch-npu's wheel, read (never installed) by the test that checks every torch_npu call
+# against the op schemas it ships (tests/shared/kernels/test_device_schemas.py)
+NPU_SCHEMAS=.cache/vendor/torch_npu-2.14.0
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ] && ls $NPU_SCHEMAS-*.whl >/dev/null 2>&1
+then
   exit 0
 fi
 
@@ -62,4 +66,6 @@ if [ "$target" = cpu ]; then
   $PIP -r requirements/cpu.txt
 fi
 $PIP -e ".[$target]" -r requirements/test.txt
+ls $NPU_SCHEMAS-*.whl >/dev/null 2>&1 || $VENV/bin/pip download --disable-pip-version-check \
+  -q --no-deps -d .cache/vendor "torch-npu==${NPU_SCHEMAS##*-}"
 echo "$key" > "$STAMP"

@@ -168,12 +168,15 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     return quant_linear(x, QuantLinear("w8a8_dynamic", qweight, weight_scale))
 
 
-def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantLinear,
+                 scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     """What ``KernelBackend.linear`` computes for a QuantLinear, from the definitions in
     ``quant``'s docstring (no integer kernels): the activations quantized in float32, as
     the NPU ops define it (dynamic: each row by scale = row_max(|x|) / 127, q =
     round(x / scale); static W8A8: each run of columns by round(x * (1 / input_scale) +
-    input_offset)), the products and scales in float64."""
+    input_offset)), the products and scales in float64. ``scale_dtype``: the dtype the
+    static path's 1 / input_scale is held in (the npu's: x's, as vLLM-Ascend holds it;
+    None: exact)."""
     xf = x.float()
     qw = w.weight.double()
     if w.scheme in DYNAMIC:
@@ -186,7 +189,9 @@ def quant_linear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
     assert w.deq_scale is not None and w.quant_bias is not None
     outs = []
     for a, b, scale, offset in w.runs():
-        qx = torch.round(xf * (1.0 / scale) + offset).clamp(-128, 127).double()
+        inv = 1.0 / scale if scale_dtype is None else float(
+            torch.tensor(1.0 / scale, dtype=scale_dtype))
+        qx = torch.round(xf * inv + offset).clamp(-128, 127).double()
         outs.append((qx @ qw[:, a:b] + w.quant_bias[a:b].double()) * w.deq_scale[a:b].double())
     return torch.cat(outs, dim=-1).to(x.dtype)
 
