@@ -1,0 +1,77 @@
+"""The engine on the npu backend, its torch_npu the CPU stand-in (tests/shared/kernels/
+npu_standin.py): greedy float32 output identical to Hugging Face transformers, as the
+cpu backend's is (test_parity_hf.py), on the architectures whose layers reach the npu
+backend's own ops (norms, rotary, SwiGLU, MoE gating and grouped matmuls); and its
+attention through FIA and the paged caches, scored as the cpu backend scores it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdmesh.shared.engine.build as engine_build
+from pdmesh.shared.engine import LLM, SamplingParams
+from tests.shared.engine.hf_reference import hf_greedy
+from tests.shared.engine.test_parity_hf import NEW_TOKENS, PROMPTS
+from tests.shared.kernels.npu_standin import CALLED, npu_backend
+
+ARCHS = ["qwen3_moe", "deepseek_v3"]
+
+
+@pytest.fixture
+def on_standin(monkeypatch):
+    backend = npu_backend()
+    monkeypatch.setattr(engine_build, "get_backend", lambda device: backend)
+    return backend
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_float32_matches_transformers(tiny_models, on_standin, arch):
+    want = hf_greedy(tiny_models[arch], PROMPTS, NEW_TOKENS)
+    CALLED.clear()
+    llm = LLM(str(tiny_models[arch]), device="cpu", dtype="float32", block_size=16)
+    assert llm.engine.backend is on_standin
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert {"npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_grouped_matmul"} <= \
+        set(CALLED)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_attention_through_fia_and_the_paged_caches_scores_as_the_cpu_backend(
+        tiny_models, monkeypatch, arch):
+    """FIA (a prompt's first chunk, then chunks over the paged cache; decode steps as
+    BSH), the caches' writes and MLA's paged attention, in float32 so the answer can be
+    exact: the npu backend's half-only guards (its ops' documented dtypes) lifted for the
+    stand-in, which computes float32 as readily. Each token's logprob, prompt and
+    generated alike, as the cpu backend scores the same sequence in one forward pass."""
+    path = str(tiny_models[arch])
+    cpu = LLM(path, device="cpu", dtype="float32", block_size=128)
+    backend = npu_backend()
+    npu_globals = type(backend).rms_norm.__globals__
+    monkeypatch.setitem(npu_globals, "_HALF", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.setattr(type(backend), "_fia_ok", staticmethod(lambda q, kv_dtype, kvh: True))
+    monkeypatch.setattr(engine_build, "get_backend", lambda device: backend)
+    CALLED.clear()
+    npu = LLM(path, device="cpu", dtype="float32", block_size=128,
+              max_num_batched_tokens=48)  # (prompts of 49-130 tokens: in chunks)
+    outs = npu.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
+                                                ignore_eos=True, logprobs=0,
+                                                prompt_logprobs=0))
+    worst = 0.0
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        gen = out.outputs[0]
+        seq = prompt + gen.token_ids
+        [scored] = cpu.generate([seq], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        want = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], seq[1:],
+                                              strict=True)]
+        got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:],
+                                             strict=True)]
+        got += [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids, strict=True)]
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, want, strict=True)))
+    assert worst < 1e-3, worst
+    attention = {"npu_fused_infer_attention_score", "_npu_reshape_and_cache"} \
+        if arch == "qwen3" else {"npu_fused_infer_attention_score",
+                                 "_npu_paged_attention_mla", "_npu_reshape_and_cache_siso"}
+    assert attention <= set(CALLED), sorted(CALLED)
