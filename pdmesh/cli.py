@@ -81,6 +81,9 @@ COMMANDS = [
             False),
     Command(("cluster-secret",), "pdmesh.shared.cli.cluster_secret",
             "make the mesh's shared secret once (a file, or a Kubernetes Secret)", False),
+    Command(("selftest",), "pdmesh.shared.cli.selftest",
+            "this machine's device kernels against the reference, then a tiny model served "
+            "through PD on it: a table for a bug report", False),
     Command(("config", "check"), "pdmesh.shared.cli.config_check",
             "what a service would run with these flags, or every error in them", True),
 ]

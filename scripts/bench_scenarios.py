@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from pdmesh.shared.infra.launcher import stop_group
 from pdmesh.shared.infra.net import free_port
 
 # scenario -> extra `pdmesh bench serve` arguments (request counts and rates for 2 cores)
@@ -146,16 +146,7 @@ def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | Non
 
 
 def stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    stop_group(proc)
 
 
 def _sourced(script: str) -> dict[str, str]:

@@ -152,6 +152,22 @@ class Service:
             self.proc.wait()
 
 
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM,
+               timeout_s: float = 60.0) -> None:
+    """A process started in its own session, and all it started: ``sig`` to its group,
+    then SIGKILL past ``timeout_s``; returns once it has exited."""
+    for each, wait in ((sig, timeout_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, each)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def stop_together(services: list[Service], timeout_s: float = 15.0) -> None:
     """SIGTERM to every one still running at once (their drains overlap instead of
     adding up), then each waited for until ``timeout_s`` from now and killed past it."""
