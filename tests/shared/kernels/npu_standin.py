@@ -252,6 +252,8 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
         raise RuntimeError("npu_moe_gating_top_k: bias must be x's dtype")
     if e % group_count or e // group_count <= 2 or e > 2048:
         raise RuntimeError("npu_moe_gating_top_k: experts split evenly into groups of > 2")
+    if k > e // group_count * k_group:
+        raise RuntimeError("npu_moe_gating_top_k: k <= experts / group_count * k_group")
     scores = x.float().sigmoid() if norm_type == 1 else x.float().softmax(-1)
     choice = scores + bias.float() if bias is not None else scores
     groups = choice.view(t, group_count, -1)
@@ -334,6 +336,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, per_tok
     if quant and (scale is None or per_token_scale is None):
         raise RuntimeError("npu_grouped_matmul: int8 needs scale and per_token_scale")
     out_dtype = output_dtype if quant else xs.dtype
+    if quant and (scale[0].dtype, out_dtype) not in ((torch.bfloat16, torch.bfloat16),
+                                                     (torch.float32, torch.float16)):
+        raise RuntimeError("npu_grouped_matmul: per-token int8 takes a bfloat16 scale for "
+                           "bfloat16 out, a float32 scale for float16 out")
     out = torch.zeros(xs.shape[0], w.shape[2], dtype=out_dtype or xs.dtype)
     start = 0
     for e, n in enumerate(counts.tolist()):
