@@ -33,6 +33,38 @@ GUESSED = {
     "npu_quantize": "round() likewise half to even",
 }
 
+# how vLLM-Ascend (182b75e, on torch-npu 2.10) calls the same ops, where it differs from
+# pdmesh's calls (docs/npu-backend.md has the sites on both sides)
+VLLM_ASCEND = {
+    "npu_rms_norm": "same call; its q/k norm passes the [D] weight as gamma where pdmesh "
+                    "normalizes with a unit gamma and multiplies by [N, D] after",
+    "npu_add_rms_norm": "same",
+    "npu_rotary_mul": "same layout (its vision path); its LLM rotary is npu_mrope or Triton",
+    "_npu_reshape_and_cache": "same arguments on 310P; A2/A3 use npu_scatter_pa_kv_cache "
+                              "(cache_mode Norm) instead",
+    "npu_fused_infer_attention_score": "TND calls the same; decode is TND there (pdmesh: "
+                                       "BSH, the call vLLM-Ascend had until ac357ed); head "
+                                       "size 512 goes to npu_fusion_attention",
+    "_npu_reshape_and_cache_siso": "same keywords (no longer called: MLA writes through "
+                                   "npu_kv_rmsnorm_rope_cache)",
+    "_npu_paged_attention_mla": "same keywords (no longer called: MLA decode is "
+                                "npu_fused_infer_attention_score_v2 with query_rope)",
+    "npu_swiglu": "same; with a swiglu limit it clamps first and still calls it (pdmesh: "
+                  "the generic path)",
+    "npu_moe_gating_top_k_softmax": "310P only there; A2/A3 route through a custom "
+                                    "moe_gating_top_k",
+    "npu_moe_gating_top_k": "A5 only there (A2/A3: a custom op), without out_flag",
+    "npu_dynamic_quant": "same",
+    "npu_quant_matmul": "same arguments; its weights in the NZ layout, its scales in the "
+                        "model's dtype",
+    "npu_quantize": "same (the reciprocal scale and offset built once at load)",
+    "npu_grouped_matmul": "same arguments; routing by npu_moe_init_routing_v2 / "
+                          "npu_moe_token_unpermute, int8 experts through fused dequant "
+                          "kernels, NZ weights",
+    "npu_top_k_top_p": "by keyword with either of p / k None and k up to the vocabulary "
+                       "(pdmesh: both, k <= 1024, as the 2.14 documentation says)",
+}
+
 
 def _rms(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor,
                                                                     torch.Tensor]:

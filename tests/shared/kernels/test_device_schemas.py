@@ -113,3 +113,12 @@ def test_the_declarations_are_read_as_written():
     [atb] = parse_atb("TORCH_NPU_API std::tuple<at::Tensor, at::Tensor> g(const at::Tensor"
                       "&x, c10::optional<c10::string_view> mode, int64_t k);")
     assert [p.name for p in atb.params] == ["x", "mode", "k"] and atb.returns == 2
+
+
+def test_each_op_the_standin_computes_names_vllm_ascend_s_call():
+    """Where vLLM-Ascend calls an op otherwise than pdmesh, the stand-in says so (and
+    where the documentation left it guessing, what it guessed)."""
+    from tests.shared.kernels.npu_standin import GUESSED, OPS, VLLM_ASCEND
+
+    assert set(VLLM_ASCEND) == set(OPS) == NPU_OPS
+    assert set(GUESSED) <= set(OPS)
