@@ -74,8 +74,10 @@ class CPUProjections(KernelBackend):
 
     def quant_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
         m = x.shape[0]
-        if w.scheme == FP8_BLOCK and w.packed is None:  # held dequantized: a float one
-            return self.linear(x, w.weight)
+        if w.scheme == FP8_BLOCK:  # held dequantized (a float one), or a backend's FP8
+            # GEMM's own (the cuda backend's on SM90): never the int8 tiles below
+            return self.linear(x, w.weight) if w.packed is None else \
+                super().quant_linear(x, w)
         if w.packed is None or not 0 < m <= INT8_TILE_ROWS:
             return super().quant_linear(x, w)
         k, n = w.shape

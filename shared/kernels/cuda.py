@@ -58,7 +58,10 @@ class CUDABackend(CPUBackend):
             return super().prepare(w)
         fp8, scale = quantize_fp8_blocks(w.weight.t())  # [N, K], [N / 128, K / 128]
         kb = scale.shape[1]
-        return dataclasses.replace(w, packed=fp8, packed_aux=F.pad(scale, (0, -kb % 4)))
+        # row-major [N, K], so that its transpose is the column-major mat_b cuBLAS takes
+        # (quantized from a transposed view it keeps the view's strides)
+        return dataclasses.replace(w, packed=fp8.contiguous(),
+                                   packed_aux=F.pad(scale, (0, -kb % 4)))
 
     def fp8_block_linear(self, x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
         """Activations quantized to FP8 per row and 128 columns (scales column-major,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pdmesh.shared.kernels import reference as ref
 from pdmesh.shared.kernels.cuda import CUDABackend
@@ -98,3 +99,59 @@ def test_without_the_kernel_every_step_runs_per_sequence():
     plain = CUDABackend(torch.device("cpu"))
     _prefill(plain, [0, 0, 0], [7, 33, 1], 16, torch.float16)
     _prefill(plain, [16, 3, 128], [20, 9, 5], 16, torch.float16)
+
+
+def documented_scaled_mm(calls: list):
+    """F.scaled_mm with DeepSeek's block recipes, as torch's own tests build them
+    (test/test_scaled_matmul_cuda.py; benchmarks' ScaledMMBenchmark): mat_a [M, K] FP8 with
+    BlockWise1x128 decode scales [M, K / 128], outer-dim-major (stride (1, M)); mat_b
+    [K, N] FP8, column-major, with BlockWise128x128 decode scales [L4, N / 128] (the K
+    blocks L padded to a multiple of 4, then transposed); out = sum over K blocks of
+    (a * its scale) @ (b * its scale), as output_dtype."""
+    def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
+                  swizzle_a=None, swizzle_b=None, bias=None, output_dtype=torch.bfloat16,
+                  contraction_dim=(), use_fast_accum=False):
+        calls.append(mat_a.shape[0])
+        fp8 = torch.float8_e4m3fn
+        (m, k), n = mat_a.shape, mat_b.shape[1]
+        assert mat_a.dtype == mat_b.dtype == fp8 and mat_b.shape[0] == k
+        assert scale_recipe_a == F.ScalingType.BlockWise1x128
+        assert scale_recipe_b == F.ScalingType.BlockWise128x128
+        assert mat_a.is_contiguous() and mat_b.t().is_contiguous()  # (b column-major)
+        blocks = k // 128
+        assert scale_a.shape == (m, blocks) and scale_a.stride() == (1, m), \
+            "BlockWise1x128 scales are (M, K/128), outer-dim-major"
+        assert scale_b.shape == (-(-blocks // 4) * 4, n // 128), \
+            "BlockWise128x128 scales are (L4, N/128)"
+        a = mat_a.double().view(m, blocks, 128) * scale_a.double().unsqueeze(-1)
+        sb = scale_b.double()[:blocks].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        out = a.view(m, k) @ (mat_b.double() * sb)
+        return out.to(output_dtype)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("rows", [1, 6, 130])
+def test_fp8_block_linear_hands_scaled_mm_the_block_recipes(monkeypatch, rows):
+    """The SM90 path, its GEMM the documented recipe above: what the backend hands it
+    (layouts, strides, padded rows and scale blocks) gives the float product within
+    FP8's rounding; K of 3 blocks pads its weight scales to 4."""
+    from pdmesh.shared.kernels.quant import QuantLinear, quantize_fp8_blocks
+
+    calls: list = []
+    monkeypatch.setattr(F, "scaled_mm", documented_scaled_mm(calls))
+    b = CUDABackend(torch.device("cpu"))
+    b._fp8_gemm = True  # (found false on a CPU: here the stand-in runs it)
+    g = torch.Generator().manual_seed(14)
+    fp8, scale = quantize_fp8_blocks(0.05 * torch.randn(256, 384, generator=g))  # [N, K]
+    dense = (fp8.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+             ).to(torch.bfloat16)
+    prepared = b.prepare(QuantLinear("fp8_block", dense.t().contiguous(), torch.ones(256)))
+    assert prepared.packed is not None and prepared.packed.dtype == torch.float8_e4m3fn
+    x = torch.randn(rows, 384, generator=g).to(torch.bfloat16)
+    got = b.linear(x, prepared)
+    assert got.shape == (rows, 256) and got.dtype == torch.bfloat16
+    assert calls == [-(-rows // 4) * 4]  # (rows padded to a multiple of 4)
+    exact = x.double() @ dense.double().t()
+    cos = F.cosine_similarity(got.double().flatten(), exact.flatten(), dim=0)
+    assert cos >= 0.995, float(cos)
