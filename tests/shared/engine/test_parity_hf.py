@@ -58,3 +58,25 @@ def test_greedy_matches_transformers(tiny_models, references, arch, variant):
         assert llm.engine.scheduler.preemptions > 0
     if variant == "default":
         assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_the_npu_backend_over_the_standin_matches_transformers(tiny_models, references,
+                                                               monkeypatch, arch):
+    """The same, the engine on the npu backend with its torch_npu the CPU stand-in
+    (tests/shared/kernels/npu_standin.py): its own ops (norms, rotary, SwiGLU, MoE gating
+    and grouped matmuls) where a layer reaches them (its attention: test_npu_standin_
+    parity.py)."""
+    import pdmesh.shared.engine.build as engine_build
+    from tests.shared.kernels.npu_standin import CALLED, npu_backend
+
+    backend = npu_backend()
+    monkeypatch.setattr(engine_build, "get_backend", lambda device: backend)
+    CALLED.clear()
+    llm = LLM(str(tiny_models[arch]), device="cpu", dtype="float32", block_size=16)
+    assert llm.engine.backend is backend
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == references[arch]
+    assert {"npu_rms_norm", "npu_add_rms_norm", "npu_swiglu", "npu_grouped_matmul"} <= \
+        set(CALLED)
