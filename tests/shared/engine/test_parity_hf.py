@@ -65,7 +65,7 @@ def test_the_npu_backend_over_the_standin_matches_transformers(tiny_models, refe
                                                                monkeypatch, arch):
     """The same, the engine on the npu backend with its torch_npu the CPU stand-in
     (tests/shared/kernels/npu_standin.py): its own ops (norms, rotary, SwiGLU, MoE gating
-    and grouped matmuls) where a layer reaches them (its attention: test_npu_standin_
+    and grouped matmuls) where a layer reaches them (its attention: test_standin_
     parity.py)."""
     import pdmesh.shared.engine.build as engine_build
     from tests.shared.kernels.npu_standin import CALLED, npu_backend
