@@ -27,7 +27,32 @@ def engine_config(f: Any) -> EngineConfig:
             f, "disable_radix_cache", False),
         scheduling_policy=f.scheduling_policy, num_kv_blocks=f.num_kv_blocks,
         kv_cache_memory_bytes=f.kv_cache_memory_bytes,
-        gpu_memory_utilization=f.gpu_memory_utilization)
+        gpu_memory_utilization=f.gpu_memory_utilization,
+        enforce_eager=getattr(f, "enforce_eager", False) or getattr(f, "disable_cuda_graph",
+                                                                    False),
+        compilation_config=compilation_config(f),
+        cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False))
+
+
+def compilation_config(f: Any) -> dict[str, Any] | None:
+    """--compilation-config, with SGLang's --cuda-graph-bs / --cuda-graph-max-bs as its
+    capture sizes (the vLLM keys win)."""
+    given = getattr(f, "compilation_config", None)
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"--compilation-config: must be a JSON object, got {given!r}")
+    out = dict(given or {})
+    bs = getattr(f, "cuda_graph_bs", ())
+    if bs:
+        try:
+            sizes = [int(word) for text in bs for word in text.split(",") if word]
+        except ValueError:
+            raise ValueError(f"--cuda-graph-bs: batch sizes are integers, got "
+                             f"{' '.join(bs)!r}") from None
+        out.setdefault("cudagraph_capture_sizes", sizes)
+    max_bs = getattr(f, "cuda_graph_max_bs", None)
+    if max_bs is not None:
+        out.setdefault("max_cudagraph_capture_size", max_bs)
+    return out or None
 
 
 def serving_engine_config(cfg: Any) -> EngineConfig:

@@ -180,7 +180,22 @@ FLAGS: list[Flag] = [
             ("--kv-cache-memory-bytes", "int", ENGINE_DEFAULT["kv_cache_memory_bytes"],
              "KV cache size in bytes (CPU default: up to 1 GiB)"),
             ("--gpu-memory-utilization", "float", ENGINE_DEFAULT["gpu_memory_utilization"],
-             "share of device memory to use", {"aliases": ("--mem-fraction-static",)})),
+             "share of device memory to use", {"aliases": ("--mem-fraction-static",)}),
+            ("--enforce-eager", "bool", ENGINE_DEFAULT["enforce_eager"],
+             "run every step eagerly: no decode graphs (cuda: CUDA graphs, npu: ACL graphs; "
+             "cpu always runs eagerly)"),
+            ("--compilation-config", "json", ENGINE_DEFAULT["compilation_config"],
+             'vLLM\'s: "cudagraph_mode" (NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, '
+             "FULL_AND_PIECEWISE: decode steps captured piecewise, attention between the "
+             'pieces), "cudagraph_capture_sizes", "max_cudagraph_capture_size", '
+             '"cudagraph_num_of_warmups"; other keys are listed without effect'),
+            ("--disable-cuda-graph", "bool", False, "SGLang's --enforce-eager"),
+            ("--cuda-graph-bs", "names", (), "SGLang's: the decode batch sizes captured "
+             '(compilation-config\'s "cudagraph_capture_sizes" wins)'),
+            ("--cuda-graph-max-bs", "int", None, "SGLang's: the largest decode batch "
+             "captured (compilation-config's \"max_cudagraph_capture_size\" wins)"),
+            ("--disable-cuda-graph-padding", "bool", False, "SGLang's: a decode batch "
+             "between two capture sizes runs eagerly instead of padded")),
     Flag("--max-model-len", "int", ENGINES | ENGINE_TOOLS | {"serve", "gateway"} | CHECK,
          ENGINE_DEFAULT["max_model_len"], "context length (default: the model's)",
          aliases=("--context-length",)),
@@ -223,7 +238,6 @@ FLAGS: list[Flag] = [
             ("--eplb-config", "json", None, "upstream vLLM's EPLB config"),
             ("--eplb-address", "str", None, "the EPLB controller's gRPC address (default: "
              "the one in the registry)"),
-            ("--enforce-eager", "bool", False, "run eagerly (pdmesh always does)"),
             ("--speculative-config", "json", ENGINE_DEFAULT["speculative_config"],
              'speculative decoding, as vLLM: {"method": "ngram" (with "prompt_lookup_min" / '
              '"prompt_lookup_max") or "deepseek_mtp" / "mtp" (the checkpoint\'s MTP layers), '
@@ -375,7 +389,7 @@ FLAGS: list[Flag] = [
     *_compat(*WITHOUT_EFFECT),
     # -- `vllm serve` flags accepted without effect -------------------------------------
     *_compat(("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
-             ("--compilation-config", "json"), ("--async-scheduling", "bool"),
+             ("--async-scheduling", "bool"),
              ("--trust-remote-code", "bool"), ("--api-server-count", "int"),
              ("--safetensors-load-strategy", "str"), ("--model-loader-extra-config", "json"),
              ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),

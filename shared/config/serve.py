@@ -135,7 +135,7 @@ def read_config(flags: Flags, *, device: str | None = None,
         pipeline_parallel_size=flags.pipeline_parallel_size or 1,
         enable_expert_parallel=flags.enable_expert_parallel, enable_eplb=flags.enable_eplb,
         eplb_config=flags.eplb_config or {}, scheduling_policy=policy,
-        enforce_eager=flags.enforce_eager,
+        enforce_eager=flags.enforce_eager or getattr(flags, "disable_cuda_graph", False),
         speculative_method=(flags.speculative_config or {}).get("method"))
     device = device or _device(flags.device, checking=flags.command == "config check")
     additional = parse_additional_config(flags.additional_config, env=env, device=device,

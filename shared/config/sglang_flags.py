@@ -1,7 +1,8 @@
 """SGLang's `launch_server` flags that the seeds list as supported on Ascend, beyond those
 the main table already takes under their SGLang spelling (``--tp-size``,
 ``--mem-fraction-static``, ``--max-running-requests``, ``--page-size``,
-``--context-length``, ``--disable-radix-cache``, ...).
+``--context-length``, ``--disable-radix-cache``, the decode graphs' ``--disable-cuda-graph``,
+``--cuda-graph-bs``, ``--cuda-graph-max-bs``, ``--disable-cuda-graph-padding``, ...).
 
 Three take effect: ``--tokenizer-path`` (``--tokenizer``'s spelling), and
 ``--chunked-prefill-size`` / ``--max-prefill-tokens``, the prompt tokens one step may
@@ -79,10 +80,6 @@ WITHOUT_EFFECT: tuple[tuple, ...] = (
     ("--hicache-io-backend", "str"),
     ("--hicache-mem-layout", "str"),
     ("--hicache-storage-backend", "str"),
-    ("--cuda-graph-max-bs", "int"),
-    ("--cuda-graph-bs", "names"),
-    ("--disable-cuda-graph", "bool"),
-    ("--disable-cuda-graph-padding", "bool"),
     ("--enable-tokenizer-batch-encode", "bool"),
     ("--disable-outlines-disk-cache", "bool"),
     ("--disable-overlap-schedule", "bool"),

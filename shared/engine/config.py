@@ -112,6 +112,26 @@ class EngineConfig:
     # speculative decoding: vLLM's speculative_config (a dict, as `LLM(...,
     # speculative_config={...})` takes it, or a spec_decode.SpeculativeConfig); None: off
     speculative_config: Any = None
+    # Decode graphs (cuda: CUDA graphs, npu: ACL graphs; pdmesh.shared.engine.graph_config):
+    # vLLM's enforce_eager and compilation_config ({"cudagraph_mode": ...,
+    # "cudagraph_capture_sizes": [...], ...}); cuda_graph_padding False: a decode batch
+    # between two capture sizes runs eagerly (SGLang's --disable-cuda-graph-padding)
+    enforce_eager: bool = False
+    compilation_config: dict[str, Any] | None = None
+    cuda_graph_padding: bool = True
+
+    def graph_config(self) -> Any:
+        """The decode graphs' GraphConfig (ValueError naming a bad compilation_config
+        key)."""
+        from pdmesh.shared.engine.graph_config import GraphConfig
+
+        if self.compilation_config is not None and not isinstance(self.compilation_config,
+                                                                  dict):
+            raise ValueError(f"compilation_config: must be a JSON object, got "
+                             f"{self.compilation_config!r}")
+        return GraphConfig.from_flags(self.max_num_seqs, self.enforce_eager,
+                                      self.compilation_config,
+                                      disable_padding=not self.cuda_graph_padding)
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
@@ -129,6 +149,7 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         self._validate_choices()
         self._validate_parallel()
+        self.graph_config()
 
     def _validate_choices(self) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pdmesh.shared.engine.block_manager import KVCacheManager
+from pdmesh.shared.engine.decode_graphs import DecodeGraphs
 from pdmesh.shared.engine.request import Request
 from pdmesh.shared.engine.scheduler import SchedulerOutput
 from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
@@ -126,6 +127,8 @@ class ModelRunner:
         self.device = backend.device
         self.last_rows: StepRows | None = None
         self.prompt_logits: PromptLogits | None = None  # the last step's (execute)
+        # decode steps from captured device graphs (None: every step eagerly)
+        self.graphs: DecodeGraphs | None = None
 
     def execute(self, step: SchedulerOutput, every_row: bool = False, hidden: bool = False
                 ) -> tuple[torch.Tensor, list[int]]:
@@ -231,14 +234,30 @@ class ModelRunner:
                                   slots, qsl, self.block_size, group_tables)
         self.backend.prepare_attention(meta)
         dev = self.device
+        ids = torch.from_numpy(input_ids).to(dev)
+        pos = torch.from_numpy(positions).to(dev)
+        if self.graphs is not None and len(input_ids) == len(counts) == len(logits_rows) \
+                and np.array_equal(logits_rows, np.arange(len(counts))):
+            # a decode step (one token each, every row's logits): from its graph
+            logits = self.graphs.run(ids, pos, meta, hidden_out)
+            if logits is not None:
+                return logits
         return self.model.forward(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
+            ids,
+            pos,
             self.kv_caches,
             meta,
             torch.from_numpy(logits_rows).to(dev),
             *(() if hidden_out is None else (hidden_out,)),
         )
+
+    def capture_metadata(self, n: int) -> AttentionMetadata:
+        """A graph capture's attention metadata: n sequences of one token at position 0,
+        in the null block (which a capture never writes)."""
+        zeros = np.zeros(n, dtype=np.int64)
+        return attention_metadata(self.device, np.zeros((n, 1), dtype=np.int32), [0] * n,
+                                  [1] * n, [1] * n, zeros, zeros,
+                                  np.arange(n + 1, dtype=np.int32), self.block_size)
 
 
 def _nothing() -> tuple:

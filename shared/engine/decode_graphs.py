@@ -1,0 +1,314 @@
+"""Decode steps replayed from captured device graphs: vLLM's CUDA graphs on cuda,
+vLLM-Ascend's ACL graphs (``torch.npu.NPUGraph``) on npu.
+
+A pure-decode step (one new token per sequence) of B sequences runs what was captured
+for the smallest capture size N >= B; rows B..N-1 are padding. The forward is captured
+in pieces, as vLLM's PIECEWISE mode does: the ops that read the step's host-side plan -
+the KV cache writes, attention, the routed experts (their group sizes) - run eagerly
+between the pieces, on the step's B real rows with its real attention metadata ("holes");
+everything else (embedding, norms, projections, rotary, gating, the lm_head) replays::
+
+    capture, size N:  piece 0 | write  attend | piece 1 | write  attend | ... | piece L
+    replay, B <= N:   ids, positions -> static buffers[:B]; piece 0; holes(q[:B], the
+                      step's metadata) -> out[:B]; piece 1; ...; logits[:B]
+
+A size is captured the first time a step pads to it (its warm-up forward, then the
+capture, then one replay checked against the warm-up: a mismatch turns graphs off with
+a warning, so a device whose graphs misbehave runs eagerly rather than wrongly). Graphs
+are dropped when the KV cache tensors change (``invalidate`` for anything else that
+replaces tensors a piece reads, such as weights).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from pdmesh.shared.engine.graph_config import GraphConfig
+
+log = logging.getLogger(__name__)
+
+# The backend methods that run between the pieces -> their row arguments (cut to the
+# step's rows at replay). The metadata and the slot mapping are the step's own.
+HOLES: dict[str, tuple[str, ...]] = {
+    "write_kv_cache": ("k", "v"),
+    "write_cache": ("x",),
+    "write_int8_cache": ("x",),
+    "paged_attention_decode": ("q",),
+    "latent_attention_decode": ("q",),
+    "paged_attention_decode_int8": ("q",),
+    "latent_attention_decode_int8": ("q",),
+    "fused_moe": ("x", "topk_weights", "topk_ids"),
+}
+WRITES = frozenset({"write_kv_cache", "write_cache", "write_int8_cache"})
+
+
+class Graph(Protocol):
+    """What a device's graph object offers (``torch.cuda.CUDAGraph``,
+    ``torch.npu.NPUGraph``)."""
+
+    def capture_begin(self, pool: Any = None) -> None: ...
+    def capture_end(self) -> None: ...
+    def replay(self) -> None: ...
+
+
+@dataclass
+class GraphDevice:
+    """A device's graph API: a new graph, the memory pool the graphs share, a context
+    that puts capture on a side stream, and a synchronize."""
+
+    new_graph: Callable[[], Graph]
+    pool: Any
+    capture_stream: Callable[[], AbstractContextManager[Any]] = nullcontext
+    synchronize: Callable[[], None] = lambda: None
+
+    @classmethod
+    def of(cls, device: torch.device) -> GraphDevice | None:
+        """cuda: CUDA graphs; npu: torch_npu's NPUGraph (ACL graph); cpu: None (a CPU
+        launches nothing to capture)."""
+        if device.type == "cuda":
+            api = torch.cuda
+            new_graph = api.CUDAGraph
+        elif device.type == "npu":
+            import torch_npu  # noqa: F401  (torch.npu)
+
+            api = torch.npu  # type: ignore[attr-defined]
+            new_graph = api.NPUGraph
+        else:
+            return None
+        stream = api.Stream()
+        return cls(new_graph, api.graph_pool_handle(), lambda: api.stream(stream),
+                   api.synchronize)
+
+
+@dataclass
+class _Hole:
+    name: str
+    args: inspect.BoundArguments
+    rows: tuple[str, ...]
+    out: torch.Tensor | None
+
+
+@dataclass
+class _Captured:
+    """One capture size: its static inputs, its pieces and holes in order, its outputs."""
+
+    size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor  # the logits' rows: all of them
+    meta: Any  # the capture's AttentionMetadata (the step's replaces it in the holes)
+    steps: list[Graph | _Hole] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+class _Capturing:
+    """The backend as the model sees it while a size is warmed up or captured.
+
+    Warming up (``captured`` None), a hole runs eagerly (a cache write not at all: the
+    capture's rows are no step's) and its output's shape is noted. Capturing, a hole
+    ends the current piece, takes an output of the noted shape (a piece's results do
+    not exist before a replay: a hole cannot run on them) and begins the next piece."""
+
+    def __init__(self, backend: Any, device: GraphDevice,
+                 shapes: list[tuple[torch.Size, torch.dtype] | None],
+                 captured: _Captured | None = None):
+        self._backend = backend
+        self._device = device
+        self._shapes = shapes
+        self._captured = captured
+        self._piece: Graph | None = None
+        self._holes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._backend, name)
+        if name in HOLES:
+            return lambda *a, **kw: self._hole(name, attr, a, kw)
+        return attr
+
+    def begin(self) -> None:
+        if self._captured is not None:
+            self._piece = self._device.new_graph()
+            self._piece.capture_begin(pool=self._device.pool)
+
+    def end(self) -> None:
+        if self._piece is not None:
+            self._piece.capture_end()
+            assert self._captured is not None
+            self._captured.steps.append(self._piece)
+            self._piece = None
+
+    def _hole(self, name: str, method: Callable, args: tuple, kwargs: dict) -> Any:
+        captured = self._captured
+        if captured is None:  # warming up
+            out = None if name in WRITES else method(*args, **kwargs)
+            self._shapes.append(None if out is None else (out.shape, out.dtype))
+            return out
+        self.end()
+        bound = inspect.signature(method).bind(*args, **kwargs)
+        slots = bound.arguments.get("slot_mapping")
+        if slots is not None and slots is not captured.meta.slot_mapping:
+            raise RuntimeError(f"{name} writes slots other than the step's slot mapping")
+        if self._holes >= len(self._shapes):
+            raise RuntimeError(f"{name}: more holes captured than warmed up")
+        shape = self._shapes[self._holes]
+        self._holes += 1
+        out = None if shape is None else torch.zeros(shape[0], dtype=shape[1],
+                                                     device=self._backend.device)
+        captured.steps.append(_Hole(name, bound, HOLES[name], out))
+        self.begin()
+        return out
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model runner: ``run`` a step from its graph, or
+    None for a step they do not take."""
+
+    def __init__(self, model: Any, backend: Any, kv_caches: list[Any], config: GraphConfig,
+                 device: GraphDevice, meta_for: Callable[[int], Any]):
+        """``meta_for(n)``: the attention metadata of a capture: n sequences of one token
+        at position 0, in the null block."""
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.config = config
+        self.device = device
+        self._meta_for = meta_for
+        self._graphs: dict[int, _Captured] = {}
+        self._signature = self._kv_signature()
+        self.disabled: str | None = None  # why graphs were turned off
+        self.replays = 0
+        self.captures = 0
+
+    @property
+    def sizes(self) -> list[int]:
+        """The sizes captured so far."""
+        return sorted(self._graphs)
+
+    def invalidate(self) -> None:
+        """Drop every captured size (each is captured again when next needed)."""
+        self._graphs.clear()
+
+    def _kv_signature(self) -> tuple:
+        return tuple((t.data_ptr(), tuple(t.shape), t.dtype)
+                     for cache in self.kv_caches for t in _tensors(cache))
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+            hidden_out: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """The logits of a pure-decode step of ``len(input_ids)`` sequences (one row
+        each, every row's logits), its metadata prepared, from its graph; None: run it
+        eagerly."""
+        if self.disabled is not None:
+            return None
+        b = int(input_ids.shape[0])
+        size = self.config.size_for(b)
+        if size is None:
+            return None
+        signature = self._kv_signature()
+        if signature != self._signature:
+            log.info("graphs: the KV cache tensors changed; sizes are captured again")
+            self._graphs.clear()
+            self._signature = signature
+        captured = self._graphs.get(size) or self._capture(size)
+        if captured is None:
+            return None
+        self.replays += 1
+        captured.input_ids[:b].copy_(input_ids)
+        captured.positions[:b].copy_(positions)
+        if b < size:  # padding rows: token 0 at position 0
+            captured.input_ids[b:].zero_()
+            captured.positions[b:].zero_()
+        self._replay(captured, meta, b)
+        assert captured.logits is not None and captured.hidden is not None
+        if hidden_out is not None:
+            hidden_out.append(captured.hidden[:b].clone())
+        return captured.logits[:b].clone()
+
+    # -- capture ---------------------------------------------------------------------
+    def _capture(self, size: int) -> _Captured | None:
+        dev = self.backend.device
+        vocab = self.model.config.vocab_size
+        captured = _Captured(size, (torch.arange(size, device=dev) * 7919 + 17) % vocab,
+                             torch.zeros(size, dtype=torch.int64, device=dev),
+                             torch.arange(size, device=dev), self._meta_for(size))
+        try:
+            shapes: list[tuple[torch.Size, torch.dtype] | None] = []
+            eager = None
+            for _ in range(max(1, self.config.warmups)):  # (lazy initialisations)
+                shapes.clear()
+                eager = self._forward(captured, _Capturing(self.backend, self.device, shapes))
+            self.device.synchronize()
+            with self.device.capture_stream():
+                proxy = _Capturing(self.backend, self.device, shapes, captured)
+                captured.logits = self._forward(captured, proxy)
+            self.device.synchronize()
+            # checked against the warm-up (the null block unwritten, as there)
+            self._replay(captured, captured.meta, size, writes=False)
+            self.device.synchronize()
+            assert eager is not None
+            if not torch.allclose(captured.logits, eager, rtol=1e-2, atol=1e-2):
+                worst = (captured.logits - eager).abs().max().item()
+                raise RuntimeError(f"its replay differs from the eager forward by {worst:.3g}")
+        except Exception as exc:  # noqa: BLE001 (any failure: eager from now on, said once)
+            self.disabled = f"capturing decode steps of {size} sequences failed: {exc}"
+            log.warning("graphs: %s; decode runs eagerly", self.disabled)
+            self._graphs.clear()
+            return None
+        self._graphs[size] = captured
+        self.captures += 1
+        log.info("graphs: captured decode steps of %d sequences (%d pieces)", size,
+                 sum(not isinstance(s, _Hole) for s in captured.steps))
+        return captured
+
+    def _forward(self, captured: _Captured, proxy: _Capturing) -> torch.Tensor:
+        """The model over the capture's inputs, its backend ``proxy``."""
+        self.backend.prepare_attention(captured.meta)
+        model = self.model
+        saved = model.backend
+        model.backend = proxy
+        hidden: list[torch.Tensor] = []
+        try:
+            proxy.begin()
+            try:
+                logits = model.forward(captured.input_ids, captured.positions, self.kv_caches,
+                                       captured.meta, captured.rows, hidden)
+            finally:
+                proxy.end()
+        finally:
+            model.backend = saved
+        captured.hidden = hidden[0]
+        return logits
+
+    def _replay(self, captured: _Captured, meta: Any, b: int, writes: bool = True) -> None:
+        for step in captured.steps:
+            if not isinstance(step, _Hole):
+                step.replay()
+                continue
+            if not writes and step.name in WRITES:
+                continue
+            args = dict(step.args.arguments)
+            for name in step.rows:
+                args[name] = args[name][:b]
+            if "meta" in args:
+                args["meta"] = meta
+            if "slot_mapping" in args:
+                args["slot_mapping"] = meta.slot_mapping
+            out = getattr(self.backend, step.name)(**args)
+            if step.out is not None:
+                step.out[:b].copy_(out)
+
+
+def _tensors(cache: Any) -> list[torch.Tensor]:
+    """The tensors of one layer's cache (a KVCache: its tensors by role)."""
+    if isinstance(cache, torch.Tensor):
+        return [cache]
+    values = cache.values() if isinstance(cache, dict) else cache
+    return [t for v in values for t in _tensors(v)]
