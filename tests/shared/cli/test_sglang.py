@@ -57,7 +57,10 @@ def test_implemented_flags_take_effect_and_the_rest_are_listed():
             engine.max_model_len, engine.gpu_memory_utilization,
             engine.enable_prefix_caching) == (512, 7, 32, 256, 0.5, False)
     # (NEXTN: DeepSeek's MTP, read into --speculative-config, which runs it)
-    assert {"--enable-dp-attention", "--cuda-graph-bs"} <= set(cfg.accepted_without_effect)
+    assert "--enable-dp-attention" in cfg.accepted_without_effect
+    # the decode graphs' sizes (captured on cuda / npu)
+    assert "--cuda-graph-bs" not in cfg.accepted_without_effect
+    assert engine.graph_config().sizes == (1, 2, 4)
     assert "--speculative-config" not in cfg.accepted_without_effect
     assert engine.speculative_config.is_mtp
     # --max-num-batched-tokens wins; -1 is SGLang's "no chunking" (no CPU default cap)
@@ -139,7 +142,8 @@ def test_an_sglang_line_serves(qwen3_path, tmp_path, registry_prefix):
     try:
         assert url, "".join(out)
         text = "".join(out)
-        assert "--enable-dp-attention" in text and "--disable-cuda-graph" in text
+        assert "--enable-dp-attention" in text and "--trust-remote-code" in text
+        assert "--disable-cuda-graph" not in text  # (it takes effect)
         r = httpx.post(url + "/v1/completions", timeout=60, json={
             "model": str(qwen3_path), "prompt": [5, 6, 7, 8], "max_tokens": 4,
             "temperature": 0})
