@@ -192,7 +192,7 @@ class _Caches:
     fingerprint: str
     kv: KVCacheManager
     runner: ModelRunner
-    mtp_layer: KVCache | None  # the MTP layer's cache, if it has one
+    mtp_layers: list[KVCache]  # the MTP layers' caches (drafting with MTP: one each)
 
     @classmethod
     def build(cls, config: EngineConfig, model_cfg: ModelConfig, loaded: _Loaded, mtp: bool,
@@ -200,11 +200,12 @@ class _Caches:
               batched: int) -> _Caches:
         int8 = config.kv_cache_dtype == "int8"
         # (the model's own config: a tensor-parallel rank's heads)
-        spec = cache_spec(loaded.model.config, config.block_size, mtp_layers=int(mtp),
+        n_mtp = len(loaded.model.w.mtp) if mtp else 0
+        spec = cache_spec(loaded.model.config, config.block_size, mtp_layers=n_mtp,
                           int8=int8)
         # the layout the pool holds: the whole model's, whatever this engine's TP size
         pool_spec = spec if loaded.tp_ranks is None else cache_spec(
-            model_cfg, config.block_size, mtp_layers=int(mtp), int8=int8)
+            model_cfg, config.block_size, mtp_layers=n_mtp, int8=int8)
         groups = kv_blocks(config, spec, dtype, device, max_model_len, batched)
         if loaded.tp_ranks is not None:  # the other ranks' caches: as many blocks
             loaded.tp_ranks.broadcast([g.num_blocks for g in groups])
@@ -213,7 +214,7 @@ class _Caches:
                             fingerprint=fingerprint)
         tensors = allocate_caches(spec, [g.num_blocks for g in groups], dtype, backend.device)
         layers = loaded.model_config.num_layers
-        per_layer = layer_caches(spec, tensors, layers + int(mtp))
+        per_layer = layer_caches(spec, tensors, layers + n_mtp)
         if loaded.tp_ranks is not None:
             kv_bytes = sum(x.numel() * x.element_size() for group in tensors for x in group)
             log.info("engine: tensor-parallel memory per rank: weights %s MB, KV cache "
@@ -224,7 +225,7 @@ class _Caches:
         runner.tp_ranks = loaded.tp_ranks
         runner.graphs = _decode_graphs(config, loaded, runner, backend)
         return cls(spec, pool_spec, groups, tensors, fingerprint, kv, runner,
-                   per_layer[layers] if mtp else None)
+                   per_layer[layers:])
 
 
 def _decode_graphs(config: EngineConfig, loaded: _Loaded, runner: ModelRunner,
@@ -278,8 +279,8 @@ def _proposer(spec: SpeculativeConfig, loaded: _Loaded, caches: _Caches,
               backend: KernelBackend) -> Proposer:
     if not spec.is_mtp:
         return make_ngram_proposer(spec)
-    assert caches.mtp_layer is not None  # (the layout has the MTP layer's cache)
-    proposer = MtpProposer(loaded.model, backend, caches.kv, caches.mtp_layer,
+    assert caches.mtp_layers  # (the layout has the MTP layers' caches)
+    proposer = MtpProposer(loaded.model, backend, caches.kv, caches.mtp_layers,
                            confidence=spec.dynamic is not None)
     proposer.tp_ranks = loaded.tp_ranks
     return proposer

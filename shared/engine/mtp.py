@@ -18,8 +18,13 @@ A step not absorbed (the engine drafts nothing after it, e.g. at high load) leav
 requests' MTP KV with a gap; they are drafted for no more.
 
 Drafts are the MTP head's argmax, verified as point masses (the target's distribution
-is kept for any sampling). With several MTP layers only the first is run (chained);
-vLLM's model classes pick layer ``step % num_mtp_layers`` for draft ``step``.
+is kept for any sampling). With several MTP layers, draft ``j`` (from 0) comes from layer
+``j % num_mtp_layers``, as vLLM's model classes pick it. Each layer keeps its own KV, and
+every position that one layer runs over (absorbed, or a chained draft's) runs through all
+of them, so a layer attends over its own entries for every earlier position. vLLM runs
+only the picked layer, which leaves the others' caches unwritten at those positions
+(stale reads later); pdmesh does not replicate that. With one MTP layer (DeepSeek-V3's,
+V4's) the two are the same computation.
 
 The model is either kind: DeepSeek-V3's (``CausalLM``: the hidden state is the final
 normed one, the KV the MTP layer's latent in the history group) or DeepSeek-V4's
@@ -51,16 +56,15 @@ class MtpProposer:
     needs_hidden = True
 
     def __init__(self, model: CausalLM | DeepseekV4, backend: KernelBackend, kv: KVCacheManager,
-                 cache: KVCache, confidence: bool = False):
-        """``cache``: the MTP layer's tensors; ``confidence``: also give each draft's
+                 caches: list[KVCache], confidence: bool = False):
+        """``caches``: each MTP layer's tensors; ``confidence``: also give each draft's
         max softmax (for dynamic verify budgets)."""
-        if len(model.w.mtp) > 1:
-            log.warning("the checkpoint has %d MTP layers; pdmesh chains the first",
-                        len(model.w.mtp))
+        if len(caches) != len(model.w.mtp):
+            raise ValueError(f"caches: {len(caches)} for {len(model.w.mtp)} MTP layers")
         self.model = model
         self.backend = backend
         self.kv = kv
-        self.cache = cache
+        self.caches = caches
         self.tp_ranks = None  # a tensor-parallel engine's: its workers run each MTP forward
         self.confidence = confidence
         self.block_size = kv.block_size
@@ -107,9 +111,11 @@ class MtpProposer:
         want = [k for k, ok in enumerate(last) if ok]
         hidden = rows.hidden.index_select(
             0, torch.from_numpy(np.concatenate(hidden_rows)).to(rows.hidden.device))
-        logits, out = self._run(ids, positions, hidden, slots, starts, counts,
-                                rows.tables[seqs], [t[seqs] for t in rows.group_tables], qsl,
-                                qsl[1:][want] - 1)
+        batch = (ids, positions, hidden, slots, starts, counts, rows.tables[seqs],
+                 [t[seqs] for t in rows.group_tables], qsl)
+        for index in range(1, len(self.caches)):  # the later layers' KV (no drafts)
+            self._run(*batch, np.zeros(0, dtype=np.int64), index=index)
+        logits, out = self._run(*batch, qsl[1:][want] - 1)
         tokens, conf = self._pick(logits)
         for n, k in enumerate(want):
             self._first[picked[k]] = (tokens[n], conf[n], out[int(qsl[k + 1]) - 1])
@@ -145,9 +151,13 @@ class MtpProposer:
             p = [r.num_tokens - 2 + step for r in reqs]
             pos = np.asarray(p, dtype=np.int64)
             slots = table[rows, pos // bs].astype(np.int64) * bs + pos % bs
-            logits, hidden = self._run([np.asarray([drafts[r].tokens[-1]]) for r in reqs],
-                                       [pos], hidden, [slots], p, [1] * len(reqs), table,
-                                       group_tables, qsl, rows)
+            batch = ([np.asarray([drafts[r].tokens[-1]]) for r in reqs], [pos], hidden,
+                     [slots], p, [1] * len(reqs), table, group_tables, qsl)
+            index = step % len(self.caches)
+            for other in range(len(self.caches)):  # the other layers' KV at this position
+                if other != index:
+                    self._run(*batch, np.zeros(0, dtype=np.int64), index=other)
+            logits, hidden = self._run(*batch, rows, index=index)
             tokens, conf = self._pick(logits)
             for n, r in enumerate(reqs):
                 drafts[r].tokens.append(tokens[n])
@@ -156,15 +166,16 @@ class MtpProposer:
 
     def _run(self, ids: list[np.ndarray], positions: list[np.ndarray], hidden: torch.Tensor,
              slots: list[np.ndarray], starts: list[int], counts: list[int], table: np.ndarray,
-             group_tables: list[np.ndarray], qsl: np.ndarray, logits_rows: np.ndarray
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             group_tables: list[np.ndarray], qsl: np.ndarray, logits_rows: np.ndarray,
+             index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer ``index`` over one batch."""
         arrays = (np.concatenate(ids), np.concatenate(positions), np.concatenate(slots),
                   list(starts), list(counts), table, list(group_tables), qsl,
                   np.asarray(logits_rows, dtype=np.int64))
         if self.tp_ranks is not None:  # every tensor-parallel rank runs the MTP layer
-            self.tp_ranks.broadcast(("mtp", (*arrays, hidden.cpu())))
-        return mtp_forward_arrays(self.model, self.backend, self.cache, self.block_size,
-                                  hidden, *arrays)
+            self.tp_ranks.broadcast(("mtp", (*arrays, hidden.cpu(), index)))
+        return mtp_forward_arrays(self.model, self.backend, self.caches[index],
+                                  self.block_size, hidden, *arrays, index=index)
 
     def _pick(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         tokens = self.backend.greedy(logits).tolist()
@@ -177,13 +188,15 @@ def mtp_forward_arrays(model, backend: KernelBackend, cache: KVCache, block_size
                        hidden: torch.Tensor, ids: np.ndarray, pos: np.ndarray,
                        slots: np.ndarray, starts: list[int], counts: list[int],
                        table: np.ndarray, group_tables: list[np.ndarray], qsl: np.ndarray,
-                       logits_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP layer over one batch given as host arrays (what the proposer builds and a
-    tensor-parallel worker receives)."""
+                       logits_rows: np.ndarray, index: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MTP layer ``index`` over one batch given as host arrays (what the proposer builds
+    and a tensor-parallel worker receives); ``cache``: that layer's."""
     dev = backend.device
     meta = attention_metadata(dev, table, starts, counts,
                               [s + n for s, n in zip(starts, counts, strict=True)], pos,
                               slots, qsl, block_size, group_tables)
     backend.prepare_attention(meta)
-    return model.mtp_forward(0, torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
+    return model.mtp_forward(index, torch.from_numpy(ids).to(dev),
+                             torch.from_numpy(pos).to(dev),
                              hidden.to(dev), cache, meta, torch.from_numpy(logits_rows).to(dev))

@@ -79,13 +79,14 @@ class TensorParallelWorker:
                                              config.expert_map_path)
         self.hidden_size = model_cfg.hidden_size
         mtp = drafts_with_mtp(config)
-        spec = cache_spec(model.config, config.block_size, mtp_layers=1 if mtp else 0,
+        n_mtp = len(model.w.mtp) if mtp else 0
+        spec = cache_spec(model.config, config.block_size, mtp_layers=n_mtp,
                           int8=config.kv_cache_dtype == "int8")
         num_blocks = receive(self.groups)
         self.caches = allocate_caches(spec, num_blocks, dtype, backend.device)
         layers = model.config.num_layers
-        per_layer = layer_caches(spec, self.caches, layers + (1 if mtp else 0))
-        self.mtp_cache = per_layer[layers] if mtp else None
+        per_layer = layer_caches(spec, self.caches, layers + n_mtp)
+        self.mtp_caches = per_layer[layers:]
         self.block_size = config.block_size
         self.runner = ModelRunner(model, backend, None, per_layer[:layers],
                                   block_size=config.block_size)
@@ -98,12 +99,12 @@ class TensorParallelWorker:
             from pdmesh.shared.engine.tp_kv import worker_transfer
 
             worker_transfer(body, self.caches, self.groups)
-        elif kind == "mtp" and self.mtp_cache is not None:
+        elif kind == "mtp" and self.mtp_caches:
             from pdmesh.shared.engine.mtp import mtp_forward_arrays
 
-            *arrays, hidden = body
-            mtp_forward_arrays(self.runner.model, self.backend, self.mtp_cache,
-                               self.block_size, hidden, *arrays)
+            *arrays, hidden, index = body
+            mtp_forward_arrays(self.runner.model, self.backend, self.mtp_caches[index],
+                               self.block_size, hidden, *arrays, index=index)
         elif kind == "idle" and self.ep is not None:
             self.ep.idle_step(self.hidden_size, self.dtype, self.backend.device, self.backend)
         elif kind == "ep_move" and self.ep is not None:

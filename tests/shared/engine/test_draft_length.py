@@ -203,7 +203,7 @@ def test_an_mtp_step_drafting_nothing_skips_the_mtp_layer(tiny_models):
     proposer = llm.engine.proposer
     forwards = []  # the MTP layer's forwards (absorbing a step, or chaining drafts)
     real = proposer._run
-    proposer._run = lambda *args: (forwards.append(1), real(*args))[1]
+    proposer._run = lambda *args, **kw: (forwards.append(1), real(*args, **kw))[1]
     llm.engine.speculation.draft_length = scripted = Scripted(3, lambda i: 3 if i < 3 else 0)
     first = llm.generate(ps, params)
     assert [o.outputs[0].token_ids for o in first] == want[:4]

@@ -133,6 +133,6 @@ def test_mtp_drafts_over_an_int8_cache(tiny_models, arch):
               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2,
                                   "adaptive_drafts": False})
     role = "latent" if arch == "deepseek_v3" else "window"
-    assert mtp.engine.proposer.cache[role].dtype == torch.int8
+    assert mtp.engine.proposer.caches[0][role].dtype == torch.int8
     assert [o.outputs[0].token_ids for o in mtp.generate(PROMPTS, GREEDY)] == want
     assert mtp.engine.spec_stats.num_drafts > 0

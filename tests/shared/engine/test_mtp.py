@@ -294,3 +294,49 @@ def test_recompute_hand_back_with_mtp_drafts_keeps_every_output_exact(tiny_model
     llm = LLM(str(path), device="cpu", block_size=16, dtype="float32", num_kv_blocks=20,
               recompute_scheduler=True, speculative_config=mtp(2))
     assert_hand_back_exact(llm, ps, params, want)
+
+
+def test_two_mtp_layers_draft_in_turn_each_over_its_own_kv(tmp_path, bpe_tokenizer):
+    """A checkpoint with two MTP layers: draft j comes from layer j % 2 (vLLM's pick);
+    every position runs through both layers' KV, so the drafts (layer 1's among them)
+    are those of an engine computing both over the whole sequence at once, confidences
+    and all; the greedy output is the target's alone."""
+    from pdmesh.shared.models.tiny import DeepSeekShape
+
+    model = str(make_tiny_model(tmp_path / "ds3x2", "deepseek_v3", seed=5,
+                                tokenizer=bpe_tokenizer,
+                                deepseek=DeepSeekShape(num_nextn_predict_layers=2)))
+    budget = DynamicBudget(initial_verify_budget_per_req=3, min_verify_tokens=3)
+    spec = SpeculativeConfig("mtp", 3, adaptive=False, dynamic=budget)
+    stepped = LLM(model, device="cpu", block_size=16, dtype="float32",
+                  max_num_batched_tokens=16, speculative_config=spec).engine
+    assert len(stepped.proposer.caches) == 2
+    forward = stepped.model.mtp_forward
+    picked: list[tuple[int, int]] = []  # (layer, rows whose logits were asked)
+
+    def spy(index, *args):
+        picked.append((index, int(args[-1].shape[0])))
+        return forward(index, *args)
+
+    stepped.model.mtp_forward = spy
+    req = stepped.add_request(list(range(100, 150)),
+                              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while req.num_output_tokens < 12:
+        stepped.step()
+    assert stepped.spec_stats.num_drafts >= 3
+    # each drafting step: layer 1's KV (no drafts asked), layer 0 (draft 1); then the
+    # chain, every position through both layers: layer 1 gives draft 2, layer 0 draft 3
+    assert [(i, n > 0) for i, n in picked[-6:]] == [
+        (1, False), (0, True), (0, False), (1, True), (1, False), (0, True)], picked
+    drafts = req.drafts
+    fresh = LLM(model, device="cpu", block_size=16, dtype="float32",
+                enable_prefix_caching=False, speculative_config=spec).engine
+    again = fresh.add_request(req.token_ids[:-1],
+                              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    fresh.step()
+    assert again.token_ids == req.token_ids
+    assert again.drafts.tokens == drafts.tokens
+    assert again.drafts.confidence == pytest.approx(drafts.confidence, rel=1e-4, abs=1e-6)
+    ps = mixed_prompts(4)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True) for _ in ps]
+    assert run(model, ps, params, speculative_config=mtp(3))[0] == run(model, ps, params)[0]
