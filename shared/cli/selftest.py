@@ -4,8 +4,9 @@ Each kernel op of the device's backend on small cases against the plain referenc
 host (``kernels.reference``), in float32 and the half dtypes; then, unless ``--no-e2e``, a
 tiny model (``make-tiny-model``, random, seed 0) served end to end by `pdmesh up` on the
 device - a prefill and a decode instance, the KV through the pool - its greedy answers
-against the engine's on the host. Prints a table a bug report can carry (and writes it as
-JSON with ``--json``); exit status 1 when a case fails or errs.
+against the engine's on the host; and on a device with graphs (cuda, npu), its decode from
+captured graphs against its eager decode. Prints a table a bug report can carry (and
+writes it as JSON with ``--json``); exit status 1 when a case fails or errs.
 """
 
 from __future__ import annotations
@@ -262,6 +263,40 @@ def _ask(url: str, i: int, prompt: str, want: str) -> Row:
                f"got {got!r}, the host's engine {want!r}")
 
 
+def graph_rows(device: str, workdir: Path) -> list[Row]:
+    """Decode from the device's graphs (CUDA graphs, ACL graphs) against its eager
+    decode: the same greedy tokens, every step of 1-4 sequences replayed, nothing turned
+    down. None on a device without graphs (cpu)."""
+    from pdmesh.shared.engine import LLM, SamplingParams
+    from pdmesh.shared.engine.decode_graphs import GraphDevice
+    from pdmesh.shared.models.tiny import make_tiny_model
+
+    if GraphDevice.of(torch.device(device)) is None:
+        return []
+    model = workdir / "tiny-qwen3"
+    if not (model / "config.json").exists():
+        make_tiny_model(model, "qwen3", seed=0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = PROMPTS + [p + " and" for p in PROMPTS[:1]]  # 3 sequences: padded to 4
+    try:
+        eager = LLM(str(model), device=device, dtype="float32", enforce_eager=True)
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        del eager
+        llm = LLM(str(model), device=device, dtype="float32",
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    except Exception as e:  # noqa: BLE001 (reported, as a kernel case's error is)
+        return [Row("decode graphs", "float32", "ERROR", detail=f"{type(e).__name__}: {e}")]
+    graphs = llm.engine.runner.graphs
+    if graphs is None or graphs.disabled is not None or not graphs.replays:
+        why = "no graphs were built" if graphs is None else graphs.disabled or "none replayed"
+        return [Row("decode graphs", "float32", "FAIL", detail=why)]
+    return [Row("decode graphs", "float32", "ok" if got == want else "FAIL",
+                detail=f"{graphs.replays} steps replayed (sizes {graphs.sizes}), greedy "
+                       "tokens as eager" if got == want else
+                       f"got {got}, eagerly {want}")]
+
+
 # -- the report --------------------------------------------------------------------------
 def environment(device: str) -> dict[str, str]:
     from importlib import metadata
@@ -291,6 +326,7 @@ def run(a: argparse.Namespace) -> int:
     if not a.no_e2e:
         with tempfile.TemporaryDirectory(prefix="pdmesh-selftest-") as tmp:
             rows += e2e_rows(device, Path(tmp))
+            rows += graph_rows(device, Path(tmp))
     print("pdmesh selftest: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     print(f"{'case':30} {'dtype':9} {'status':6} {'max err':>10} {'tol':>8}  detail")
     for r in rows:

@@ -49,3 +49,25 @@ def test_a_wrong_or_failing_kernel_is_reported(monkeypatch):
     failed = rows["silu_and_mul", "float32"]
     assert failed.status == "ERROR" and "ZeroDivisionError" in failed.detail
     assert rows["rotary_embedding", "float32"].status == "ok"
+
+
+def test_decode_graphs_are_checked_on_a_device_that_has_them(tmp_path, monkeypatch):
+    """On cuda / npu the selftest decodes from graphs and eagerly and compares the tokens:
+    here the npu backend over its torch_npu stand-in, its graphs the graph stand-in
+    (tests/shared/engine/graph_standin.py); the cpu itself has none, and no row."""
+    import pdmesh.shared.engine.build as engine_build
+    import pdmesh.shared.engine.decode_graphs as decode_graphs
+    from tests.shared.engine.graph_standin import standin_device
+
+    assert selftest.graph_rows("cpu", tmp_path) == []
+    backend = npu_backend()
+    monkeypatch.setattr(engine_build, "get_backend", lambda device: backend)
+    monkeypatch.setattr(decode_graphs.GraphDevice, "of", staticmethod(
+        lambda device: standin_device()))
+    [row] = selftest.graph_rows("cpu", tmp_path)
+    assert row.status == "ok" and "replayed" in row.detail, row
+    # a device whose replays go wrong is reported, not passed
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "_replay",
+                        lambda self, captured, meta, b, writes=True: None)
+    [row] = selftest.graph_rows("cpu", tmp_path)
+    assert row.status == "FAIL" and "differs from the eager forward" in row.detail, row
