@@ -121,8 +121,13 @@ def test_mtp_kv_built_step_by_step_drafts_as_a_fresh_computation(tiny_models, ar
     while req.num_output_tokens < 12:
         stepped.step()
     assert stepped.spec_stats.num_drafts >= 3  # it verified drafts on the way
-    drafts = req.drafts
-    assert drafts is not None and len(drafts.tokens) == 3
+    assert req.drafts is not None and len(req.drafts.tokens) == 3
+    assert_drafts_as_a_fresh_engine(model, spec, req)
+
+
+def assert_drafts_as_a_fresh_engine(model: str, spec: SpeculativeConfig, req) -> None:
+    """``req``'s drafts (and their confidences) are those of an engine that computes the
+    MTP layers over its whole sequence at once."""
     fresh = LLM(model, device="cpu", block_size=16, dtype="float32",
                 enable_prefix_caching=False, speculative_config=spec).engine
     # its prompt: all but the newest token, which it samples itself (greedy: the same)
@@ -130,8 +135,9 @@ def test_mtp_kv_built_step_by_step_drafts_as_a_fresh_computation(tiny_models, ar
                               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     fresh.step()
     assert again.token_ids == req.token_ids
-    assert again.drafts.tokens == drafts.tokens
-    assert again.drafts.confidence == pytest.approx(drafts.confidence, rel=1e-4, abs=1e-6)
+    assert again.drafts.tokens == req.drafts.tokens
+    assert again.drafts.confidence == pytest.approx(req.drafts.confidence, rel=1e-4,
+                                                    abs=1e-6)
 
 
 def test_the_distilled_head_is_accepted(trained, reference, tmp_path, bpe_tokenizer):
@@ -328,15 +334,7 @@ def test_two_mtp_layers_draft_in_turn_each_over_its_own_kv(tmp_path, bpe_tokeniz
     # chain, every position through both layers: layer 1 gives draft 2, layer 0 draft 3
     assert [(i, n > 0) for i, n in picked[-6:]] == [
         (1, False), (0, True), (0, False), (1, True), (1, False), (0, True)], picked
-    drafts = req.drafts
-    fresh = LLM(model, device="cpu", block_size=16, dtype="float32",
-                enable_prefix_caching=False, speculative_config=spec).engine
-    again = fresh.add_request(req.token_ids[:-1],
-                              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    fresh.step()
-    assert again.token_ids == req.token_ids
-    assert again.drafts.tokens == drafts.tokens
-    assert again.drafts.confidence == pytest.approx(drafts.confidence, rel=1e-4, abs=1e-6)
+    assert_drafts_as_a_fresh_engine(model, spec, req)
     ps = mixed_prompts(4)
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True) for _ in ps]
     assert run(model, ps, params, speculative_config=mtp(3))[0] == run(model, ps, params)[0]
