@@ -82,7 +82,7 @@ class GraphDevice:
             new_graph = api.NPUGraph
         else:
             return None
-        stream = api.Stream()
+        stream = api.Stream(device=device)
         return cls(new_graph, api.graph_pool_handle(), lambda: api.stream(stream),
                    api.synchronize)
 

@@ -6,8 +6,11 @@ piece, every token scored as the cpu backend scores it."""
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import inspect
 import logging
+import zipfile
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from pdmesh.shared.engine.graph_config import GraphConfig, default_capture_sizes
 from tests.shared.engine.graph_standin import CaptureError, RecordedGraph, standin_device
 from tests.shared.engine.test_parity_hf import PROMPTS
 from tests.shared.engine.test_standin_parity import worst_logprob_gap
-from tests.shared.kernels.npu_standin import npu_backend
+from tests.shared.kernels.npu_standin import npu_backend, vendored_wheel
 
 
 def test_default_capture_sizes_are_vllm_s():
@@ -227,3 +230,35 @@ def test_the_cpu_backend_s_pieces_replay_too(tiny_models, monkeypatch):
     graphs = llm.engine.runner.graphs
     assert graphs.disabled is None and graphs.replays == 4
     assert got == want
+
+
+def test_the_graph_apis_called_exist_as_called():
+    """What GraphDevice.of calls - the graph class, its capture_begin's ``pool``,
+    capture_end, replay, graph_pool_handle, Stream(device=), stream, synchronize - in
+    torch.cuda, and in torch.npu as torch-npu 2.14's wheel defines it (read, not
+    imported: it needs CANN)."""
+    names = ("graph_pool_handle", "Stream", "stream", "synchronize")
+    for name in ("CUDAGraph", *names):
+        assert hasattr(torch.cuda, name), name
+    params = inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters
+    assert "pool" in params
+    assert {"capture_end", "replay"} <= set(dir(torch.cuda.CUDAGraph))
+    assert "device" in inspect.signature(torch.cuda.Stream.__new__).parameters
+
+    with zipfile.ZipFile(vendored_wheel()) as wheel:
+        init = ast.parse(wheel.read("torch_npu/npu/__init__.py"))
+        graphs = ast.parse(wheel.read("torch_npu/npu/graphs.py"))
+        streams = ast.parse(wheel.read("torch_npu/npu/streams.py"))
+    exported = next(ast.literal_eval(node.value) for node in init.body
+                    if isinstance(node, ast.Assign)
+                    and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+    assert {"NPUGraph", *names} <= set(exported)
+
+    def methods(tree: ast.Module, cls: str) -> dict[str, list[str]]:
+        [node] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+        return {f.name: [a.arg for a in f.args.args] for f in node.body
+                if isinstance(f, ast.FunctionDef)}
+
+    npu_graph = methods(graphs, "NPUGraph")
+    assert "pool" in npu_graph["capture_begin"] and {"capture_end", "replay"} <= set(npu_graph)
+    assert "device" in methods(streams, "Stream")["__new__"]
