@@ -94,6 +94,9 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     caches = _Caches.build(config, model_cfg, loaded, mtp, dtype, device, backend,
                            max_model_len, batched)
     connector = _connector(kv_pool, caches, dtype, loaded.tp_ranks, save_prompts)
+    if caches.runner.graphs is not None and speculative is not None:
+        # verify steps (each sequence 1 + its drafts) replay too
+        caches.runner.graphs.max_per_seq = 1 + (speculative.num_speculative_tokens or 0)
     scheduler = Scheduler(caches.kv, policy_from_config(config), config.max_num_seqs,
                           batched, max_model_len, connector,
                           # pool reads run beside the steps, never inside one (TP: the

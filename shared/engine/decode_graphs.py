@@ -44,6 +44,10 @@ HOLES: dict[str, tuple[str, ...]] = {
     "latent_attention_decode": ("q",),
     "paged_attention_decode_int8": ("q",),
     "latent_attention_decode_int8": ("q",),
+    "paged_attention_prefill": ("q", "k", "v"),
+    "latent_attention_prefill": ("q", "entry"),
+    "paged_attention_prefill_int8": ("q", "k", "v"),
+    "latent_attention_prefill_int8": ("q", "entry"),
     "fused_moe": ("x", "topk_weights", "topk_ids"),
 }
 WRITES = frozenset({"write_kv_cache", "write_cache", "write_int8_cache"})
@@ -99,7 +103,8 @@ class _Hole:
 class _Captured:
     """One capture size: its static inputs, its pieces and holes in order, its outputs."""
 
-    size: int
+    size: int  # sequences
+    per_seq: int  # tokens each (1; a verify step: 1 + its drafts)
     input_ids: torch.Tensor
     positions: torch.Tensor
     rows: torch.Tensor  # the logits' rows: all of them
@@ -172,24 +177,27 @@ class DecodeGraphs:
     None for a step they do not take."""
 
     def __init__(self, model: Any, backend: Any, kv_caches: list[Any], config: GraphConfig,
-                 device: GraphDevice, meta_for: Callable[[int], Any]):
-        """``meta_for(n)``: the attention metadata of a capture: n sequences of one token
-        at position 0, in the null block."""
+                 device: GraphDevice, meta_for: Callable[[int, int], Any],
+                 max_per_seq: int = 1):
+        """``meta_for(n, q)``: the attention metadata of a capture: n sequences of q
+        tokens at positions 0.., in the null block. ``max_per_seq``: the most tokens a
+        sequence has in a step taken (1 + the drafts a verify step checks)."""
         self.model = model
+        self.max_per_seq = max_per_seq
         self.backend = backend
         self.kv_caches = kv_caches
         self.config = config
         self.device = device
         self._meta_for = meta_for
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}
         self._signature = self._kv_signature()
         self.disabled: str | None = None  # why graphs were turned off
         self.replays = 0
         self.captures = 0
 
     @property
-    def sizes(self) -> list[int]:
-        """The sizes captured so far."""
+    def sizes(self) -> list[tuple[int, int]]:
+        """What was captured so far: (sequences, tokens each)."""
         return sorted(self._graphs)
 
     def invalidate(self) -> None:
@@ -202,14 +210,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-            hidden_out: list[torch.Tensor] | None) -> torch.Tensor | None:
-        """The logits of a pure-decode step of ``len(input_ids)`` sequences (one row
-        each, every row's logits), its metadata prepared, from its graph; None: run it
-        eagerly."""
-        if self.disabled is not None:
+            hidden_out: list[torch.Tensor] | None, per_seq: int = 1) -> torch.Tensor | None:
+        """The logits of every row of a uniform step - each sequence ``per_seq`` tokens
+        (1: decode; 1 + k: verifying k drafts), its metadata prepared - from its graph;
+        None: run it eagerly."""
+        if self.disabled is not None or not 1 <= per_seq <= self.max_per_seq:
             return None
-        b = int(input_ids.shape[0])
-        size = self.config.size_for(b)
+        rows = int(input_ids.shape[0])
+        size = self.config.size_for(rows // per_seq)
         if size is None:
             return None
         signature = self._kv_signature()
@@ -217,28 +225,29 @@ class DecodeGraphs:
             log.info("graphs: the KV cache tensors changed; sizes are captured again")
             self._graphs.clear()
             self._signature = signature
-        captured = self._graphs.get(size) or self._capture(size)
+        captured = self._graphs.get((size, per_seq)) or self._capture(size, per_seq)
         if captured is None:
             return None
         self.replays += 1
-        captured.input_ids[:b].copy_(input_ids)
-        captured.positions[:b].copy_(positions)
-        if b < size:  # padding rows: token 0 at position 0
-            captured.input_ids[b:].zero_()
-            captured.positions[b:].zero_()
-        self._replay(captured, meta, b)
+        captured.input_ids[:rows].copy_(input_ids)
+        captured.positions[:rows].copy_(positions)
+        if rows < size * per_seq:  # padding rows: token 0 at position 0
+            captured.input_ids[rows:].zero_()
+            captured.positions[rows:].zero_()
+        self._replay(captured, meta, rows)
         assert captured.logits is not None and captured.hidden is not None
         if hidden_out is not None:
-            hidden_out.append(captured.hidden[:b].clone())
-        return captured.logits[:b].clone()
+            hidden_out.append(captured.hidden[:rows].clone())
+        return captured.logits[:rows].clone()
 
     # -- capture ---------------------------------------------------------------------
-    def _capture(self, size: int) -> _Captured | None:
+    def _capture(self, size: int, per_seq: int) -> _Captured | None:
         dev = self.backend.device
         vocab = self.model.config.vocab_size
-        captured = _Captured(size, (torch.arange(size, device=dev) * 7919 + 17) % vocab,
-                             torch.zeros(size, dtype=torch.int64, device=dev),
-                             torch.arange(size, device=dev), self._meta_for(size))
+        rows = size * per_seq
+        captured = _Captured(size, per_seq, (torch.arange(rows, device=dev) * 7919 + 17) % vocab,
+                             torch.arange(per_seq, device=dev).repeat(size),
+                             torch.arange(rows, device=dev), self._meta_for(size, per_seq))
         try:
             shapes: list[tuple[torch.Size, torch.dtype] | None] = []
             eager = None
@@ -251,21 +260,22 @@ class DecodeGraphs:
                 captured.logits = self._forward(captured, proxy)
             self.device.synchronize()
             # checked against the warm-up (the null block unwritten, as there)
-            self._replay(captured, captured.meta, size, writes=False)
+            self._replay(captured, captured.meta, rows, writes=False)
             self.device.synchronize()
             assert eager is not None
             if not torch.allclose(captured.logits, eager, rtol=1e-2, atol=1e-2):
                 worst = (captured.logits - eager).abs().max().item()
                 raise RuntimeError(f"its replay differs from the eager forward by {worst:.3g}")
         except Exception as exc:  # noqa: BLE001 (any failure: eager from now on, said once)
-            self.disabled = f"capturing decode steps of {size} sequences failed: {exc}"
+            self.disabled = (f"capturing steps of {size} sequences x {per_seq} tokens "
+                             f"failed: {exc}")
             log.warning("graphs: %s; decode runs eagerly", self.disabled)
             self._graphs.clear()
             return None
-        self._graphs[size] = captured
+        self._graphs[(size, per_seq)] = captured
         self.captures += 1
-        log.info("graphs: captured decode steps of %d sequences (%d pieces)", size,
-                 sum(not isinstance(s, _Hole) for s in captured.steps))
+        log.info("graphs: captured steps of %d sequences x %d tokens (%d pieces)", size,
+                 per_seq, sum(not isinstance(s, _Hole) for s in captured.steps))
         return captured
 
     def _forward(self, captured: _Captured, proxy: _Capturing) -> torch.Tensor:

@@ -236,10 +236,13 @@ class ModelRunner:
         dev = self.device
         ids = torch.from_numpy(input_ids).to(dev)
         pos = torch.from_numpy(positions).to(dev)
-        if self.graphs is not None and len(input_ids) == len(counts) == len(logits_rows) \
-                and np.array_equal(logits_rows, np.arange(len(counts))):
-            # a decode step (one token each, every row's logits): from its graph
-            logits = self.graphs.run(ids, pos, meta, hidden_out)
+        if self.graphs is not None and counts and len(input_ids) == len(logits_rows) \
+                and len(input_ids) == counts[0] * len(counts) == sum(counts) \
+                and min(counts) == counts[0] \
+                and np.array_equal(logits_rows, np.arange(len(input_ids))):
+            # a uniform step (as many tokens each: decode, or verifying as many drafts;
+            # every row's logits): from its graph
+            logits = self.graphs.run(ids, pos, meta, hidden_out, counts[0])
             if logits is not None:
                 return logits
         return self.model.forward(
@@ -251,13 +254,15 @@ class ModelRunner:
             *(() if hidden_out is None else (hidden_out,)),
         )
 
-    def capture_metadata(self, n: int) -> AttentionMetadata:
-        """A graph capture's attention metadata: n sequences of one token at position 0,
-        in the null block (which a capture never writes)."""
-        zeros = np.zeros(n, dtype=np.int64)
-        return attention_metadata(self.device, np.zeros((n, 1), dtype=np.int32), [0] * n,
-                                  [1] * n, [1] * n, zeros, zeros,
-                                  np.arange(n + 1, dtype=np.int32), self.block_size)
+    def capture_metadata(self, n: int, q: int = 1) -> AttentionMetadata:
+        """A graph capture's attention metadata: n sequences of q tokens at positions
+        0.., in the null block (which a capture never writes)."""
+        positions = np.tile(np.arange(q, dtype=np.int64), n)
+        width = -(-q // self.block_size)
+        return attention_metadata(self.device, np.zeros((n, width), dtype=np.int32),
+                                  [0] * n, [q] * n, [q] * n, positions,
+                                  np.zeros(n * q, dtype=np.int64),
+                                  np.arange(0, n * q + 1, q, dtype=np.int32), self.block_size)
 
 
 def _nothing() -> tuple:

@@ -141,8 +141,53 @@ def test_decode_from_graphs_scores_as_the_cpu_backend(tiny_models, monkeypatch, 
     assert graphs is not None
     worst = worst_logprob_gap(llm, cpu)
     assert graphs.disabled is None, graphs.disabled
-    assert graphs.sizes == [8] and graphs.replays >= 7, (graphs.sizes, graphs.replays)
+    assert graphs.sizes == [(8, 1)] and graphs.replays >= 7, (graphs.sizes, graphs.replays)
     assert worst < 1e-3, worst
+
+
+def test_verify_steps_replay_too(tiny_models, monkeypatch):
+    """The seeds' MTP line (one draft a step): each decode step verifies one draft per
+    sequence - 2 tokens each, attention through the prefill path over the paged cache -
+    and replays from its graph (5 sequences padded to 8, x 2 tokens); the MTP layer
+    continues from the replay's hidden states; the greedy output is the target's, as
+    decoding one token a step eagerly gives it."""
+    path = str(tiny_models["deepseek_v3"])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32",
+                                                enforce_eager=True).generate(PROMPTS, params)]
+    backend = npu_backend()
+    monkeypatch.setitem(type(backend).rms_norm.__globals__, "_HALF",
+                        (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.setattr(type(backend), "_fia_ok", staticmethod(lambda q, kv_dtype, kvh: True))
+    _graphs_over_standins(monkeypatch, backend)
+    llm = LLM(path, device="cpu", dtype="float32",
+              compilation_config={"cudagraph_capture_sizes": [8]},
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1,
+                                  "adaptive_drafts": False})
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    graphs = llm.engine.runner.graphs
+    assert graphs.disabled is None, graphs.disabled
+    assert (8, 2) in graphs.sizes and graphs.replays >= 3, (graphs.sizes, graphs.replays)
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_an_int8_kv_cache_decodes_from_graphs_as_eagerly(tiny_models, monkeypatch, arch):
+    """The int8 cache's writes (values and scales) and reads run between the pieces:
+    the same greedy tokens as the same backend decoding eagerly."""
+    path = str(tiny_models[arch])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    _graphs_over_standins(monkeypatch, npu_backend())
+    want = [o.outputs[0].token_ids for o in LLM(
+        path, device="cpu", dtype="bfloat16", kv_cache_dtype="int8",
+        enforce_eager=True).generate(PROMPTS[:3], params)]
+    llm = LLM(path, device="cpu", dtype="bfloat16", kv_cache_dtype="int8",
+              compilation_config={"cudagraph_capture_sizes": [4]})
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+    graphs = llm.engine.runner.graphs
+    assert graphs.disabled is None and graphs.sizes == [(4, 1)], graphs.disabled
+    assert got == want
 
 
 def test_graphs_are_captured_again_when_the_kv_cache_changes(tiny_models, monkeypatch):
