@@ -176,7 +176,21 @@ def resolve(config: ServeConfig) -> ServeConfig:
     _context_length(f)
     from pdmesh.shared.config.engine_config import serving_engine_config
 
-    return dataclasses.replace(config, engine=serving_engine_config(config))
+    try:
+        engine = serving_engine_config(config)
+    except ValueError as e:  # (named as the flag is spelled)
+        if str(e).startswith("compilation_config"):
+            raise ValueError("--compilation-config" + str(e).removeprefix(
+                "compilation_config")) from None
+        raise
+    # what the decode graphs make of --compilation-config (and SGLang's graph flags)
+    graphs = tuple("--compilation-config" + w.removeprefix("compilation_config")
+                   for w in engine.graph_config().warnings)
+    if config.device == "cpu" and (engine.compilation_config or not engine.cuda_graph_padding):
+        graphs = ("decode graphs: without effect on cpu (a CPU launches no kernels to "
+                  "capture; every step runs eagerly): --compilation-config, --cuda-graph-*",)
+    return dataclasses.replace(config, engine=engine,
+                               flag_warnings=(*config.flag_warnings, *graphs))
 
 
 def _tensor_parallel(f: Flags) -> None:

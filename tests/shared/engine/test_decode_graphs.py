@@ -71,21 +71,26 @@ def test_the_flags_choose_what_is_captured():
     # keys that only torch.compile reads are listed without effect
     assert any("without effect" in w and "level" in w for w in _engine(
         "--compilation-config", '{"level": 3}').graph_config().warnings)
+    # ... and at start-up (config check too): on a cpu, the graph flags as a whole
+    said = serve_config("mixed", ["/models/x", "--device", "cpu", "--cuda-graph-bs", "2"])
+    assert any("without effect on cpu" in w for w in said.flag_warnings)
+    assert not any("graph" in w for w in serve_config(
+        "mixed", ["/models/x", "--device", "cpu"]).flag_warnings)
 
 
 @pytest.mark.parametrize(("words", "field"), [
     (("--compilation-config", '{"cudagraph_mode": "SOMETIMES"}'),
-     "compilation_config.cudagraph_mode"),
+     "--compilation-config.cudagraph_mode"),
     (("--compilation-config", '{"cudagraph_capture_sizes": [0, 2]}'),
-     "compilation_config.cudagraph_capture_sizes"),
+     "--compilation-config.cudagraph_capture_sizes"),
     (("--compilation-config", '{"cudagraph_capture_sizes": "8"}'),
-     "compilation_config.cudagraph_capture_sizes"),
+     "--compilation-config.cudagraph_capture_sizes"),
     (("--compilation-config", '{"max_cudagraph_capture_size": -1}'),
-     "compilation_config.max_cudagraph_capture_size"),
+     "--compilation-config.max_cudagraph_capture_size"),
     (("--cuda-graph-bs", "two"), "--cuda-graph-bs"),
 ])
 def test_a_bad_graph_setting_is_refused_by_name(words, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    with pytest.raises(ValueError, match="^" + field.replace(".", r"\.") + ": "):
         _engine(*words)
 
 
