@@ -57,35 +57,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 # -- the kernel cases -------------------------------------------------------------------
-def _paged(ctx: list[int], new: list[int], bs: int, dtype: torch.dtype, g: torch.Generator,
-           kvh: int = 2, h: int = 8, d: int = 64):
-    """Caches with each sequence's context written (blocks scattered), and its new q/k/v."""
-    seq = [c + n for c, n in zip(ctx, new, strict=True)]
-    per = [-(-s // bs) for s in seq]
-    order = (torch.randperm(sum(per), generator=g) + 1).tolist()  # (block 0: the null one)
-    tables, at = [], 0
-    for n in per:
-        tables.append(order[at:at + n])
-        at += n
-    table = torch.zeros(len(seq), max(per), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    shape = (sum(per) + 1, bs, kvh, d)
-    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
-    slots = [t[p // bs] * bs + p % bs for t, c, n in zip(tables, ctx, new, strict=True)
-             for p in range(c, c + n)]
-    q = torch.randn(sum(new), h, d, generator=g).to(dtype)
-    k, v = (torch.randn(sum(new), kvh, d, generator=g).to(dtype) for _ in range(2))
-    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=qsl,
-        seq_lens=torch.tensor(seq, dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=table,
-        query_lens_host=list(new), seq_lens_host=seq, context_lens_host=list(ctx),
-        max_query_len=max(new), max_seq_len=max(seq), block_size=bs)
-    return q, k, v, k_cache, v_cache, meta
-
-
 def _on(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
     import dataclasses
 
@@ -95,7 +66,7 @@ def _on(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
 
 
 def _attention(backend, dtype, ctx, new, bs, g) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v, kc, vc, meta = _paged(ctx, new, bs, dtype, g)
+    q, k, v, kc, vc, meta = ref.paged_batch(ctx, new, bs, dtype=dtype, generator=g)
     dev = backend.device
     kc_d, vc_d, m = kc.to(dev), vc.to(dev), _on(meta, dev)
     backend.prepare_attention(m)

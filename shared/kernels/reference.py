@@ -56,6 +56,48 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def paged_batch(ctx_lens: list[int], q_lens: list[int], block_size: int, *, kvh: int = 2,
+                h: int = 8, d: int = 64, dtype: torch.dtype = torch.float32,
+                generator: torch.Generator | None = None, consecutive: bool = False
+                ) -> tuple[torch.Tensor, ...]:
+    """A random paged batch, as the engine lays one out: caches [blocks, bs, kvh, d]
+    holding every sequence's context (its blocks scattered unless ``consecutive``, as a
+    lone request's often are; block 0 the null block, zero; two blocks spare), each
+    sequence's new q [T, h, d] and k / v [T, kvh, d], and the metadata (host fields
+    filled, block tables padded with the null block). -> (q, k, v, k_cache, v_cache,
+    meta)."""
+    g = generator if generator is not None else torch.Generator().manual_seed(0)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens, strict=True)]
+    per = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(per) + 3
+    ids = (list(range(1, num_blocks)) if consecutive
+           else (torch.randperm(num_blocks - 1, generator=g) + 1).tolist())
+    tables, at = [], 0
+    for n in per:
+        tables.append(ids[at:at + n])
+        at += n
+    table = torch.zeros(len(seq_lens), max(per), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    shape = (num_blocks, block_size, kvh, d)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    k_cache[0], v_cache[0] = 0, 0
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, c, n in zip(tables, ctx_lens, q_lens, strict=True) for p in range(c, c + n)]
+    total = sum(q_lens)
+    q = torch.randn(total, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(total, kvh, d, generator=g).to(dtype) for _ in range(2))
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=table,
+        query_lens_host=list(q_lens), seq_lens_host=seq_lens, context_lens_host=list(ctx_lens),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=block_size)
+    return q, k, v, k_cache, v_cache, meta
+
+
 def silu_and_mul(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     d = x.shape[-1] // 2
     g, u = x[..., :d].double(), x[..., d:].double()

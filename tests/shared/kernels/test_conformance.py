@@ -93,42 +93,10 @@ def test_silu_and_mul(backend, dtype):
 
 def _paged_batch(ctx_lens, q_lens, block_size, kvh=2, h=8, d=32, dtype=torch.float32, seed=3,
                  consecutive=False):
-    """Random caches with some context already written, plus new q/k/v for each sequence.
-    Blocks are scattered unless ``consecutive`` (as a lone request's often are)."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
-    blocks_per = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    if consecutive:
-        perm = list(range(2, num_blocks)) + [0, 1]
-    tables, cursor = [], 0
-    for n in blocks_per:
-        tables.append(perm[cursor:cursor + n])
-        cursor += n
-    width = max(blocks_per)
-    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    shape = (num_blocks, block_size, kvh, d)
-    k_cache = torch.randn(shape, generator=g).to(dtype)
-    v_cache = torch.randn(shape, generator=g).to(dtype)
-    slots = []
-    for t, c, q in zip(tables, ctx_lens, q_lens, strict=True):
-        slots += [t[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
-    total = sum(q_lens)
-    q = torch.randn(total, h, d, generator=g).to(dtype)
-    k = torch.randn(total, kvh, d, generator=g).to(dtype)
-    v = torch.randn(total, kvh, d, generator=g).to(dtype)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long), query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=block_table,
-        query_lens_host=list(q_lens), seq_lens_host=seq_lens, context_lens_host=list(ctx_lens),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), block_size=block_size)
-    return q, k, v, k_cache, v_cache, meta
+    """ref.paged_batch, seeded."""
+    return ref.paged_batch(ctx_lens, q_lens, block_size, kvh=kvh, h=h, d=d, dtype=dtype,
+                           generator=torch.Generator().manual_seed(seed),
+                           consecutive=consecutive)
 
 
 def _to(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
