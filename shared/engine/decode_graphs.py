@@ -57,7 +57,7 @@ class Graph(Protocol):
     """What a device's graph object offers (``torch.cuda.CUDAGraph``,
     ``torch.npu.NPUGraph``)."""
 
-    def capture_begin(self, pool: Any = None) -> None: ...
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None: ...
     def capture_end(self) -> None: ...
     def replay(self) -> None: ...
 
@@ -141,7 +141,10 @@ class _Capturing:
     def begin(self) -> None:
         if self._captured is not None:
             self._piece = self._device.new_graph()
-            self._piece.capture_begin(pool=self._device.pool)
+            # thread_local: the KV pool's transfer threads go on using the device while
+            # a step is captured; only this thread's unsafe calls are errors
+            self._piece.capture_begin(pool=self._device.pool,
+                                      capture_error_mode="thread_local")
 
     def end(self) -> None:
         if self._piece is not None:

@@ -113,7 +113,9 @@ class RecordedGraph:
         self._saved: dict[str, Any] = {}
         self.replays = 0
 
-    def capture_begin(self, pool: Any = None) -> None:
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise ValueError(f"capture_error_mode: {capture_error_mode!r}")
         if RecordedGraph.live:
             raise CaptureError("capture_begin inside another capture")
         self._mode = _Recording(self.ops)

@@ -291,7 +291,7 @@ def test_the_graph_apis_called_exist_as_called():
     for name in ("CUDAGraph", *names):
         assert hasattr(torch.cuda, name), name
     params = inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters
-    assert "pool" in params
+    assert {"pool", "capture_error_mode"} <= set(params)
     assert {"capture_end", "replay"} <= set(dir(torch.cuda.CUDAGraph))
     assert "device" in inspect.signature(torch.cuda.Stream.__new__).parameters
 
@@ -310,5 +310,6 @@ def test_the_graph_apis_called_exist_as_called():
                 if isinstance(f, ast.FunctionDef)}
 
     npu_graph = methods(graphs, "NPUGraph")
-    assert "pool" in npu_graph["capture_begin"] and {"capture_end", "replay"} <= set(npu_graph)
+    assert {"pool", "capture_error_mode"} <= set(npu_graph["capture_begin"])
+    assert {"capture_end", "replay"} <= set(npu_graph)
     assert "device" in methods(streams, "Stream")["__new__"]
