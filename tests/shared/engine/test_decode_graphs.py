@@ -195,6 +195,29 @@ def test_an_int8_kv_cache_decodes_from_graphs_as_eagerly(tiny_models, monkeypatc
     assert got == want
 
 
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3_moe", "w8a8_dynamic"), ("qwen3", "w8a8")])
+def test_a_quantized_model_decodes_from_graphs_as_eagerly(tiny_models, tmp_path, monkeypatch,
+                                                         arch, scheme):
+    """The npu backend's quantized projections (npu_dynamic_quant / npu_quantize /
+    npu_quant_matmul over the stand-in) replay inside the pieces, the int8 experts run
+    between them: the same greedy tokens as the same backend decoding eagerly."""
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
+
+    path = str(tmp_path / scheme)
+    quantize_checkpoint(tiny_models[arch], path, scheme)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    _graphs_over_standins(monkeypatch, npu_backend())
+    want = [o.outputs[0].token_ids for o in LLM(
+        path, device="cpu", dtype="bfloat16", quantization="ascend",
+        enforce_eager=True).generate(PROMPTS[:3], params)]
+    llm = LLM(path, device="cpu", dtype="bfloat16", quantization="ascend",
+              compilation_config={"cudagraph_capture_sizes": [4]})
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+    graphs = llm.engine.runner.graphs
+    assert graphs.disabled is None and graphs.sizes == [(4, 1)], graphs.disabled
+    assert got == want
+
+
 def test_graphs_are_captured_again_when_the_kv_cache_changes(tiny_models, monkeypatch):
     """A capture holds the cache tensors it was given: new ones (a cache rebuilt) drop
     every size, which is captured again on the new tensors, and decode goes on right."""
