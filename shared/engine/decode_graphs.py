@@ -1,22 +1,23 @@
 """Decode steps replayed from captured device graphs: vLLM's CUDA graphs on cuda,
 vLLM-Ascend's ACL graphs (``torch.npu.NPUGraph``) on npu.
 
-A pure-decode step (one new token per sequence) of B sequences runs what was captured
-for the smallest capture size N >= B; rows B..N-1 are padding. The forward is captured
-in pieces, as vLLM's PIECEWISE mode does: the ops that read the step's host-side plan -
-the KV cache writes, attention, the routed experts (their group sizes) - run eagerly
-between the pieces, on the step's B real rows with its real attention metadata ("holes");
-everything else (embedding, norms, projections, rotary, gating, the lm_head) replays::
+A uniform step - every sequence q tokens (1: decode; 1 + k: verifying k drafts), every
+row's logits - of B sequences runs what was captured for (N, q), N the smallest capture
+size >= B; rows past B x q are padding. The forward is captured in pieces, as vLLM's
+PIECEWISE mode does: the ops that read the step's host-side plan - the KV cache writes,
+attention, the routed experts (their group sizes) - run eagerly between the pieces, on
+the step's real rows with its real attention metadata ("holes"); everything else
+(embedding, norms, projections, rotary, gating, the lm_head) replays::
 
-    capture, size N:  piece 0 | write  attend | piece 1 | write  attend | ... | piece L
-    replay, B <= N:   ids, positions -> static buffers[:B]; piece 0; holes(q[:B], the
-                      step's metadata) -> out[:B]; piece 1; ...; logits[:B]
+    capture, (N, q):  piece 0 | write  attend | piece 1 | write  attend | ... | piece L
+    replay, B <= N:   ids, positions -> static buffers[:Bq]; piece 0; holes(q[:Bq], the
+                      step's metadata) -> out[:Bq]; piece 1; ...; logits[:Bq]
 
 A size is captured the first time a step pads to it (its warm-up forward, then the
-capture, then one replay checked against the warm-up: a mismatch turns graphs off with
-a warning, so a device whose graphs misbehave runs eagerly rather than wrongly). Graphs
-are dropped when the KV cache tensors change (``invalidate`` for anything else that
-replaces tensors a piece reads, such as weights).
+capture, then one replay checked against the warm-up: a failure or a mismatch turns
+graphs off with a warning, so a device whose graphs misbehave runs eagerly rather than
+wrongly). Graphs are dropped when the KV cache tensors change (``invalidate`` for
+anything else that replaces tensors a piece reads, such as weights).
 """
 
 from __future__ import annotations
