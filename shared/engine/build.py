@@ -247,10 +247,9 @@ def _decode_graphs(config: EngineConfig, loaded: _Loaded, runner: ModelRunner,
                  "capture)", backend.device.type)
         return None
     model = loaded.model
-    why = ("DeepSeek-V4's compressed caches" if isinstance(model, DeepseekV4)
-           else "tensor parallelism" if loaded.tp_ranks is not None
+    why = ("tensor parallelism" if loaded.tp_ranks is not None
            else "expert parallelism" if loaded.ep is not None
-           else "fine-grained tensor parallelism" if model.fg is not None
+           else "fine-grained tensor parallelism" if getattr(model, "fg", None) is not None
            else "the expert-load recorder (its counts would take the padding rows)"
            if model.load_recorder is not None else None)
     if why is not None:

@@ -13,6 +13,11 @@ the step's real rows with its real attention metadata ("holes"); everything else
     replay, B <= N:   ids, positions -> static buffers[:Bq]; piece 0; holes(q[:Bq], the
                       step's metadata) -> out[:Bq]; piece 1; ...; logits[:Bq]
 
+A model whose attention reads a plan of its own (DeepSeek-V4) names it: ``graph_state(meta,
+positions)`` builds the plan before the first piece (again from the step's metadata at
+each replay), and ``graph_holes`` are its methods that run between the pieces (name ->
+row arguments), as the backend's ``HOLES`` do.
+
 A size is captured the first time a step pads to it (its warm-up forward, then the
 capture, then one replay checked against the warm-up: a failure or a mismatch turns
 graphs off with a warning, so a device whose graphs misbehave runs eagerly rather than
@@ -98,6 +103,7 @@ class _Hole:
     args: inspect.BoundArguments
     rows: tuple[str, ...]
     out: torch.Tensor | None
+    on_model: bool = False  # a model's method (``graph_holes``), not the backend's
 
 
 @dataclass
@@ -113,6 +119,7 @@ class _Captured:
     steps: list[Graph | _Hole] = field(default_factory=list)
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    state: Any = None  # the model's step state for the capture (``graph_state``)
 
 
 class _Capturing:
@@ -123,10 +130,11 @@ class _Capturing:
     ends the current piece, takes an output of the noted shape (a piece's results do
     not exist before a replay: a hole cannot run on them) and begins the next piece."""
 
-    def __init__(self, backend: Any, device: GraphDevice,
+    def __init__(self, backend: Any, model: Any, device: GraphDevice,
                  shapes: list[tuple[torch.Size, torch.dtype] | None],
                  captured: _Captured | None = None):
         self._backend = backend
+        self._model = model
         self._device = device
         self._shapes = shapes
         self._captured = captured
@@ -136,8 +144,13 @@ class _Capturing:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._backend, name)
         if name in HOLES:
-            return lambda *a, **kw: self._hole(name, attr, a, kw)
+            return lambda *a, **kw: self._hole(name, attr, a, kw, HOLES[name])
         return attr
+
+    def model_hole(self, name: str, rows: tuple[str, ...]) -> Callable:
+        """The model's own method ``name`` as a hole (it reads the step's host plan)."""
+        method = getattr(self._model, name)
+        return lambda *a, **kw: self._hole(name, method, a, kw, rows, on_model=True)
 
     def begin(self) -> None:
         if self._captured is not None:
@@ -154,10 +167,20 @@ class _Capturing:
             self._captured.steps.append(self._piece)
             self._piece = None
 
-    def _hole(self, name: str, method: Callable, args: tuple, kwargs: dict) -> Any:
+    def _hole(self, name: str, method: Callable, args: tuple, kwargs: dict,
+              rows: tuple[str, ...], on_model: bool = False) -> Any:
         captured = self._captured
         if captured is None:  # warming up
-            out = None if name in WRITES else method(*args, **kwargs)
+            if name in WRITES:
+                out = None
+            elif on_model:  # (the backend's own holes inside it run as they are)
+                saved, self._model.backend = self._model.backend, self._backend
+                try:
+                    out = method(*args, **kwargs)
+                finally:
+                    self._model.backend = saved
+            else:
+                out = method(*args, **kwargs)
             self._shapes.append(None if out is None else (out.shape, out.dtype))
             return out
         self.end()
@@ -171,7 +194,7 @@ class _Capturing:
         self._holes += 1
         out = None if shape is None else torch.zeros(shape[0], dtype=shape[1],
                                                      device=self._backend.device)
-        captured.steps.append(_Hole(name, bound, HOLES[name], out))
+        captured.steps.append(_Hole(name, bound, rows, out, on_model))
         self.begin()
         return out
 
@@ -232,14 +255,23 @@ class DecodeGraphs:
         captured = self._graphs.get((size, per_seq)) or self._capture(size, per_seq)
         if captured is None:
             return None
-        self.replays += 1
         captured.input_ids[:rows].copy_(input_ids)
         captured.positions[:rows].copy_(positions)
         if rows < size * per_seq:  # padding rows: token 0 at position 0
             captured.input_ids[rows:].zero_()
             captured.positions[rows:].zero_()
-        self._replay(captured, meta, rows)
+        try:
+            state = (self.model.graph_state(meta, captured.positions[:rows])
+                     if captured.state is not None else None)
+            self._replay(captured, meta, rows, state=state)
+        except Exception as exc:  # noqa: BLE001 (the step runs eagerly; said once)
+            # (a hole's cache writes, if made, are made again: the same rows, the same slots)
+            self.disabled = f"replaying {size} sequences x {per_seq} tokens failed: {exc}"
+            log.warning("graphs: %s; decode runs eagerly", self.disabled)
+            self._graphs.clear()
+            return None
         assert captured.logits is not None and captured.hidden is not None
+        self.replays += 1
         if hidden_out is not None:
             hidden_out.append(captured.hidden[:rows].clone())
         return captured.logits[:rows].clone()
@@ -257,15 +289,17 @@ class DecodeGraphs:
             eager = None
             for _ in range(max(1, self.config.warmups)):  # (lazy initialisations)
                 shapes.clear()
-                eager = self._forward(captured, _Capturing(self.backend, self.device, shapes))
+                eager = self._forward(captured, _Capturing(self.backend, self.model,
+                                                           self.device, shapes))
             self.device.synchronize()
             with self.device.capture_stream():
-                proxy = _Capturing(self.backend, self.device, shapes, captured)
+                proxy = _Capturing(self.backend, self.model, self.device, shapes, captured)
                 captured.logits = self._forward(captured, proxy)
             self.device.synchronize()
             # checked against the warm-up (the null block unwritten, as there)
-            self._replay(captured, captured.meta, rows, writes=False)
+            self._replay(captured, captured.meta, rows, writes=False, state=captured.state)
             self.device.synchronize()
+            self._zero_null_block()  # (what a model's own holes wrote there)
             assert eager is not None
             if not torch.allclose(captured.logits, eager, rtol=1e-2, atol=1e-2):
                 worst = (captured.logits - eager).abs().max().item()
@@ -283,25 +317,45 @@ class DecodeGraphs:
         return captured
 
     def _forward(self, captured: _Captured, proxy: _Capturing) -> torch.Tensor:
-        """The model over the capture's inputs, its backend ``proxy``."""
+        """The model over the capture's inputs, its backend ``proxy``, its own holes
+        (``graph_holes``) through the proxy too, its step state (``graph_state``) built
+        before the first piece."""
         self.backend.prepare_attention(captured.meta)
         model = self.model
+        state = {}
+        if hasattr(model, "graph_state"):
+            captured.state = model.graph_state(captured.meta, captured.positions)
+            state = {"step": captured.state}
+        holes = getattr(model, "graph_holes", {})
         saved = model.backend
         model.backend = proxy
+        for name, rows in holes.items():
+            setattr(model, name, proxy.model_hole(name, rows))
         hidden: list[torch.Tensor] = []
         try:
             proxy.begin()
             try:
                 logits = model.forward(captured.input_ids, captured.positions, self.kv_caches,
-                                       captured.meta, captured.rows, hidden)
+                                       captured.meta, captured.rows, hidden, **state)
             finally:
                 proxy.end()
         finally:
             model.backend = saved
+            for name in holes:
+                delattr(model, name)  # (the class's own again)
         captured.hidden = hidden[0]
         return logits
 
-    def _replay(self, captured: _Captured, meta: Any, b: int, writes: bool = True) -> None:
+    def _zero_null_block(self) -> None:
+        """Block 0 of every cache tensor is the null block, kept zero."""
+        for cache in self.kv_caches:
+            for t in _tensors(cache):
+                t[0].zero_()
+
+    def _replay(self, captured: _Captured, meta: Any, b: int, writes: bool = True,
+                state: Any = None) -> None:
+        """Every piece and hole in turn, the holes on the first ``b`` rows with ``meta``
+        (and the model's step ``state``) in place of the capture's."""
         for step in captured.steps:
             if not isinstance(step, _Hole):
                 step.replay()
@@ -310,14 +364,28 @@ class DecodeGraphs:
                 continue
             args = dict(step.args.arguments)
             for name in step.rows:
-                args[name] = args[name][:b]
-            if "meta" in args:
-                args["meta"] = meta
-            if "slot_mapping" in args:
+                args[name] = _cut(args[name], b)
+            for name, value in args.items():
+                if value is captured.meta:
+                    args[name] = meta
+                elif value is captured.state and state is not None:
+                    args[name] = state
+            if "slot_mapping" in args and not step.on_model:
                 args["slot_mapping"] = meta.slot_mapping
-            out = getattr(self.backend, step.name)(**args)
+            out = getattr(self.model if step.on_model else self.backend, step.name)(**args)
             if step.out is not None:
                 step.out[:b].copy_(out)
+
+
+def _cut(value: Any, b: int) -> Any:
+    """A row argument's first ``b`` rows (its tensors', in a tuple or dict)."""
+    if isinstance(value, torch.Tensor):
+        return value[:b]
+    if isinstance(value, dict):
+        return {k: _cut(v, b) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_cut(v, b) for v in value)
+    return value
 
 
 def _tensors(cache: Any) -> list[torch.Tensor]:

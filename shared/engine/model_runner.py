@@ -258,11 +258,12 @@ class ModelRunner:
         """A graph capture's attention metadata: n sequences of q tokens at positions
         0.., in the null block (which a capture never writes)."""
         positions = np.tile(np.arange(q, dtype=np.int64), n)
-        width = -(-q // self.block_size)
-        return attention_metadata(self.device, np.zeros((n, width), dtype=np.int32),
-                                  [0] * n, [q] * n, [q] * n, positions,
+        table = np.zeros((n, -(-q // self.block_size)), dtype=np.int32)
+        groups = 1 if self.kv is None else len(self.kv.groups)
+        return attention_metadata(self.device, table, [0] * n, [q] * n, [q] * n, positions,
                                   np.zeros(n * q, dtype=np.int64),
-                                  np.arange(0, n * q + 1, q, dtype=np.int32), self.block_size)
+                                  np.arange(0, n * q + 1, q, dtype=np.int32), self.block_size,
+                                  [table] * (groups - 1))
 
 
 def _nothing() -> tuple:

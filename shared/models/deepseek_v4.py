@@ -193,6 +193,14 @@ class DeepseekV4:
     def dtype(self) -> torch.dtype:
         return self.w.embed.dtype
 
+    # Decode graphs (shared/engine/decode_graphs.py): the step plan is built on the host
+    # before the first piece (``graph_state``), and attention, which reads it, runs
+    # between the pieces on the step's rows (x, and the rope tables of its positions).
+    graph_holes = {"_attention": ("x", "rope")}
+
+    def graph_state(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
+        return self._step(meta, positions)
+
     # -- the step plan ----------------------------------------------------------------
     def _step(self, meta: AttentionMetadata, positions: torch.Tensor,
               compressed: bool = True) -> _Step:
@@ -271,10 +279,12 @@ class DeepseekV4:
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,  # [B] int64
         hidden_out: list[torch.Tensor] | None = None,
+        step: _Step | None = None,
     ) -> torch.Tensor:  # [B, V] float32
         """``hidden_out``: gets every row's streams before the head collapses them,
-        [T, hc * hidden], what an MTP block continues from."""
-        step = self._step(meta, positions)
+        [T, hc * hidden], what an MTP block continues from. ``step``: the step's plan,
+        built already (``graph_state``)."""
+        step = self._step(meta, positions) if step is None else step
         rope = self._rope(positions)
         x = self._embed(self.w.embed, input_ids)  # [T, hidden]
         streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()  # [T, hc, hidden]

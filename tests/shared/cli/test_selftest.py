@@ -68,6 +68,6 @@ def test_decode_graphs_are_checked_on_a_device_that_has_them(tmp_path, monkeypat
     assert row.status == "ok" and "replayed" in row.detail, row
     # a device whose replays go wrong is reported, not passed
     monkeypatch.setattr(decode_graphs.DecodeGraphs, "_replay",
-                        lambda self, captured, meta, b, writes=True: None)
+                        lambda self, captured, meta, b, writes=True, state=None: None)
     [row] = selftest.graph_rows("cpu", tmp_path)
     assert row.status == "FAIL" and "differs from the eager forward" in row.detail, row

@@ -126,7 +126,7 @@ def _graphs_over_standins(monkeypatch, backend):
     monkeypatch.setattr(engine_build, "get_backend", lambda device: backend)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "deepseek_v4"])
 def test_decode_from_graphs_scores_as_the_cpu_backend(tiny_models, monkeypatch, arch):
     """The npu backend (over its torch_npu stand-in, float32 let through as
     test_standin_parity does) with its decode steps from graphs: 5 prompts decode in
@@ -150,13 +150,14 @@ def test_decode_from_graphs_scores_as_the_cpu_backend(tiny_models, monkeypatch, 
     assert worst < 1e-3, worst
 
 
-def test_verify_steps_replay_too(tiny_models, monkeypatch):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_verify_steps_replay_too(tiny_models, monkeypatch, arch):
     """The seeds' MTP line (one draft a step): each decode step verifies one draft per
     sequence - 2 tokens each, attention through the prefill path over the paged cache -
     and replays from its graph (5 sequences padded to 8, x 2 tokens); the MTP layer
     continues from the replay's hidden states; the greedy output is the target's, as
     decoding one token a step eagerly gives it."""
-    path = str(tiny_models["deepseek_v3"])
+    path = str(tiny_models[arch])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32",
                                                 enforce_eager=True).generate(PROMPTS, params)]
