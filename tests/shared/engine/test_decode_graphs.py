@@ -178,7 +178,7 @@ def test_verify_steps_replay_too(tiny_models, monkeypatch, arch):
     assert got == want
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "deepseek_v4"])
 def test_an_int8_kv_cache_decodes_from_graphs_as_eagerly(tiny_models, monkeypatch, arch):
     """The int8 cache's writes (values and scales) and reads run between the pieces:
     the same greedy tokens as the same backend decoding eagerly."""
