@@ -24,7 +24,7 @@ import torch
 
 from pdmesh.shared.engine.block_manager import GroupBlocks, KVCacheManager
 from pdmesh.shared.engine.config import EngineConfig
-from pdmesh.shared.engine.decode_graphs import DecodeGraphs, GraphDevice
+from pdmesh.shared.engine.decode_graphs import decode_graphs_for
 from pdmesh.shared.engine.dyntralb import DyntraLB
 from pdmesh.shared.engine.engine import EngineCore
 from pdmesh.shared.engine.expert_load_step import ExpertLoadStep
@@ -226,40 +226,11 @@ class _Caches:
                      kv_bytes / 1e6)
         runner = ModelRunner(loaded.model, backend, kv, per_layer[:layers])
         runner.tp_ranks = loaded.tp_ranks
-        runner.graphs = _decode_graphs(config, loaded, runner, backend)
+        runner.graphs = decode_graphs_for(
+            config, loaded.model, runner, backend, expert_parallel=loaded.ep is not None,
+            agree=None if loaded.tp_ranks is None else loaded.tp_ranks.agree)
         return cls(spec, pool_spec, groups, tensors, fingerprint, kv, runner,
                    per_layer[layers:])
-
-
-def _decode_graphs(config: EngineConfig, loaded: _Loaded, runner: ModelRunner,
-                   backend: KernelBackend) -> DecodeGraphs | None:
-    """The decode graphs, where the device captures and the model is captured; what
-    runs eagerly instead is said at start-up."""
-    graphs = config.graph_config()
-    for warning in graphs.warnings:
-        log.warning("engine: %s", warning)
-    if not graphs.enabled:
-        log.info("engine: decode graphs off (enforce_eager / cudagraph_mode NONE)")
-        return None
-    device = GraphDevice.of(backend.device)
-    if device is None:
-        log.info("engine: %s runs every step eagerly (a CPU launches no kernels to "
-                 "capture)", backend.device.type)
-        return None
-    model = loaded.model
-    why = ("tensor parallelism" if loaded.tp_ranks is not None
-           else "expert parallelism" if loaded.ep is not None
-           else "fine-grained tensor parallelism" if getattr(model, "fg", None) is not None
-           else "the expert-load recorder (its counts would take the padding rows)"
-           if model.load_recorder is not None else None)
-    if why is not None:
-        log.warning("engine: decode graphs are not captured yet with %s; every step runs "
-                    "eagerly", why)
-        return None
-    log.info("engine: decode steps of up to %d sequences from graphs (%d capture sizes, "
-             "each captured when first needed)", graphs.sizes[-1], len(graphs.sizes))
-    return DecodeGraphs(model, backend, runner.kv_caches, graphs, device,
-                        runner.capture_metadata)
 
 
 def _connector(kv_pool: KVPool | None, caches: _Caches, dtype: torch.dtype,

@@ -205,11 +205,15 @@ class DecodeGraphs:
 
     def __init__(self, model: Any, backend: Any, kv_caches: list[Any], config: GraphConfig,
                  device: GraphDevice, meta_for: Callable[[int, int], Any],
-                 max_per_seq: int = 1):
+                 max_per_seq: int = 1, agree: Callable[[bool], bool] | None = None):
         """``meta_for(n, q)``: the attention metadata of a capture: n sequences of q
         tokens at positions 0.., in the null block. ``max_per_seq``: the most tokens a
-        sequence has in a step taken (1 + the drafts a verify step checks)."""
+        sequence has in a step taken (1 + the drafts a verify step checks). ``agree``:
+        tensor parallelism's "did every rank succeed" (each rank says its own), so the
+        ranks keep or drop a capture together and never wait in each other's
+        collectives."""
         self.model = model
+        self.agree = agree or (lambda ok: ok)
         self.max_per_seq = max_per_seq
         self.backend = backend
         self.kv_caches = kv_caches
@@ -284,6 +288,7 @@ class DecodeGraphs:
         captured = _Captured(size, per_seq, (torch.arange(rows, device=dev) * 7919 + 17) % vocab,
                              torch.arange(per_seq, device=dev).repeat(size),
                              torch.arange(rows, device=dev), self._meta_for(size, per_seq))
+        failed = None  # (tensor parallelism: every rank passes each stage, or none does)
         try:
             shapes: list[tuple[torch.Size, torch.dtype] | None] = []
             eager = None
@@ -296,17 +301,29 @@ class DecodeGraphs:
                 proxy = _Capturing(self.backend, self.model, self.device, shapes, captured)
                 captured.logits = self._forward(captured, proxy)
             self.device.synchronize()
-            # checked against the warm-up (the null block unwritten, as there)
-            self._replay(captured, captured.meta, rows, writes=False, state=captured.state)
-            self.device.synchronize()
-            self._zero_null_block()  # (what a model's own holes wrote there)
-            assert eager is not None
-            if not torch.allclose(captured.logits, eager, rtol=1e-2, atol=1e-2):
-                worst = (captured.logits - eager).abs().max().item()
-                raise RuntimeError(f"its replay differs from the eager forward by {worst:.3g}")
         except Exception as exc:  # noqa: BLE001 (any failure: eager from now on, said once)
+            failed = exc
+        if self.agree(failed is None) and failed is None:
+            try:
+                # checked against the warm-up (the null block unwritten, as there)
+                self._replay(captured, captured.meta, rows, writes=False,
+                             state=captured.state)
+                self.device.synchronize()
+                self._zero_null_block()  # (what a model's own holes wrote there)
+                assert eager is not None and captured.logits is not None
+                if not torch.allclose(captured.logits, eager, rtol=1e-2, atol=1e-2):
+                    worst = (captured.logits - eager).abs().max().item()
+                    raise RuntimeError(f"its replay differs from the eager forward by "
+                                       f"{worst:.3g}")
+            except Exception as exc:  # noqa: BLE001
+                failed = exc
+            if not self.agree(failed is None) and failed is None:
+                failed = RuntimeError("another tensor-parallel rank's replay failed")
+        elif failed is None:
+            failed = RuntimeError("another tensor-parallel rank's capture failed")
+        if failed is not None:
             self.disabled = (f"capturing steps of {size} sequences x {per_seq} tokens "
-                             f"failed: {exc}")
+                             f"failed: {failed}")
             log.warning("graphs: %s; decode runs eagerly", self.disabled)
             self._graphs.clear()
             return None
@@ -394,3 +411,34 @@ def _tensors(cache: Any) -> list[torch.Tensor]:
         return [cache]
     values = cache.values() if isinstance(cache, dict) else cache
     return [t for v in values for t in _tensors(v)]
+
+
+def decode_graphs_for(config: Any, model: Any, runner: Any, backend: Any, *,
+                      expert_parallel: bool = False,
+                      agree: Callable[[bool], bool] | None = None) -> DecodeGraphs | None:
+    """An engine's decode graphs (``config``: its EngineConfig; every tensor-parallel
+    rank builds its own, ``agree`` joining their verdicts), where its device captures
+    and its model is captured; what runs eagerly instead is said at start-up."""
+    graphs = config.graph_config()
+    for warning in graphs.warnings:
+        log.warning("engine: %s", warning)
+    if not graphs.enabled:
+        log.info("engine: decode graphs off (enforce_eager / cudagraph_mode NONE)")
+        return None
+    device = GraphDevice.of(backend.device)
+    if device is None:
+        log.info("engine: %s runs every step eagerly (a CPU launches no kernels to "
+                 "capture)", backend.device.type)
+        return None
+    why = ("expert parallelism" if expert_parallel
+           else "fine-grained tensor parallelism" if getattr(model, "fg", None) is not None
+           else "the expert-load recorder (its counts would take the padding rows)"
+           if model.load_recorder is not None else None)
+    if why is not None:
+        log.warning("engine: decode graphs are not captured yet with %s; every step runs "
+                    "eagerly", why)
+        return None
+    log.info("engine: decode steps of up to %d sequences from graphs (%d capture sizes, "
+             "each captured when first needed)", graphs.sizes[-1], len(graphs.sizes))
+    return DecodeGraphs(model, backend, runner.kv_caches, graphs, device,
+                        runner.capture_metadata, agree=agree)

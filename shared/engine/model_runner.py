@@ -114,14 +114,15 @@ def attention_metadata(device: torch.device, block_table: np.ndarray, starts: li
 
 class ModelRunner:
     def __init__(self, model: CausalLM, backend: KernelBackend, kv: KVCacheManager | None,
-                 kv_caches: list[KVCache], block_size: int | None = None):
+                 kv_caches: list[KVCache], block_size: int | None = None, groups: int = 1):
         """``kv`` None: a tensor-parallel worker's runner, which only runs the steps rank
-        0 hands it (``forward_arrays``)."""
+        0 hands it (``forward_arrays``); ``groups``: then its cache groups."""
         self.model = model
         self.backend = backend
         self.kv = kv
         self.kv_caches = kv_caches
         self.block_size = kv.block_size if kv is not None else block_size
+        self.groups = len(kv.groups) if kv is not None else groups
         # tensor parallelism: rank 0 hands each step's arrays to the other ranks
         self.tp_ranks = None
         self.device = backend.device
@@ -259,11 +260,10 @@ class ModelRunner:
         0.., in the null block (which a capture never writes)."""
         positions = np.tile(np.arange(q, dtype=np.int64), n)
         table = np.zeros((n, -(-q // self.block_size)), dtype=np.int32)
-        groups = 1 if self.kv is None else len(self.kv.groups)
         return attention_metadata(self.device, table, [0] * n, [q] * n, [q] * n, positions,
                                   np.zeros(n * q, dtype=np.int64),
                                   np.arange(0, n * q + 1, q, dtype=np.int32), self.block_size,
-                                  [table] * (groups - 1))
+                                  [table] * (self.groups - 1))
 
 
 def _nothing() -> tuple:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.decode_graphs import decode_graphs_for
 from pdmesh.shared.engine.kv_cache_spec import allocate_caches, cache_spec, layer_caches
 from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.kernels import get_backend, resolve_device
 from pdmesh.shared.models.config import ModelConfig, parse_dtype
 from pdmesh.shared.models.loader import load_model
 from pdmesh.shared.models.transformer import weight_bytes
-from pdmesh.shared.parallel.tp_ranks import READY, Topology, join, receive
+from pdmesh.shared.parallel.tp_ranks import READY, Topology, agree, join, receive
 
 
 def set_rank_device(device: str, rank: int) -> None:
@@ -45,6 +46,18 @@ def drafts_with_mtp(config: EngineConfig) -> bool:
         return False
     spec = raw if isinstance(raw, SpeculativeConfig) else SpeculativeConfig.from_dict(raw)
     return spec.is_mtp
+
+
+def draft_tokens(config: EngineConfig, model) -> int:
+    """The most drafts a step verifies (0: no speculative decoding), as rank 0 resolves
+    it (an MTP config without a count: the model's MTP layers)."""
+    from pdmesh.shared.engine.spec_decode import SpeculativeConfig
+
+    raw = config.speculative_config
+    if raw is None:
+        return 0
+    spec = raw if isinstance(raw, SpeculativeConfig) else SpeculativeConfig.from_dict(raw)
+    return spec.num_speculative_tokens or (len(model.w.mtp) if spec.is_mtp else 0)
 
 
 def expert_parallel(config: EngineConfig, model) -> bool:
@@ -89,7 +102,13 @@ class TensorParallelWorker:
         self.mtp_caches = per_layer[layers:]
         self.block_size = config.block_size
         self.runner = ModelRunner(model, backend, None, per_layer[:layers],
-                                  block_size=config.block_size)
+                                  block_size=config.block_size, groups=len(spec.groups))
+        # the decode graphs, as rank 0 builds its own: the same steps, captured together
+        self.runner.graphs = decode_graphs_for(
+            config, model, self.runner, backend, expert_parallel=self.ep is not None,
+            agree=lambda ok: agree(ok, self.groups))
+        if self.runner.graphs is not None and config.speculative_config is not None:
+            self.runner.graphs.max_per_seq = 1 + draft_tokens(config, model)
 
     def run(self, message: tuple) -> None:
         kind, body = message

@@ -205,6 +205,11 @@ class TensorParallelRanks:
         if self.clock is not None:
             self.clock["broadcast"] = self.clock.get("broadcast", 0.0) + time.perf_counter() - t0
 
+    def agree(self, ok: bool) -> bool:
+        """Rank 0's side of ``agree``."""
+        assert self.groups is not None
+        return agree(ok, self.groups)
+
     def kill(self) -> None:
         self.closed = True
         for w in self.workers:
@@ -229,6 +234,15 @@ class TensorParallelRanks:
                     w.kill()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def agree(ok: bool, groups: Groups) -> bool:
+    """Whether every rank of the group says ``ok`` (each rank calls it with its own)."""
+    import torch
+
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=groups.tp_cpu)
+    return bool(flag[0])
 
 
 def serve_steps(worker, messages, rank: int, groups: Groups) -> None:

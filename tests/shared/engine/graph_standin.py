@@ -10,7 +10,9 @@ with their contract rather than their speed:
   stream refuses a synchronisation;
 - a replay runs the recorded ops again on the same tensors, each result copied into the
   tensor the capture handed out (its "address"), so whatever the capture froze (a Python
-  number, a shape) stays frozen, and whatever lives in a tensor is read afresh.
+  number, a shape) stays frozen, and whatever lives in a tensor is read afresh;
+- a collective (c10d's ops: tensor parallelism's all-reduces and gathers) is captured
+  like any op and runs at each replay, as NCCL's and HCCL's run inside a graph.
 
 Views are taken for real (they compute nothing; a later write through one must land);
 an op that may return a view but returned a copy (``aten.to``) is recorded as computing.
@@ -51,6 +53,9 @@ class _Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if func.namespace == "c10d":  # a collective: captured, run by the replays
+            self.ops.append((func, args, kwargs, None))
+            return args[0], _done()
         if name in ("_local_scalar_dense", "nonzero", "equal", "is_nonzero"):
             raise CaptureError(f"aten.{name} while capturing: a host read of a device value")
         schema = func._schema
@@ -83,6 +88,15 @@ class _Recording(TorchDispatchMode):
         out = tree_map(_garbage, shaped)
         self.ops.append((func, args, kwargs, out))
         return out
+
+
+def _done() -> Any:
+    """A collective's Work, already complete (what waiting on a captured one costs)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(None)
+    return _create_work_from_future(fut).boxed()  # (the dispatcher takes it boxed)
 
 
 def _to_meta(x: Any) -> Any:
@@ -143,6 +157,8 @@ class RecordedGraph:
         with torch.inference_mode():
             for func, args, kwargs, out in self.ops:
                 result = func(*args, **kwargs)
+                if func.namespace == "c10d":
+                    result[-1].wait()
                 if out is None:
                     continue
                 for dst, src in zip(tree_flatten(out)[0], tree_flatten(result)[0],
@@ -154,3 +170,16 @@ class RecordedGraph:
 def standin_device() -> GraphDevice:
     """A GraphDevice over the stand-in graph (the cpu has no stream to capture on)."""
     return GraphDevice(RecordedGraph, pool=None, capture_stream=nullcontext)
+
+
+def standin_tp_worker(config, rank, top, messages) -> None:
+    """A tensor-parallel worker process with the npu backend over its torch_npu stand-in
+    and this graph stand-in (what rank 0 of the test runs with), then the real one."""
+    import pdmesh.shared.engine.decode_graphs as decode_graphs
+    import pdmesh.shared.engine.tp_worker as tp_worker
+    from tests.shared.kernels.npu_standin import npu_backend
+
+    backend = npu_backend()
+    tp_worker.get_backend = lambda device: backend
+    decode_graphs.GraphDevice.of = staticmethod(lambda device: standin_device())
+    tp_worker.tensor_parallel_worker(config, rank, top, messages)

@@ -219,6 +219,73 @@ def test_a_quantized_model_decodes_from_graphs_as_eagerly(tiny_models, tmp_path,
     assert got == want
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v4"])
+def test_tensor_parallel_ranks_capture_and_replay_together(tiny_models, monkeypatch, arch):
+    """Two tensor-parallel ranks (gloo), each with the npu backend over the stand-ins:
+    both capture the same steps, their all-reduces and gathers inside the pieces, replay
+    them together (the verdicts joined), and give the tokens the same ranks give
+    eagerly."""
+    import pdmesh.shared.engine.tp_worker as tp_worker
+    from tests.shared.engine.graph_standin import standin_tp_worker
+
+    path = str(tiny_models[arch])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    _graphs_over_standins(monkeypatch, npu_backend())
+    monkeypatch.setattr(tp_worker, "tensor_parallel_worker", standin_tp_worker)
+    eager = LLM(path, device="cpu", dtype="bfloat16", tensor_parallel_size=2,
+                enforce_eager=True)
+    try:
+        want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:3], params)]
+    finally:
+        eager.close()
+    llm = LLM(path, device="cpu", dtype="bfloat16", tensor_parallel_size=2,
+              compilation_config={"cudagraph_capture_sizes": [4]})
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+        graphs = llm.engine.runner.graphs
+        assert graphs.disabled is None, graphs.disabled
+        assert graphs.sizes == [(4, 1)] and graphs.replays == 7
+    finally:
+        llm.close()
+    assert got == want
+
+
+def test_a_capture_that_fails_on_one_rank_is_dropped_by_all(tiny_models, monkeypatch):
+    """Rank 0's capture reads the host (refused), its worker's succeeds: the verdicts
+    joined, both drop it - neither waits in a collective the other never makes - and
+    decode goes on eagerly with the same tokens."""
+    import pdmesh.shared.engine.tp_worker as tp_worker
+    from tests.shared.engine.graph_standin import standin_tp_worker
+
+    path = str(tiny_models["qwen3"])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    backend = npu_backend()
+    norm = backend.rms_norm
+
+    def reads_the_host(x, weight, eps):
+        assert x.abs().max().item() >= 0
+        return norm(x, weight, eps)
+
+    _graphs_over_standins(monkeypatch, backend)
+    monkeypatch.setattr(tp_worker, "tensor_parallel_worker", standin_tp_worker)
+    eager = LLM(path, device="cpu", dtype="bfloat16", tensor_parallel_size=2,
+                enforce_eager=True)
+    try:
+        want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:2], params)]
+    finally:
+        eager.close()
+    backend.rms_norm = reads_the_host  # (rank 0 only: the worker has its own backend)
+    llm = LLM(path, device="cpu", dtype="bfloat16", tensor_parallel_size=2,
+              compilation_config={"cudagraph_capture_sizes": [2]})
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+        graphs = llm.engine.runner.graphs
+        assert "host read" in graphs.disabled and graphs.replays == 0
+    finally:
+        llm.close()
+    assert got == want
+
+
 def test_graphs_are_captured_again_when_the_kv_cache_changes(tiny_models, monkeypatch):
     """A capture holds the cache tensors it was given: new ones (a cache rebuilt) drop
     every size, which is captured again on the new tensors, and decode goes on right."""
