@@ -182,18 +182,8 @@ def test_verify_steps_replay_too(tiny_models, monkeypatch, arch):
 def test_an_int8_kv_cache_decodes_from_graphs_as_eagerly(tiny_models, monkeypatch, arch):
     """The int8 cache's writes (values and scales) and reads run between the pieces:
     the same greedy tokens as the same backend decoding eagerly."""
-    path = str(tiny_models[arch])
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     _graphs_over_standins(monkeypatch, npu_backend())
-    want = [o.outputs[0].token_ids for o in LLM(
-        path, device="cpu", dtype="bfloat16", kv_cache_dtype="int8",
-        enforce_eager=True).generate(PROMPTS[:3], params)]
-    llm = LLM(path, device="cpu", dtype="bfloat16", kv_cache_dtype="int8",
-              compilation_config={"cudagraph_capture_sizes": [4]})
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
-    graphs = llm.engine.runner.graphs
-    assert graphs.disabled is None and graphs.sizes == [(4, 1)], graphs.disabled
-    assert got == want
+    assert_replayed_as_eagerly(str(tiny_models[arch]), kv_cache_dtype="int8")
 
 
 @pytest.mark.parametrize(("arch", "scheme"), [("qwen3_moe", "w8a8_dynamic"), ("qwen3", "w8a8")])
@@ -206,17 +196,23 @@ def test_a_quantized_model_decodes_from_graphs_as_eagerly(tiny_models, tmp_path,
 
     path = str(tmp_path / scheme)
     quantize_checkpoint(tiny_models[arch], path, scheme)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     _graphs_over_standins(monkeypatch, npu_backend())
+    assert_replayed_as_eagerly(path, quantization="ascend")
+
+
+def assert_replayed_as_eagerly(path: str, **engine_args) -> None:
+    """3 prompts, 8 greedy tokens: decode from graphs (size 4, every step replayed)
+    gives the tokens the same engine gives eagerly."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(
-        path, device="cpu", dtype="bfloat16", quantization="ascend",
-        enforce_eager=True).generate(PROMPTS[:3], params)]
-    llm = LLM(path, device="cpu", dtype="bfloat16", quantization="ascend",
-              compilation_config={"cudagraph_capture_sizes": [4]})
+        path, device="cpu", dtype="bfloat16", enforce_eager=True,
+        **engine_args).generate(PROMPTS[:3], params)]
+    llm = LLM(path, device="cpu", dtype="bfloat16",
+              compilation_config={"cudagraph_capture_sizes": [4]}, **engine_args)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
     graphs = llm.engine.runner.graphs
     assert graphs.disabled is None and graphs.sizes == [(4, 1)], graphs.disabled
-    assert got == want
+    assert graphs.replays == 7 and got == want
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v4"])
