@@ -227,7 +227,7 @@ class _Caches:
         runner = ModelRunner(loaded.model, backend, kv, per_layer[:layers])
         runner.tp_ranks = loaded.tp_ranks
         runner.graphs = decode_graphs_for(
-            config, loaded.model, runner, backend, expert_parallel=loaded.ep is not None,
+            config, loaded.model, runner, backend,
             agree=None if loaded.tp_ranks is None else loaded.tp_ranks.agree)
         return cls(spec, pool_spec, groups, tensors, fingerprint, kv, runner,
                    per_layer[layers:])

@@ -57,6 +57,10 @@ HOLES: dict[str, tuple[str, ...]] = {
     "fused_moe": ("x", "topk_weights", "topk_ids"),
 }
 WRITES = frozenset({"write_kv_cache", "write_cache", "write_int8_cache"})
+# Holes whose collectives pair with the other DP ranks' steps (expert parallelism): a
+# capture's warm-up and check leave them out (zeros in their place) - an extra forward
+# there would meet another rank's real step - and only a step's replay runs them.
+EXCHANGES = frozenset({"_ep_moe"})
 
 
 class Graph(Protocol):
@@ -173,6 +177,9 @@ class _Capturing:
         if captured is None:  # warming up
             if name in WRITES:
                 out = None
+            elif name in EXCHANGES:
+                out = torch.zeros_like(inspect.signature(method).bind(*args, **kwargs)
+                                       .arguments["x"])
             elif on_model:  # (the backend's own holes inside it run as they are)
                 saved, self._model.backend = self._model.backend, self._backend
                 try:
@@ -377,7 +384,7 @@ class DecodeGraphs:
             if not isinstance(step, _Hole):
                 step.replay()
                 continue
-            if not writes and step.name in WRITES:
+            if not writes and (step.name in WRITES or step.name in EXCHANGES):
                 continue
             args = dict(step.args.arguments)
             for name in step.rows:
@@ -414,7 +421,6 @@ def _tensors(cache: Any) -> list[torch.Tensor]:
 
 
 def decode_graphs_for(config: Any, model: Any, runner: Any, backend: Any, *,
-                      expert_parallel: bool = False,
                       agree: Callable[[bool], bool] | None = None) -> DecodeGraphs | None:
     """An engine's decode graphs (``config``: its EngineConfig; every tensor-parallel
     rank builds its own, ``agree`` joining their verdicts), where its device captures
@@ -430,8 +436,7 @@ def decode_graphs_for(config: Any, model: Any, runner: Any, backend: Any, *,
         log.info("engine: %s runs every step eagerly (a CPU launches no kernels to "
                  "capture)", backend.device.type)
         return None
-    why = ("expert parallelism" if expert_parallel
-           else "fine-grained tensor parallelism" if getattr(model, "fg", None) is not None
+    why = ("fine-grained tensor parallelism" if getattr(model, "fg", None) is not None
            else "the expert-load recorder (its counts would take the padding rows)"
            if model.load_recorder is not None else None)
     if why is not None:

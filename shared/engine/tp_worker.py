@@ -105,8 +105,7 @@ class TensorParallelWorker:
                                   block_size=config.block_size, groups=len(spec.groups))
         # the decode graphs, as rank 0 builds its own: the same steps, captured together
         self.runner.graphs = decode_graphs_for(
-            config, model, self.runner, backend, expert_parallel=self.ep is not None,
-            agree=lambda ok: agree(ok, self.groups))
+            config, model, self.runner, backend, agree=lambda ok: agree(ok, self.groups))
         if self.runner.graphs is not None and config.speculative_config is not None:
             self.runner.graphs.max_per_seq = 1 + draft_tokens(config, model)
 

@@ -196,7 +196,7 @@ class DeepseekV4:
     # Decode graphs (shared/engine/decode_graphs.py): the step plan is built on the host
     # before the first piece (``graph_state``), and attention, which reads it, runs
     # between the pieces on the step's rows (x, and the rope tables of its positions).
-    graph_holes = {"_attention": ("x", "rope")}
+    graph_holes = {"_attention": ("x", "rope"), "_ep_moe": ("x", "weights", "ids")}
 
     def graph_state(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
         return self._step(meta, positions)
@@ -541,6 +541,12 @@ class DeepseekV4:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * moe.routed_scaling, ids
 
+    def _ep_moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """The routed experts over the expert-parallel ranks."""
+        assert self.ep is not None
+        return self.ep.moe(layer, x, weights, ids, self.backend)
+
     def _moe(self, layer: int | None, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
              ) -> torch.Tensor:
         """``layer`` None: an MTP block's, whose experts every rank holds whole."""
@@ -562,14 +568,14 @@ class DeepseekV4:
             def experts(rows: torch.Tensor, ws: torch.Tensor, ids_: torch.Tensor
                         ) -> torch.Tensor:
                 if ep is not None:
-                    return ep.moe(layer, rows, ws, ids_, be)
+                    return self._ep_moe(layer, rows, ws, ids_)
                 return be.fused_moe(rows, w.w13, w.w2, ws.to(x.dtype), ids_, self.limit)
 
             out = tp.moe_on_share(x, weights, ids, experts,
                                   shared_mlp if self.shared_expert_dp else None)
             return out if self.shared_expert_dp else out + shared_mlp(x)
         if ep is not None:
-            out = ep.moe(layer, x, weights, ids, be)
+            out = self._ep_moe(layer, x, weights, ids)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids, self.limit)
         return out + shared_mlp(x)

@@ -401,7 +401,7 @@ class CausalLM:
             def experts(rows: torch.Tensor, ws: torch.Tensor, ids_: torch.Tensor
                         ) -> torch.Tensor:
                 if ep is not None:
-                    return ep.moe(layer, rows, ws, ids_, be)
+                    return self._ep_moe(layer, rows, ws, ids_)
                 return be.fused_moe(rows, w.w13, w.w2, ws.to(x.dtype), ids_)
 
             whole = w.shared is not None and self.shared_expert_dp
@@ -410,12 +410,23 @@ class CausalLM:
             if whole:
                 return out
         elif ep is not None:
-            out = ep.moe(layer, x, weights, ids, be)
+            out = self._ep_moe(layer, x, weights, ids)
         else:
             out = be.fused_moe(x, w.w13, w.w2, weights.to(x.dtype), ids)
         if w.shared is not None:
             out = out + self._mlp(w.shared, x, layer)
         return out
+
+    # Decode graphs (shared/engine/decode_graphs.py): expert parallelism's exchange runs
+    # between the pieces (its sizes are read on the host; its collectives pair with the
+    # other DP ranks' steps)
+    graph_holes = {"_ep_moe": ("x", "weights", "ids")}
+
+    def _ep_moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """The routed experts over the expert-parallel ranks."""
+        assert self.ep is not None
+        return self.ep.moe(layer, x, weights, ids, self.backend)
 
     def _route(self, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for each token."""

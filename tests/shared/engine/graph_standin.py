@@ -183,3 +183,40 @@ def standin_tp_worker(config, rank, top, messages) -> None:
     tp_worker.get_backend = lambda device: backend
     decode_graphs.GraphDevice.of = staticmethod(lambda device: standin_device())
     tp_worker.tensor_parallel_worker(config, rank, top, messages)
+
+
+def standin_ep_rank(rank: int, world: int, address: str, model: str,
+                    shares: list[list[list[int]]], graphs: bool) -> tuple:
+    """One expert-parallel DP rank (gloo) with the npu backend over its torch_npu stand-in
+    and this graph stand-in, stepped in lockstep with the others over its share of the
+    prompts (8 greedy tokens each, bfloat16): (its tokens, replays, why graphs were
+    turned off)."""
+    import torch.distributed as dist
+
+    import pdmesh.shared.engine.build as engine_build
+    import pdmesh.shared.engine.decode_graphs as decode_graphs
+    from pdmesh.shared.engine import SamplingParams
+    from pdmesh.shared.engine.config import EngineConfig
+    from pdmesh.shared.parallel.ranks import lockstep
+    from tests.shared.kernels.npu_standin import npu_backend
+
+    torch.set_num_threads(1)
+    backend = npu_backend()
+    engine_build.get_backend = lambda device: backend
+    decode_graphs.GraphDevice.of = staticmethod(lambda device: standin_device())
+    eng = engine_build.build_engine(EngineConfig(
+        model=model, device="cpu", dtype="bfloat16", block_size=16,
+        data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
+        enable_expert_parallel=True, enforce_eager=not graphs,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}))
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=8,
+                                             ignore_eos=True)).request_id
+           for p in shares[rank]]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    for _ in lockstep(eng):
+        for o in eng.step():
+            tokens[o.request.request_id] += o.new_token_ids
+    g = eng.runner.graphs
+    dist.destroy_process_group()
+    return ([tokens[r] for r in ids], 0 if g is None else g.replays,
+            None if g is None else g.disabled)

@@ -282,6 +282,28 @@ def test_a_capture_that_fails_on_one_rank_is_dropped_by_all(tiny_models, monkeyp
     assert got == want
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+def test_expert_parallel_ranks_replay_their_own_steps(tiny_models, arch):
+    """Two expert-parallel DP ranks in lockstep (gloo), with different numbers of
+    sequences (3 and 1, so sizes 4 and 1, and the idle rank's empty forwards): each
+    replays its decode steps, the experts' exchange between the pieces pairing with the
+    other rank's; a capture's warm-up and check leave the exchange out, so neither rank
+    waits for the other there. The tokens are those of the same ranks decoding
+    eagerly."""
+    from pdmesh.shared.parallel.ranks import run_ranks
+    from tests.shared.engine.graph_standin import standin_ep_rank
+
+    path = str(tiny_models[arch])
+    shares = [PROMPTS[:3], PROMPTS[3:4]]
+    eager = run_ranks(standin_ep_rank, 2, path, shares, False, timeout_s=240)
+    graphs = run_ranks(standin_ep_rank, 2, path, shares, True, timeout_s=240)
+    for rank in (0, 1):
+        tokens, replays, disabled = graphs[rank]
+        assert disabled is None, disabled
+        assert replays == 7, (rank, replays)
+        assert tokens == eager[rank][0]
+
+
 def test_graphs_are_captured_again_when_the_kv_cache_changes(tiny_models, monkeypatch):
     """A capture holds the cache tensors it was given: new ones (a cache rebuilt) drop
     every size, which is captured again on the new tensors, and decode goes on right."""
