@@ -57,10 +57,15 @@ HOLES: dict[str, tuple[str, ...]] = {
     "fused_moe": ("x", "topk_weights", "topk_ids"),
 }
 WRITES = frozenset({"write_kv_cache", "write_cache", "write_int8_cache"})
-# Holes whose collectives pair with the other DP ranks' steps (expert parallelism): a
-# capture's warm-up and check leave them out (zeros in their place) - an extra forward
-# there would meet another rank's real step - and only a step's replay runs them.
-EXCHANGES = frozenset({"_ep_moe"})
+# Holes only a step's replay runs - a capture's warm-up and check leave them out - each
+# with what stands in for its output there: expert parallelism's exchange (its
+# collectives pair with the other DP ranks' steps: an extra forward would meet another
+# rank's real step; zeros in its place) and the expert-load record (a capture's rows are
+# no step's routing).
+REPLAY_ONLY: dict[str, Callable[[inspect.BoundArguments], torch.Tensor | None]] = {
+    "_ep_moe": lambda args: torch.zeros_like(args.arguments["x"]),
+    "_record_load": lambda args: None,
+}
 
 
 class Graph(Protocol):
@@ -177,9 +182,8 @@ class _Capturing:
         if captured is None:  # warming up
             if name in WRITES:
                 out = None
-            elif name in EXCHANGES:
-                out = torch.zeros_like(inspect.signature(method).bind(*args, **kwargs)
-                                       .arguments["x"])
+            elif name in REPLAY_ONLY:
+                out = REPLAY_ONLY[name](inspect.signature(method).bind(*args, **kwargs))
             elif on_model:  # (the backend's own holes inside it run as they are)
                 saved, self._model.backend = self._model.backend, self._backend
                 try:
@@ -384,7 +388,7 @@ class DecodeGraphs:
             if not isinstance(step, _Hole):
                 step.replay()
                 continue
-            if not writes and (step.name in WRITES or step.name in EXCHANGES):
+            if not writes and (step.name in WRITES or step.name in REPLAY_ONLY):
                 continue
             args = dict(step.args.arguments)
             for name in step.rows:
@@ -436,12 +440,9 @@ def decode_graphs_for(config: Any, model: Any, runner: Any, backend: Any, *,
         log.info("engine: %s runs every step eagerly (a CPU launches no kernels to "
                  "capture)", backend.device.type)
         return None
-    why = ("fine-grained tensor parallelism" if getattr(model, "fg", None) is not None
-           else "the expert-load recorder (its counts would take the padding rows)"
-           if model.load_recorder is not None else None)
-    if why is not None:
-        log.warning("engine: decode graphs are not captured yet with %s; every step runs "
-                    "eagerly", why)
+    if getattr(model, "fg", None) is not None:  # (its modules split inside the pieces)
+        log.warning("engine: decode graphs are not captured yet with fine-grained tensor "
+                    "parallelism; every step runs eagerly")
         return None
     log.info("engine: decode steps of up to %d sequences from graphs (%d capture sizes, "
              "each captured when first needed)", graphs.sizes[-1], len(graphs.sizes))

@@ -196,7 +196,8 @@ class DeepseekV4:
     # Decode graphs (shared/engine/decode_graphs.py): the step plan is built on the host
     # before the first piece (``graph_state``), and attention, which reads it, runs
     # between the pieces on the step's rows (x, and the rope tables of its positions).
-    graph_holes = {"_attention": ("x", "rope"), "_ep_moe": ("x", "weights", "ids")}
+    graph_holes = {"_attention": ("x", "rope"), "_ep_moe": ("x", "weights", "ids"),
+                   "_record_load": ("ids",)}
 
     def graph_state(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
         return self._step(meta, positions)
@@ -547,13 +548,18 @@ class DeepseekV4:
         assert self.ep is not None
         return self.ep.moe(layer, x, weights, ids, self.backend)
 
+    def _record_load(self, layer: int, ids: torch.Tensor) -> None:
+        """MoE layer ``layer``'s routing in this step, for EPLB."""
+        assert self.load_recorder is not None
+        self.load_recorder.record(self._moe_index[layer], ids)
+
     def _moe(self, layer: int | None, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
              ) -> torch.Tensor:
         """``layer`` None: an MTP block's, whose experts every rank holds whole."""
         be = self.backend
         weights, ids = self.route(w, x, input_ids)
         if self.load_recorder is not None and layer is not None:
-            self.load_recorder.record(self._moe_index[layer], ids)
+            self._record_load(layer, ids)
         shared = w.shared
         assert isinstance(shared, DenseMLPWeights)
 

@@ -393,7 +393,7 @@ class CausalLM:
             return be.linear(be.silu_and_mul(be.linear(x, w.gate_up)), w.down)
         weights, ids = self._route(w, x)
         if self.load_recorder is not None and layer is not None:
-            self.load_recorder.record(self._moe_index[layer], ids)
+            self._record_load(layer, ids)
         tp, ep = self.tp, self.ep if layer is not None else None
         if tp is not None and (ep is not None or not tp.shard.experts):
             # experts whole here (EP's slots, or an MTP layer's under EP): every TP rank
@@ -417,16 +417,21 @@ class CausalLM:
             out = out + self._mlp(w.shared, x, layer)
         return out
 
-    # Decode graphs (shared/engine/decode_graphs.py): expert parallelism's exchange runs
-    # between the pieces (its sizes are read on the host; its collectives pair with the
-    # other DP ranks' steps)
-    graph_holes = {"_ep_moe": ("x", "weights", "ids")}
+    # Decode graphs (shared/engine/decode_graphs.py): expert parallelism's exchange (its
+    # sizes are read on the host; its collectives pair with the other DP ranks' steps)
+    # and the expert-load record (the step's real rows alone) run between the pieces
+    graph_holes = {"_ep_moe": ("x", "weights", "ids"), "_record_load": ("ids",)}
 
     def _ep_moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         """The routed experts over the expert-parallel ranks."""
         assert self.ep is not None
         return self.ep.moe(layer, x, weights, ids, self.backend)
+
+    def _record_load(self, layer: int, ids: torch.Tensor) -> None:
+        """MoE layer ``layer``'s routing in this step, for EPLB."""
+        assert self.load_recorder is not None
+        self.load_recorder.record(self._moe_index[layer], ids)
 
     def _route(self, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for each token."""

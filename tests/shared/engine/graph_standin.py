@@ -189,8 +189,8 @@ def standin_ep_rank(rank: int, world: int, address: str, model: str,
                     shares: list[list[list[int]]], graphs: bool) -> tuple:
     """One expert-parallel DP rank (gloo) with the npu backend over its torch_npu stand-in
     and this graph stand-in, stepped in lockstep with the others over its share of the
-    prompts (8 greedy tokens each, bfloat16): (its tokens, replays, why graphs were
-    turned off)."""
+    prompts (8 greedy tokens each, bfloat16), its expert load recorded for EPLB: (its
+    tokens, replays, why graphs were turned off, the load per MoE layer and expert)."""
     import torch.distributed as dist
 
     import pdmesh.shared.engine.build as engine_build
@@ -207,7 +207,7 @@ def standin_ep_rank(rank: int, world: int, address: str, model: str,
     eng = engine_build.build_engine(EngineConfig(
         model=model, device="cpu", dtype="bfloat16", block_size=16,
         data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
-        enable_expert_parallel=True, enforce_eager=not graphs,
+        enable_expert_parallel=True, enforce_eager=not graphs, expert_load_window=64,
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}))
     ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=8,
                                              ignore_eos=True)).request_id
@@ -217,6 +217,7 @@ def standin_ep_rank(rank: int, world: int, address: str, model: str,
         for o in eng.step():
             tokens[o.request.request_id] += o.new_token_ids
     g = eng.runner.graphs
+    load = eng.model.load_recorder.load()
     dist.destroy_process_group()
     return ([tokens[r] for r in ids], 0 if g is None else g.replays,
-            None if g is None else g.disabled)
+            None if g is None else g.disabled, load.tolist())

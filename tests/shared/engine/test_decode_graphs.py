@@ -288,8 +288,8 @@ def test_expert_parallel_ranks_replay_their_own_steps(tiny_models, arch):
     sequences (3 and 1, so sizes 4 and 1, and the idle rank's empty forwards): each
     replays its decode steps, the experts' exchange between the pieces pairing with the
     other rank's; a capture's warm-up and check leave the exchange out, so neither rank
-    waits for the other there. The tokens are those of the same ranks decoding
-    eagerly."""
+    waits for the other there. The tokens, and the expert load recorded for EPLB, are
+    those of the same ranks decoding eagerly."""
     from pdmesh.shared.parallel.ranks import run_ranks
     from tests.shared.engine.graph_standin import standin_ep_rank
 
@@ -298,10 +298,12 @@ def test_expert_parallel_ranks_replay_their_own_steps(tiny_models, arch):
     eager = run_ranks(standin_ep_rank, 2, path, shares, False, timeout_s=240)
     graphs = run_ranks(standin_ep_rank, 2, path, shares, True, timeout_s=240)
     for rank in (0, 1):
-        tokens, replays, disabled = graphs[rank]
+        tokens, replays, disabled, load = graphs[rank]
         assert disabled is None, disabled
         assert replays == 7, (rank, replays)
         assert tokens == eager[rank][0]
+        # EPLB's record counts the step's rows alone, never a capture's or the padding
+        assert load == eager[rank][3] and sum(map(sum, load)) > 0
 
 
 def test_graphs_are_captured_again_when_the_kv_cache_changes(tiny_models, monkeypatch):
