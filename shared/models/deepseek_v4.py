@@ -40,7 +40,7 @@ from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.base import score_experts
 from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
 from pdmesh.shared.models.rotary import rotary_tables
-from pdmesh.shared.models.transformer import DenseMLPWeights, KVCache, MoEWeights
+from pdmesh.shared.models.transformer import DenseMLPWeights, KVCache, MoESteps, MoEWeights
 
 
 @dataclass
@@ -156,7 +156,7 @@ class _Step:
     compression: dict[tuple[int, bool], _Compression]
 
 
-class DeepseekV4:
+class DeepseekV4(MoESteps):
     """forward(tokens of a flat varlen batch) -> logits for the rows asked for; the same
     interface as :class:`~pdmesh.shared.models.transformer.CausalLM`."""
 
@@ -196,8 +196,7 @@ class DeepseekV4:
     # Decode graphs (shared/engine/decode_graphs.py): the step plan is built on the host
     # before the first piece (``graph_state``), and attention, which reads it, runs
     # between the pieces on the step's rows (x, and the rope tables of its positions).
-    graph_holes = {"_attention": ("x", "rope"), "_ep_moe": ("x", "weights", "ids"),
-                   "_record_load": ("ids",)}
+    graph_holes = {"_attention": ("x", "rope"), **MoESteps.graph_holes}
 
     def graph_state(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
         return self._step(meta, positions)
@@ -541,17 +540,6 @@ class DeepseekV4:
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * moe.routed_scaling, ids
-
-    def _ep_moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-                ) -> torch.Tensor:
-        """The routed experts over the expert-parallel ranks."""
-        assert self.ep is not None
-        return self.ep.moe(layer, x, weights, ids, self.backend)
-
-    def _record_load(self, layer: int, ids: torch.Tensor) -> None:
-        """MoE layer ``layer``'s routing in this step, for EPLB."""
-        assert self.load_recorder is not None
-        self.load_recorder.record(self._moe_index[layer], ids)
 
     def _moe(self, layer: int | None, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor
              ) -> torch.Tensor:

@@ -144,7 +144,29 @@ def weight_bytes(obj: Any) -> int:
     return sum(storages.values())
 
 
-class CausalLM:
+class MoESteps:
+    """What both model classes' MoE layers do beside their experts, each a method of
+    its own so a decode graph can run it between its pieces (shared/engine/
+    decode_graphs.py): expert parallelism's exchange (its sizes are read on the host;
+    its collectives pair with the other DP ranks' steps) and the expert-load record
+    (the step's real rows alone). Needs ``ep``, ``load_recorder``, ``_moe_index`` and
+    ``backend``."""
+
+    graph_holes = {"_ep_moe": ("x", "weights", "ids"), "_record_load": ("ids",)}
+
+    def _ep_moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        """The routed experts over the expert-parallel ranks."""
+        assert self.ep is not None
+        return self.ep.moe(layer, x, weights, ids, self.backend)
+
+    def _record_load(self, layer: int, ids: torch.Tensor) -> None:
+        """MoE layer ``layer``'s routing in this step, for EPLB."""
+        assert self.load_recorder is not None
+        self.load_recorder.record(self._moe_index[layer], ids)
+
+
+class CausalLM(MoESteps):
     """forward(tokens of a flat varlen batch) -> logits for the rows asked for."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, backend: KernelBackend):
@@ -416,22 +438,6 @@ class CausalLM:
         if w.shared is not None:
             out = out + self._mlp(w.shared, x, layer)
         return out
-
-    # Decode graphs (shared/engine/decode_graphs.py): expert parallelism's exchange (its
-    # sizes are read on the host; its collectives pair with the other DP ranks' steps)
-    # and the expert-load record (the step's real rows alone) run between the pieces
-    graph_holes = {"_ep_moe": ("x", "weights", "ids"), "_record_load": ("ids",)}
-
-    def _ep_moe(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-                ) -> torch.Tensor:
-        """The routed experts over the expert-parallel ranks."""
-        assert self.ep is not None
-        return self.ep.moe(layer, x, weights, ids, self.backend)
-
-    def _record_load(self, layer: int, ids: torch.Tensor) -> None:
-        """MoE layer ``layer``'s routing in this step, for EPLB."""
-        assert self.load_recorder is not None
-        self.load_recorder.record(self._moe_index[layer], ids)
 
     def _route(self, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for each token."""
