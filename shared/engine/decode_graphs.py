@@ -77,6 +77,15 @@ class Graph(Protocol):
     def replay(self) -> None: ...
 
 
+class Lockstep(Protocol):
+    """Ranks that step together, their pieces exchanging rows (fine-grained TP's
+    ``FineGrainedTP``)."""
+
+    def agree_step(self, wish: int | None, per_seq: int, device: torch.device) -> int | None: ...
+    def agree(self, ok: bool, device: torch.device) -> bool: ...
+    def same_rows(self, rows: int) -> AbstractContextManager[None]: ...
+
+
 @dataclass
 class GraphDevice:
     """A device's graph API: a new graph, the memory pool the graphs share, a context
@@ -216,14 +225,19 @@ class DecodeGraphs:
 
     def __init__(self, model: Any, backend: Any, kv_caches: list[Any], config: GraphConfig,
                  device: GraphDevice, meta_for: Callable[[int, int], Any],
-                 max_per_seq: int = 1, agree: Callable[[bool], bool] | None = None):
+                 max_per_seq: int = 1, agree: Callable[[bool], bool] | None = None,
+                 lockstep: Lockstep | None = None):
         """``meta_for(n, q)``: the attention metadata of a capture: n sequences of q
         tokens at positions 0.., in the null block. ``max_per_seq``: the most tokens a
         sequence has in a step taken (1 + the drafts a verify step checks). ``agree``:
         tensor parallelism's "did every rank succeed" (each rank says its own), so the
         ranks keep or drop a capture together and never wait in each other's
-        collectives."""
+        collectives. ``lockstep``: ranks whose pieces exchange rows with each other's
+        (fine-grained TP): each step, they replay one size together or all run eagerly."""
         self.model = model
+        self.lockstep = lockstep
+        if lockstep is not None and agree is None:
+            agree = lambda ok: lockstep.agree(ok, backend.device)  # noqa: E731
         self.agree = agree or (lambda ok: ok)
         self.max_per_seq = max_per_seq
         self.backend = backend
@@ -250,17 +264,31 @@ class DecodeGraphs:
         return tuple((t.data_ptr(), tuple(t.shape), t.dtype)
                      for cache in self.kv_caches for t in _tensors(cache))
 
+    def size_for(self, seqs: int | None, per_seq: int) -> int | None:
+        """The capture size a step of ``seqs`` sequences of ``per_seq`` tokens each
+        replays (``seqs`` None: a step that is not uniform; 0: a lockstep rank's idle
+        forward), or None: the step runs eagerly. Lockstep ranks agree on it, every rank
+        at every forward."""
+        wish = None
+        if self.disabled is None and seqs is not None and per_seq <= self.max_per_seq:
+            wish = 0 if seqs == 0 else self.config.size_for(seqs)
+        if self.lockstep is not None:
+            return self.lockstep.agree_step(wish, per_seq, self.backend.device)
+        return wish or None
+
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-            hidden_out: list[torch.Tensor] | None, per_seq: int = 1) -> torch.Tensor | None:
+            hidden_out: list[torch.Tensor] | None, per_seq: int = 1,
+            size: int | None = None) -> torch.Tensor | None:
         """The logits of every row of a uniform step - each sequence ``per_seq`` tokens
-        (1: decode; 1 + k: verifying k drafts), its metadata prepared - from its graph;
-        None: run it eagerly."""
-        if self.disabled is not None or not 1 <= per_seq <= self.max_per_seq:
-            return None
+        (1: decode; 1 + k: verifying k drafts), its metadata prepared - from its graph
+        (of ``size`` sequences: ``size_for``'s); None: run it eagerly. A lockstep rank's
+        idle forward (no rows) replays too: its pieces' collectives meet the others'."""
         rows = int(input_ids.shape[0])
-        size = self.config.size_for(rows // per_seq)
+        per_seq = per_seq or 1
         if size is None:
+            size = self.size_for(rows // per_seq, per_seq)
+        if size is None or self.disabled is not None or not 1 <= per_seq <= self.max_per_seq:
             return None
         signature = self._kv_signature()
         if signature != self._signature:
@@ -362,9 +390,13 @@ class DecodeGraphs:
         hidden: list[torch.Tensor] = []
         try:
             proxy.begin()
+            same = (self.lockstep.same_rows(len(captured.rows)) if self.lockstep is not None
+                    else nullcontext())
             try:
-                logits = model.forward(captured.input_ids, captured.positions, self.kv_caches,
-                                       captured.meta, captured.rows, hidden, **state)
+                with same:
+                    logits = model.forward(captured.input_ids, captured.positions,
+                                           self.kv_caches, captured.meta, captured.rows,
+                                           hidden, **state)
             finally:
                 proxy.end()
         finally:
@@ -389,6 +421,8 @@ class DecodeGraphs:
                 step.replay()
                 continue
             if not writes and (step.name in WRITES or step.name in REPLAY_ONLY):
+                continue
+            if b == 0 and not step.on_model:  # (an idle lockstep rank: no rows to attend)
                 continue
             args = dict(step.args.arguments)
             for name in step.rows:
@@ -440,11 +474,8 @@ def decode_graphs_for(config: Any, model: Any, runner: Any, backend: Any, *,
         log.info("engine: %s runs every step eagerly (a CPU launches no kernels to "
                  "capture)", backend.device.type)
         return None
-    if getattr(model, "fg", None) is not None:  # (its modules split inside the pieces)
-        log.warning("engine: decode graphs are not captured yet with fine-grained tensor "
-                    "parallelism; every step runs eagerly")
-        return None
     log.info("engine: decode steps of up to %d sequences from graphs (%d capture sizes, "
              "each captured when first needed)", graphs.sizes[-1], len(graphs.sizes))
     return DecodeGraphs(model, backend, runner.kv_caches, graphs, device,
-                        runner.capture_metadata, agree=agree)
+                        runner.capture_metadata, agree=agree,
+                        lockstep=getattr(model, "fg", None))

@@ -237,15 +237,19 @@ class ModelRunner:
         dev = self.device
         ids = torch.from_numpy(input_ids).to(dev)
         pos = torch.from_numpy(positions).to(dev)
-        if self.graphs is not None and counts and len(input_ids) == len(logits_rows) \
-                and len(input_ids) == counts[0] * len(counts) == sum(counts) \
-                and min(counts) == counts[0] \
-                and np.array_equal(logits_rows, np.arange(len(input_ids))):
+        if self.graphs is not None:
             # a uniform step (as many tokens each: decode, or verifying as many drafts;
-            # every row's logits): from its graph
-            logits = self.graphs.run(ids, pos, meta, hidden_out, counts[0])
-            if logits is not None:
-                return logits
+            # every row's logits) from its graph; lockstep ranks choose together, so
+            # every forward asks, an idle one (no sequences) too
+            uniform = len(input_ids) == len(logits_rows) == sum(counts) \
+                and all(c == counts[0] for c in counts) \
+                and np.array_equal(logits_rows, np.arange(len(input_ids)))
+            per_seq = counts[0] if counts else 0
+            size = self.graphs.size_for(len(counts) if uniform else None, per_seq)
+            if size is not None:
+                logits = self.graphs.run(ids, pos, meta, hidden_out, per_seq, size)
+                if logits is not None:
+                    return logits
         return self.model.forward(
             ids,
             pos,

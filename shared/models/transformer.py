@@ -219,7 +219,7 @@ class CausalLM(MoESteps):
         sin = self.sin.index_select(0, positions)
         tp, fg = self.tp, self.fg
         if fg is not None:  # the group's row counts, for the split modules' padding
-            fg.begin(input_ids.shape[0], logits_rows.shape[0])
+            fg.begin(input_ids.shape[0], logits_rows.shape[0], input_ids.device)
         if fg is not None and fg.layout.shard("embedding") is not None:
             h = fg.embed(self.w.embed, input_ids)
         elif tp is not None:

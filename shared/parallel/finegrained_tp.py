@@ -19,10 +19,17 @@ computes its slice for all of them and hands every rank back its own:
 Rows differ between ranks: each forward starts by all-gathering every rank's token and
 sample-row counts (``begin``), and pads to the group's largest. The ranks therefore step
 in lockstep (an idle rank runs a forward of no tokens), as expert-parallel ranks do.
+
+Decode graphs (pdmesh.shared.engine.decode_graphs) capture the split modules' collectives
+inside their pieces, so every rank replays the same capture size at the same step: the
+ranks agree on it first (``agree_step``: graphs only if every rank can, the largest size
+any needs) and the forward runs with every rank's counts that size (``same_rows``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -83,14 +90,51 @@ class FineGrainedTP:
                     self.groups[k] = g
         self.counts: dict[int, list[tuple[int, int]]] = {}
         self.gloo = dist.get_backend() == "gloo"
+        self._same: int | None = None  # inside ``same_rows``: every rank's count
 
-    def begin(self, tokens: int, rows: int) -> None:
-        """Every group's token and sample-row counts for this forward."""
+    def begin(self, tokens: int, rows: int, device: torch.device | str = "cpu") -> None:
+        """Every group's token and sample-row counts for this forward (exchanged on
+        ``device``, the model's: NCCL and HCCL move device tensors only)."""
+        if self._same is not None:
+            if (tokens, rows) != (self._same, self._same):
+                raise ValueError(f"fine-grained TP: a forward of {tokens} tokens and {rows} "
+                                 f"rows inside same_rows({self._same})")
+            return
         for k, g in self.groups.items():
-            mine = torch.tensor([tokens, rows], dtype=torch.int64)
+            mine = torch.tensor([tokens, rows], dtype=torch.int64, device=device)
             parts = [torch.empty_like(mine) for _ in range(k)]
             dist.all_gather(parts, mine, group=g)
             self.counts[k] = [(int(p[0]), int(p[1])) for p in parts]
+
+    @contextmanager
+    def same_rows(self, rows: int) -> Iterator[None]:
+        """Forwards in which every rank has ``rows`` tokens, each sampled (a decode
+        graph's capture size): no exchange of counts, whose host read a capture refuses."""
+        saved = self.counts
+        self.counts = {k: [(rows, rows)] * k for k in self.groups}
+        self._same = rows
+        try:
+            yield
+        finally:
+            self.counts, self._same = saved, None
+
+    def agree_step(self, wish: int | None, per_seq: int, device: torch.device | str
+                   ) -> int | None:
+        """The capture size every rank replays this step (each rank's ``wish``: the size
+        its step pads to, 0 for an idle rank, None for a step it runs eagerly; ``per_seq``:
+        its tokens per sequence, 0 idle), or None: every rank runs eagerly. One
+        all-reduce over the DP ranks, made by every rank at every forward."""
+        refused = wish is None or per_seq > 1  # (fine-grained TP: no drafts to verify)
+        mine = torch.tensor([int(refused), wish or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        refused_any, size = (int(v) for v in mine.tolist())
+        return None if refused_any or size == 0 else size
+
+    def agree(self, ok: bool, device: torch.device | str) -> bool:
+        """Whether every DP rank says ``ok`` (a capture kept by all or by none)."""
+        mine = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        return bool(mine.item())
 
     # -- the group's rows ---------------------------------------------------------------
     def _gather(self, x: torch.Tensor, k: int, most: int) -> torch.Tensor:

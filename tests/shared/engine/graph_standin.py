@@ -55,7 +55,10 @@ class _Recording(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.namespace == "c10d":  # a collective: captured, run by the replays
             self.ops.append((func, args, kwargs, None))
-            return args[0], _done()
+            # (its outputs: the tensors it was given to write; its Work: complete)
+            out = tuple(_done() if "Work" in str(r.type) else args[0]
+                        for r in func._schema.returns)
+            return out[0] if len(out) == 1 else out
         if name in ("_local_scalar_dense", "nonzero", "equal", "is_nonzero"):
             raise CaptureError(f"aten.{name} while capturing: a host read of a device value")
         schema = func._schema
@@ -158,7 +161,7 @@ class RecordedGraph:
             for func, args, kwargs, out in self.ops:
                 result = func(*args, **kwargs)
                 if func.namespace == "c10d":
-                    result[-1].wait()
+                    (result[-1] if isinstance(result, tuple) else result).wait()
                 if out is None:
                     continue
                 for dst, src in zip(tree_flatten(out)[0], tree_flatten(result)[0],
@@ -186,11 +189,14 @@ def standin_tp_worker(config, rank, top, messages) -> None:
 
 
 def standin_ep_rank(rank: int, world: int, address: str, model: str,
-                    shares: list[list[list[int]]], graphs: bool) -> tuple:
-    """One expert-parallel DP rank (gloo) with the npu backend over its torch_npu stand-in
-    and this graph stand-in, stepped in lockstep with the others over its share of the
-    prompts (8 greedy tokens each, bfloat16), its expert load recorded for EPLB: (its
-    tokens, replays, why graphs were turned off, the load per MoE layer and expert)."""
+                    shares: list[list[list[int]]], graphs: bool, fine: dict | None = None,
+                    ep: bool = True, max_tokens: tuple[int, ...] = (8, 8)) -> tuple:
+    """One DP rank (gloo) stepped in lockstep with the others - expert parallelism
+    (``ep``), fine-grained TP (``fine``: finegrained_tp_config) - with the npu backend over
+    its torch_npu stand-in and this graph stand-in, over its share of the prompts
+    (``max_tokens[rank]`` greedy tokens each, bfloat16), its expert load recorded for
+    EPLB: (its tokens, replays, why graphs were turned off, the load per MoE layer and
+    expert, or None without expert parallelism)."""
     import torch.distributed as dist
 
     import pdmesh.shared.engine.build as engine_build
@@ -207,9 +213,10 @@ def standin_ep_rank(rank: int, world: int, address: str, model: str,
     eng = engine_build.build_engine(EngineConfig(
         model=model, device="cpu", dtype="bfloat16", block_size=16,
         data_parallel_size=world, data_parallel_rank=rank, data_parallel_address=address,
-        enable_expert_parallel=True, enforce_eager=not graphs, expert_load_window=64,
+        enable_expert_parallel=ep, enforce_eager=not graphs, expert_load_window=64,
+        finegrained_tp_config=fine,
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}))
-    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=8,
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens[rank],
                                              ignore_eos=True)).request_id
            for p in shares[rank]]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -217,7 +224,8 @@ def standin_ep_rank(rank: int, world: int, address: str, model: str,
         for o in eng.step():
             tokens[o.request.request_id] += o.new_token_ids
     g = eng.runner.graphs
-    load = eng.model.load_recorder.load()
+    recorder = getattr(eng.model, "load_recorder", None)
+    load = None if recorder is None else recorder.load().tolist()
     dist.destroy_process_group()
     return ([tokens[r] for r in ids], 0 if g is None else g.replays,
-            None if g is None else g.disabled, load.tolist())
+            None if g is None else g.disabled, load)

@@ -306,6 +306,35 @@ def test_expert_parallel_ranks_replay_their_own_steps(tiny_models, arch):
         assert load == eager[rank][3] and sum(map(sum, load)) > 0
 
 
+FINE_ALL = {"embedding_tensor_parallel_size": 2, "lmhead_tensor_parallel_size": 2,
+            "oproj_tensor_parallel_size": 2, "mlp_tensor_parallel_size": 2}
+
+
+@pytest.mark.parametrize(("arch", "ep"), [("qwen3", False), ("deepseek_v3", True)])
+def test_fine_grained_tp_ranks_replay_one_size_together(tiny_models, arch, ep):
+    """Two DP ranks with every fine-grained TP key (embedding, o_proj, dense MLP and
+    lm_head split over both; DeepSeek with expert parallelism too), 3 sequences and 1
+    (which stops early, so its rank idles while the other decodes): the split modules'
+    gathers and all-to-alls are inside the pieces, so both ranks replay the size the
+    larger step needs (4), the idle rank its empty forward too; the tokens are those of
+    the same ranks decoding eagerly."""
+    from pdmesh.shared.parallel.ranks import run_ranks
+    from tests.shared.engine.graph_standin import standin_ep_rank
+
+    path = str(tiny_models[arch])
+    shares = [PROMPTS[:3], PROMPTS[3:4]]
+    eager = run_ranks(standin_ep_rank, 2, path, shares, False, FINE_ALL, ep, (8, 3),
+                      timeout_s=240)
+    graphs = run_ranks(standin_ep_rank, 2, path, shares, True, FINE_ALL, ep, (8, 3),
+                       timeout_s=240)
+    for rank in (0, 1):
+        tokens, replays, disabled, _ = graphs[rank]
+        assert disabled is None, disabled
+        # 7 decode steps after the prefill: the idle rank's forwards replay as well
+        assert replays == 7, (rank, replays)
+        assert tokens == eager[rank][0] and all(tokens), (rank, tokens)
+
+
 def test_graphs_are_captured_again_when_the_kv_cache_changes(tiny_models, monkeypatch):
     """A capture holds the cache tensors it was given: new ones (a cache rebuilt) drop
     every size, which is captured again on the new tensors, and decode goes on right."""
