@@ -91,6 +91,7 @@ class GatewayState:
     max_body_bytes: int = 8 << 20  # --max-request-body-bytes
     body_timeout_s: float = 30.0  # --request-body-timeout
     stall_timeout_s: float = 10.0  # --stall-timeout
+    rpc_timeout_s: float = 600.0  # VLLM_RPC_TIMEOUT: a prefill call, a decode stream's silence
     model_path: str = ""  # the model as given (--model): a model card's root, as vLLM's
     instance_grace_s: float = 15.0  # --instance-grace
     output: OutputSettings = OutputSettings()  # the chat output's parsers
@@ -107,7 +108,8 @@ class Gateway:
         self.clients = GrpcClients()
         self.metrics = GatewayMetrics(state.model_name, state.router, state.max_model_len)
         self.mesh = Mesh(state.router, self.clients, self.clients,
-                         RetryPolicy(stall_timeout_s=state.stall_timeout_s,
+                         RetryPolicy(timeout_s=state.rpc_timeout_s,
+                                     stall_timeout_s=state.stall_timeout_s,
                                      instance_grace_s=state.instance_grace_s),
                          events=self.metrics)
         self.tracing = state.tracing or Tracing("pdmesh-gateway", None)

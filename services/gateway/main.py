@@ -20,6 +20,7 @@ from pdmesh.services.gateway.app import GatewayState, create_app
 from pdmesh.services.gateway.chat_output import OutputSettings
 from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_parser_named
 from pdmesh.services.gateway.router import Router
+from pdmesh.shared.config.environment import rpc_timeout_s
 from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.infra.tracing import Tracing
@@ -67,7 +68,8 @@ def run(a: ServeConfig) -> int:
                                 auto_tool_choice=a.enable_auto_tool_choice,
                                 reasoning_parser=reasoning,
                                 grammar_in_reasoning=in_reasoning)
-        state = GatewayState(tokenizer=Tokenizer(a.model, a.tokenizer_mode), router=router,
+        tokenizer = Tokenizer(a.tokenizer or a.model, a.tokenizer_mode)
+        state = GatewayState(tokenizer=tokenizer, router=router,
                              model_name=name, output=output, model_path=str(a.model),
                              model_names=a.served_model_name or (name,),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
@@ -77,6 +79,7 @@ def run(a: ServeConfig) -> int:
                              max_body_bytes=a.max_request_body_bytes,
                              body_timeout_s=a.request_body_timeout,
                              stall_timeout_s=a.stall_timeout,
+                             rpc_timeout_s=rpc_timeout_s(),
                              instance_grace_s=a.instance_grace,
                              metrics_names=a.metrics_names,
                              eos_token_ids=cfg.eos_token_ids,

@@ -18,7 +18,8 @@ CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 2048
 def engine_config(f: Any) -> EngineConfig:
     """The engine flags as they are (the offline tools' engine)."""
     return EngineConfig(
-        model=f.model, device=f.device, dtype=f.dtype, quantization=f.quantization,
+        model=f.model, tokenizer=getattr(f, "tokenizer", None), device=f.device,
+        dtype=f.dtype, quantization=f.quantization,
         kv_cache_dtype=f.kv_cache_dtype, tensor_parallel_size=getattr(f, "tensor_parallel_size", 1),
         seed=f.seed, block_size=f.block_size,
         max_model_len=f.max_model_len, max_num_seqs=f.max_num_seqs,

@@ -306,6 +306,10 @@ FLAGS: list[Flag] = [
          "auto: chats rendered by the checkpoint's chat template; deepseek_v4: by "
          "DeepSeek-V4's own message encoding (it ships no template)",
          choices=TOKENIZER_MODES, effect=AT_THE_GATEWAY),
+    Flag("--tokenizer", "str", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["tokenizer"],
+         "the folder of the tokenizer (tokenizer.json, tokenizer_config.json with the "
+         "chat template) when it is not the model's: the gateway tokenizes with it, "
+         "engines compile grammars against it", aliases=("--tokenizer-path",)),
     Flag("--prefill-offload-threshold", "int", {"gateway", "up", "serve"},
          {"gateway": 0, "*": 2048},
          "while every prefill instance has this many prompt tokens queued, a decode instance "
@@ -395,7 +399,6 @@ FLAGS: list[Flag] = [
              ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),
              ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
-             ("--tokenizer", "str", ("--tokenizer-path",)),
              ("--trust-request-chat-template", "bool"), ("--chat-template", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--disable-log-stats", "bool"),

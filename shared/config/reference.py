@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from pdmesh.shared.config import environment
 from pdmesh.shared.config.engine_args import EngineArgs
 from pdmesh.shared.config.errors import ConfigError
 from pdmesh.shared.config.flags import (
@@ -314,8 +315,25 @@ def additional_config_page() -> str:
             "\n### Environment variables\n\n",
             table(("variable", "sets"), ((code(v), code(e.key)) for v, e in ENV_VARS.items())),
             f"\n`{MODEL_RUNNER_V2_ENV}=1` selects Model Runner V2's rules for `eplb_config` "
-            "(see `shared/config/rules/eplb.py`).\n"]
+            "(see `shared/config/rules/eplb.py`).\n",
+            "\n## Other environment variables\n\n", ENV_INTRO,
+            table(("variable", "verdict", "what pdmesh makes of it"),
+                  ((code(name), ENV_VERDICTS[v.verdict], v.note)
+                   for name, v in sorted(environment.KNOWN.items())
+                   if name not in ENV_VARS and name != MODEL_RUNNER_V2_ENV))]
     return "".join(out)
+
+
+ENV_VERDICTS = {environment.READ: "read", environment.RUNTIME: "runtime",
+                environment.ALWAYS: "always so", environment.NONE: "without effect"}
+ENV_INTRO = """\
+The variables vLLM and vLLM-Ascend recipes export. *Read*: pdmesh acts on it. *Runtime*:
+read by a library in the same process (CANN, HCCL, torch_npu, OpenMP), passed through.
+*Always so*: what it turns on, pdmesh always does. *Without effect*: named at start-up
+and by `pdmesh config check` with the reason, as is any other `VLLM_*` or `SGLANG_*`
+variable set (`shared/config/environment.py`).
+
+"""
 
 
 KEY_HEADER = ("key", "type", "default", "allowed", "status", "what it does")

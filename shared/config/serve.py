@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from pdmesh.shared.config.command_line import Flags, parse_command_line
 from pdmesh.shared.config.engine_args import EngineArgs
+from pdmesh.shared.config.environment import environment_warnings
 from pdmesh.shared.config.flags import ENGINES
 from pdmesh.shared.config.parse import parse_additional_config
 from pdmesh.shared.config.schema import AdditionalConfig
@@ -101,20 +102,25 @@ def read_config(flags: Flags, *, device: str | None = None,
     the cross-key rules (on ``device``: default the one --device resolves to)."""
     role = engine_role(flags)
     compat = tuple(flags.without_effect)
-    spec_warnings: list[str] = []
+    said: list[str] = environment_warnings(os.environ if env is None else env)
+    if getattr(flags, "tokenizer_mode", None) == "slow":
+        said.append("--tokenizer-mode slow: read as auto (pdmesh tokenizes with the "
+                    "model's tokenizer.json, the fast tokenizer; a slow tokenizer that "
+                    "splits text differently is not what it runs)")
     spec = getattr(flags, "speculative_config", None)
     if spec is not None and not isinstance(spec, dict):
         raise ValueError(f"--speculative-config: must be a JSON object, got {spec!r}")
     method = spec.get("method") if spec is not None else None
     if spec is not None and method not in RUN_METHODS:
         compat += ("--speculative-config",)
-        spec_warnings.append(f"--speculative-config: method {method!r} is not run yet "
+        said.append(f"--speculative-config: method {method!r} is not run yet "
                              f"(pdmesh drafts with {', '.join(RUN_METHODS)}); decoding one "
                              "token a step")
     elif spec is not None and (idle := SpeculativeConfig.inactive_keys(spec)):
-        spec_warnings.append(f"--speculative-config: without effect: {', '.join(idle)}")
+        said.append(f"--speculative-config: without effect: {', '.join(idle)}")
     if role is None:
-        return ServeConfig(flags.command, flags, accepted_without_effect=compat)
+        return ServeConfig(flags.command, flags, flag_warnings=tuple(said),
+                           accepted_without_effect=compat)
     kv_transfer = dict(flags.kv_transfer_config or {})
     kv_role = kv_transfer.get("kv_role", ROLE_KV[role] if _fixed_role(flags) else None)
     if _fixed_role(flags) and ROLE_KV[role] is not None and kv_role != ROLE_KV[role]:
@@ -144,7 +150,7 @@ def read_config(flags: Flags, *, device: str | None = None,
                        engine_args, prio.low_values_first, prio.preemption_threshold,
                        prio.default_priority, device, env=dict(env or {}),
                        warnings=tuple(additional.warnings),
-                       flag_warnings=(*prio.warnings, *kv_warnings, *spec_warnings),
+                       flag_warnings=(*prio.warnings, *kv_warnings, *said),
                        accepted_without_effect=compat)
 
 

@@ -37,6 +37,9 @@ AT_LEAST = {
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
+    # --tokenizer (SGLang's --tokenizer-path): the folder whose tokenizer.json grammars
+    # are compiled against (None: the model's)
+    tokenizer: str | None = None
     device: str = "auto"  # auto | npu | cuda | cpu
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
     # --quantization: "ascend" (modelslim checkpoints), "fp8" (DeepSeek's block FP8, also

@@ -52,7 +52,8 @@ class LLM:
         ...), each defaulting as EngineConfig does: its fields are the one home of the
         engine's defaults (the flag table reads them too). A TypeError names an unknown
         one, as vLLM's LLM passes its extra keyword arguments to the engine."""
-        self.engine = build_engine(EngineConfig(model=model, **engine_args))
+        self.engine = build_engine(EngineConfig(model=model, tokenizer=tokenizer,
+                                                **engine_args))
         self.tokenizer = Tokenizer(tokenizer or model)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from pdmesh.shared.config.environment import collective_timeout_s
 from pdmesh.shared.kernels.quant import (
     QuantExperts,
     expert_tensors,
@@ -40,8 +41,6 @@ from pdmesh.shared.kernels.quant import (
 )
 
 log = logging.getLogger(__name__)
-
-COLLECTIVE_TIMEOUT_S = 120
 
 
 class ExpertStacks(Protocol):
@@ -61,7 +60,7 @@ def init_group(rank: int, world: int, master: str, device: str) -> None:
     host, _, port = master.rpartition(":")
     dist.init_process_group(dist_backend(device), init_method=f"tcp://{host}:{port}",
                             rank=rank, world_size=world,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=timedelta(seconds=collective_timeout_s()))
 
 
 def attach_expert_parallel(model, cfg, rank: int, world: int, num_redundant: int = 0,

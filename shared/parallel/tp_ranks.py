@@ -31,7 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pdmesh.shared.parallel.expert_parallel import COLLECTIVE_TIMEOUT_S, dist_backend
+from pdmesh.shared.config.environment import collective_timeout_s
+from pdmesh.shared.parallel.expert_parallel import dist_backend
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def join(top: Topology, tp_rank: int) -> Groups:
     host, _, port = top.address.rpartition(":")
     dist.init_process_group(top.backend, init_method=f"tcp://{host}:{port}",
                             rank=top.global_rank(tp_rank), world_size=top.world,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=timedelta(seconds=collective_timeout_s()))
     cpu = top.backend == "gloo"
     tp = tp_cpu = None
     for d in range(top.dp_size):
