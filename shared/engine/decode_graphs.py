@@ -66,6 +66,9 @@ REPLAY_ONLY: dict[str, Callable[[inspect.BoundArguments], torch.Tensor | None]] 
     "_ep_moe": lambda args: torch.zeros_like(args.arguments["x"]),
     "_record_load": lambda args: None,
 }
+# Holes that exchange rows with the other ranks: a lockstep rank with no rows (idle)
+# still runs them at its replay; it skips the others (no rows to attend or route).
+EXCHANGES = frozenset({"_ep_moe"})
 
 
 class Graph(Protocol):
@@ -422,7 +425,7 @@ class DecodeGraphs:
                 continue
             if not writes and (step.name in WRITES or step.name in REPLAY_ONLY):
                 continue
-            if b == 0 and not step.on_model:  # (an idle lockstep rank: no rows to attend)
+            if b == 0 and step.name not in EXCHANGES:  # (an idle lockstep rank)
                 continue
             args = dict(step.args.arguments)
             for name in step.rows:

@@ -72,5 +72,10 @@ def setup_finegrained(config: EngineConfig, model, model_config: ModelConfig, fi
         init_group(config.data_parallel_rank, config.data_parallel_size,
                    config.data_parallel_address, device)
     model.fg = FineGrainedTP(fine, model_config.vocab_size)
+    if fine.shard("mlp") is not None and not any(
+            hasattr(getattr(layer, "mlp", None), "gate_up") for layer in model.w.layers):
+        log.warning("engine: finegrained_tp_config.mlp_tensor_parallel_size: without effect: "
+                    "every layer of this model routes to experts (it splits dense MLPs "
+                    "only)")
     log.info("engine: fine-grained TP over DP ranks: %s",
              ", ".join(f"{m} {k}" for m, k in fine.sizes))

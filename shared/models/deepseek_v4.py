@@ -67,11 +67,16 @@ class V4AttentionWeights:
     q_b: torch.Tensor  # [q_lora, H * D]
     kv_norm: torch.Tensor  # [D]
     o_a: torch.Tensor  # [groups, H * D / groups, o_lora]
-    o_b: torch.Tensor  # [groups * o_lora, hidden]
+    o_b: torch.Tensor  # [groups * o_lora, hidden] (fine-grained TP: its input rows)
     sinks: torch.Tensor  # [H] float32
     compressor: CompressorWeights | None = None
     index_q: torch.Tensor | None = None  # [q_lora, index_heads * index_head_dim]
     index_compressor: CompressorWeights | None = None
+
+    @property
+    def o_b_width(self) -> int:
+        """wo_b's whole input width, groups * o_lora (what o_a gives)."""
+        return self.o_a.shape[0] * self.o_a.shape[2]
 
 
 @dataclass
@@ -172,7 +177,8 @@ class DeepseekV4(MoESteps):
         self.ep = None
         self.load_recorder = None
         # tensor parallelism (its collectives; None: the whole model here); the modules
-        # fine-grained TP splits (none for V4) and TP + EP's shared-expert DP
+        # fine-grained TP splits (the embedding, the lm_head, the grouped output
+        # projection's second half, wo_b, by its input) and TP + EP's shared-expert DP
         self.tp = None
         self.fg = None
         self.shared_expert_dp = False
@@ -207,6 +213,10 @@ class DeepseekV4(MoESteps):
         """``compressed`` False: the window alone (an MTP block's sliding layer), no
         compression plans."""
         v4, dev = self.v4, self.backend.device
+        if not len(meta.query_lens_host):  # a lockstep rank's idle forward: none attends
+            none = torch.zeros((0, 0), dtype=torch.int64, device=dev)
+            return _Step(0, 0, True, None, positions, none.view(0), none,
+                         none.view(0, 0, 0).bool(), {})
         bs = meta.block_size
         qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
         starts = np.asarray(meta.context_lens_host, dtype=np.int64)
@@ -284,6 +294,8 @@ class DeepseekV4(MoESteps):
         """``hidden_out``: gets every row's streams before the head collapses them,
         [T, hc * hidden], what an MTP block continues from. ``step``: the step's plan,
         built already (``graph_state``)."""
+        if self.fg is not None:  # the group's row counts, for the split modules' padding
+            self.fg.begin(input_ids.shape[0], logits_rows.shape[0], input_ids.device)
         step = self._step(meta, positions) if step is None else step
         rope = self._rope(positions)
         x = self._embed(self.w.embed, input_ids)  # [T, hidden]
@@ -333,8 +345,12 @@ class DeepseekV4(MoESteps):
         """One V4 layer on the streams [T, hc, hidden] (``i`` None: an MTP block's)."""
         be, eps = self.backend, self.config.rms_norm_eps
         h, post, comb = self._hc_pre(streams, layer.attn_hc)
-        h = self._attention(kind, layer.attn, be.rms_norm(h, layer.attn_norm, eps), cache,
-                            step, rope)
+        if h.shape[0]:
+            o = self._attention(kind, layer.attn, be.rms_norm(h, layer.attn_norm, eps), cache,
+                                step, rope)
+        else:  # a lockstep rank's idle forward: its collectives, nothing to attend
+            o = h.new_zeros((0, layer.attn.o_b_width))
+        h = self._o_proj(o, layer.attn.o_b)
         if self.tp is not None:  # the groups' partial projections summed
             self.tp.all_reduce(h)
         streams = _hc_post(streams, h, post, comb)
@@ -345,13 +361,25 @@ class DeepseekV4(MoESteps):
         return _hc_post(streams, h, post, comb)
 
     def _embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fg is not None and self.fg.layout.shard("embedding") is not None:
+            return self.fg.embed(table, ids)
         return table.index_select(0, ids) if self.tp is None else self.tp.embed(table, ids)
+
+    def _o_proj(self, o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection's second half (wo_b) on o [T, groups * o_lora]:
+        fine-grained TP's split by its input, or whole."""
+        if self.fg is not None and self.fg.layout.shard("oproj") is not None:
+            return self.fg.o_proj(o, w, self.backend)
+        return self.backend.linear(o, w)
 
     def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor,
                 head: torch.Tensor) -> torch.Tensor:
         last = self._hc_head(streams, hc)
         be = self.backend
-        logits = be.linear(be.rms_norm(last, norm, self.config.rms_norm_eps), head).float()
+        last = be.rms_norm(last, norm, self.config.rms_norm_eps)
+        if self.fg is not None and self.fg.layout.shard("lmhead") is not None:
+            return self.fg.lm_head(last, head, be)
+        logits = be.linear(last, head).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
     # -- hyper-connections ----------------------------------------------------------------
@@ -431,7 +459,7 @@ class DeepseekV4(MoESteps):
         o = self._rotate(o, cos, -sin)  # undo K=V's rotation
         g = v4.o_groups
         o = torch.bmm(o.reshape(t, g, -1).transpose(0, 1), w.o_a)  # [g, T, o_lora]
-        return be.linear(o.transpose(0, 1).reshape(t, -1), w.o_b)
+        return o.transpose(0, 1).reshape(t, -1)  # (wo_b: _o_proj, outside the graph hole)
 
     def _write(self, x: torch.Tensor, cache: KVCache, role: str, slots: torch.Tensor
                ) -> None:

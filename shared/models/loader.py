@@ -85,9 +85,8 @@ def load_model(
         if ckpt.quant is not None:
             log.info("model: %s: %s%s", folder, ckpt.quant.describe(),
                      " (read as floats)" if dequantize else "")
-        if fine is not None and (config.v4 is not None or ckpt.quant is not None):
-            raise ValueError("finegrained_tp_config: not yet for DeepSeek-V4 or quantized "
-                             "checkpoints")
+        if fine is not None and ckpt.quant is not None:
+            _check_fine_static(fine, ckpt.quant)
         ckpt.fine = fine
         if shard is None and config.v4 is not None:
             v4 = _prepared(_read_v4(config, ckpt, dtype, dev), backend)
@@ -110,6 +109,31 @@ def load_model(
                              backend)
     model.tp = TensorParallel(shard, config.vocab_size)
     return config, model
+
+
+def _check_fine_static(fine: FineGrainedLayout, quant: quantization.QuantPlan) -> None:
+    """Static W8A8 weights fine-grained TP would split by their input (o_proj, a dense
+    MLP's down_proj) are refused naming the key, as tensor parallelism refuses them."""
+    splits = {"oproj": "o_proj.weight", "mlp": "mlp.down_proj.weight"}
+    for module, suffix in splits.items():
+        if fine.shard(module) is None:
+            continue
+        static = sorted(n for n, t in (quant.types or {}).items()
+                        if t == "w8a8" and n.endswith(suffix))
+        if static:
+            raise ValueError(f"finegrained_tp_config.{module}_tensor_parallel_size: static "
+                             f"W8A8 weights split by their input ({static[0]}, ...) fold "
+                             "their whole input into quant_bias; use W8A8_DYNAMIC or "
+                             "W4A8_DYNAMIC with fine-grained TP")
+
+
+def _o_b_columns(ckpt: CheckpointReader, name: str, groups: slice) -> slice:
+    """DeepSeek-V4's wo_b input columns a rank reads: a tensor-parallel rank's groups',
+    fine-grained TP's share of them (oproj), or all."""
+    oproj = ckpt.fine.shard("oproj") if ckpt.fine is not None else None
+    if oproj is None:
+        return groups
+    return oproj.part(ckpt.shape(name)[1], name + " columns")
 
 
 def _rows(fine: FineGrainedLayout, module: str, n: int) -> slice:
@@ -418,9 +442,14 @@ def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
     layers = [_read_v4_layer(cfg, ckpt, f"layers.{i}.", v4.layer_types[i], v4.compress_rates[i],
                              v4.hash_layers[i], dtype, dev, hc)
               for i in range(cfg.num_layers)]
-    # (a tensor-parallel rank: its vocabulary rows of both)
-    embed = quantization.dense(ckpt.part("embed.weight", dtype, dev, 0, ckpt.vocab), dtype)
-    lm_head = _input_major(ckpt.part("head.weight", dtype, dev, 0, ckpt.vocab))
+    # (a tensor-parallel rank: its vocabulary rows of both; fine-grained TP: its rows of
+    # the one it splits)
+    embed_rows = lm_rows = ckpt.vocab
+    if ckpt.fine is not None:
+        embed_rows = _rows(ckpt.fine, "embedding", cfg.vocab_size)
+        lm_rows = _rows(ckpt.fine, "lmhead", cfg.vocab_size)
+    embed = quantization.dense(ckpt.part("embed.weight", dtype, dev, 0, embed_rows), dtype)
+    lm_head = _input_major(ckpt.part("head.weight", dtype, dev, 0, lm_rows))
     mtp, not_run = [], None
     for i in range(cfg.num_nextn_predict_layers):
         p = f"mtp.{i}."
@@ -506,7 +535,8 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         splits=tuple(t.shape[0] for t in parts), q_a_norm=get(a + "q_norm.weight"),
         q_b=_input_major(ckpt.part(a + "wq_b.weight", dtype, dev, 0, q_heads)[q_rows]),
         kv_norm=ckpt.dense(a + "kv_norm.weight", dtype, dev)[head_order], o_a=o_a,
-        o_b=_input_major(ckpt.part(a + "wo_b.weight", dtype, dev, 1, groups)),
+        o_b=_input_major(ckpt.part(a + "wo_b.weight", dtype, dev, 1, _o_b_columns(
+            ckpt, a + "wo_b.weight", groups))),
         sinks=ckpt.part(a + "attn_sink", torch.float32, dev, 0, ckpt.q_heads),
         compressor=comp,
         index_q=index_q, index_compressor=index_comp)

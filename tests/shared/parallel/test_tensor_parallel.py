@@ -323,9 +323,11 @@ def test_dp2_tp2_with_expert_parallelism_equals_one_process(tiny_models, arch, s
 
 
 def fine_rank(dp_rank: int, world: int, address: str, model: str,
-              shares: list[list[list[int]]], fine: dict, ep: bool) -> tuple:
+              shares: list[list[list[int]]], fine: dict, ep: bool,
+              extra: dict | None = None) -> tuple:
     """DP rank ``dp_rank`` of 2 with ``fine`` (finegrained_tp_config), in lockstep: its
-    outputs and the shapes of the weights fine-grained TP splits."""
+    outputs and the shapes of the weights fine-grained TP splits (``extra``: more of
+    EngineConfig's fields)."""
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -335,55 +337,118 @@ def fine_rank(dp_rank: int, world: int, address: str, model: str,
     eng = build_engine(EngineConfig(
         model=model, device="cpu", dtype="float32", block_size=16,
         data_parallel_size=world, data_parallel_rank=dp_rank, data_parallel_address=address,
-        enable_expert_parallel=ep, finegrained_tp_config=fine))
-    w = eng.model.w
-    dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
-    shapes = {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
-              "oproj": w.layers[0].attn.o.shape[0],
-              "mlp": w.layers[dense].mlp.gate_up.shape[1]}
-    reqs = [eng.add_request(p, GREEDY) for p in shares[dp_rank]]
-    for _ in lockstep(eng):  # an idle rank still steps
-        eng.step()
+        enable_expert_parallel=ep, finegrained_tp_config=fine, **(extra or {})))
+    shapes = split_shapes(eng.model)
+    # rank 1 stops after 3 tokens and idles while rank 0 decodes (its empty forwards
+    # make every collective of the split modules)
+    params = GREEDY if dp_rank == 0 else SamplingParams(temperature=0, max_tokens=3,
+                                                        ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in shares[dp_rank]]
+    with eng.runner.logits_kept() as kept:
+        for _ in lockstep(eng):  # an idle rank still steps
+            eng.step()
     dist.destroy_process_group()
-    return [r.output_token_ids for r in reqs], shapes
+    return [r.output_token_ids for r in reqs], shapes, kept[0].tolist()  # (plain: it pickles)
 
 
-def run_fine(path: str, fine: dict, ep: bool, shares) -> dict:
-    return run_ranks(fine_rank, 2, path, shares, fine, ep, timeout_s=300)
+def split_shapes(model) -> dict[str, int]:
+    """The sizes of what fine-grained TP splits: vocabulary rows of the embedding and
+    the lm_head, input rows of o_proj, intermediate columns of a dense MLP's gate_up
+    (DeepSeek-V4: of its grouped output projection's second half, wo_b; no dense MLP)."""
+    w = model.w
+    if hasattr(w.layers[0].attn, "o_b"):
+        return {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
+                "oproj": _rows(w.layers[0].attn.o_b)}
+    dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
+    return {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
+            "oproj": _rows(w.layers[0].attn.o), "mlp": _columns(w.layers[dense].mlp.gate_up)}
 
 
+def _rows(w) -> int:
+    return (w.weight if hasattr(w, "weight") else w).shape[0]
+
+
+def _columns(w) -> int:
+    return (w.weight if hasattr(w, "weight") else w).shape[1]
+
+
+def run_fine(path: str, fine: dict, ep: bool, shares, extra: dict | None = None) -> dict:
+    return run_ranks(fine_rank, 2, path, shares, fine, ep, extra, timeout_s=300)
+
+
+def check_fine(got: dict, want: list[list[int]], whole: dict[str, int], fine: dict) -> None:
+    """Rank 0's answers are the first three, rank 1's the first 3 tokens of the fourth;
+    each key halves its module on both ranks, the others are whole."""
+    assert got[0][0] == want[:3] and got[1][0] == [w[:3] for w in want[3:]]
+    for module, n in whole.items():
+        split = f"{module}_tensor_parallel_size" in fine
+        for rank in (0, 1):
+            assert got[rank][1][module] == (-(-n // 2) if split else n), (module, rank)
+
+
+ALL_FINE = {"embedding_tensor_parallel_size": 2, "lmhead_tensor_parallel_size": 2,
+            "oproj_tensor_parallel_size": 2, "mlp_tensor_parallel_size": 2}
 FINE = [("qwen3", {"embedding_tensor_parallel_size": 2}, False),
         ("qwen3", {"lmhead_tensor_parallel_size": 2}, False),
         ("qwen3", {"oproj_tensor_parallel_size": 2}, False),
         ("qwen3", {"mlp_tensor_parallel_size": 2}, False),
-        ("deepseek_v3", {"embedding_tensor_parallel_size": 2, "lmhead_tensor_parallel_size": 2,
-                         "oproj_tensor_parallel_size": 2, "mlp_tensor_parallel_size": 2},
-         True)]
+        ("deepseek_v3", ALL_FINE, True),
+        ("deepseek_v4", ALL_FINE, True)]
 
 
 @pytest.mark.parametrize(("arch", "fine", "ep"), FINE,
-                         ids=["embedding", "lmhead", "oproj", "mlp", "deepseek-all-with-ep"])
+                         ids=["embedding", "lmhead", "oproj", "mlp", "deepseek-all-with-ep",
+                              "deepseek-v4-all-with-ep"])
 def test_each_finegrained_tp_key_splits_its_module_and_keeps_the_answers(tiny_models, arch,
                                                                          fine, ep):
-    """Two DP ranks, one of them given a single short prompt (so it idles while the other
-    works): each key halves its module's weights on both ranks, the answers are the
+    """Two DP ranks, the second stopping early (so it idles while the other works): each
+    key halves its module's weights on both ranks (DeepSeek-V4: o_proj is its grouped
+    output projection's second half, wo_b; it has no dense MLP), the answers are the
     single-process engine's."""
     path = str(tiny_models[arch])
     one = LLM(path, device="cpu", dtype="float32", block_size=16)
     _, want = run(one)
-    w = one.engine.model.w
-    dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
-    whole = {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
-             "oproj": w.layers[0].attn.o.shape[0], "mlp": w.layers[dense].mlp.gate_up.shape[1]}
-    shares = [PROMPTS[:3], PROMPTS[3:]]
-    got = run_fine(path, fine, ep, shares)
-    assert got[0][0] == want[:3] and got[1][0] == want[3:]
-    for module in ("embedding", "lmhead", "oproj", "mlp"):
-        split = f"{module}_tensor_parallel_size" in fine
-        for rank in (0, 1):
-            have = got[rank][1][module]
-            assert have == (-(-whole[module] // 2) if split else whole[module]), (module,
-                                                                                   rank)
+    got = run_fine(path, fine, ep, [PROMPTS[:3], PROMPTS[3:]])
+    check_fine(got, want, split_shapes(one.engine.model), fine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v4"])
+def test_finegrained_tp_splits_w8a8_dynamic_weights_with_their_scales(tiny_models, tmp_path,
+                                                                      arch):
+    """The seeds' line: W8A8_DYNAMIC weights (DeepSeek-V4's with expert parallelism), every
+    module split. o_proj's halves quantize their half of an activation row each, so the
+    first step's logits agree with one process's up to that (cosine), and so does each
+    prompt's first token; the weights are int8 on both ranks."""
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
+    from pdmesh.shared.kernels.quant import QuantLinear
+
+    out = tmp_path / "w8a8_dynamic"
+    quantize_checkpoint(tiny_models[arch], out, "w8a8_dynamic")
+    one = LLM(str(out), device="cpu", dtype="float32", block_size=16, quantization="ascend")
+    logits, want = run(one)
+    attn = one.engine.model.w.layers[0].attn
+    assert isinstance(attn.o_b if arch == "deepseek_v4" else attn.o, QuantLinear)
+    got = run_fine(str(out), ALL_FINE, arch == "deepseek_v4", [PROMPTS[:3], PROMPTS[3:]],
+                   {"quantization": "ascend"})
+    whole = split_shapes(one.engine.model)
+    for rank, rows in ((0, slice(0, 3)), (1, slice(3, 4))):
+        first = torch.tensor(got[rank][2])  # the prefill's logits: one process's inputs
+        cos = torch.nn.functional.cosine_similarity(first.double(), logits[0][rows].double(),
+                                                    dim=-1)
+        assert float(cos.min()) > 0.99, (rank, cos)
+        assert [t[0] for t in got[rank][0]] == [t[0] for t in want[rows]]
+        assert got[rank][1]["oproj"] == whole["oproj"] // 2
+
+
+def test_finegrained_tp_refuses_static_w8a8_split_by_its_input(tiny_models, tmp_path):
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
+
+    out = tmp_path / "w8a8"
+    quantize_checkpoint(tiny_models["qwen3"], out, "w8a8")
+    with pytest.raises(RuntimeError, match=r"finegrained_tp_config\.oproj_tensor_parallel_size: "
+                                           r"static W8A8 weights split by their input"):
+        run_fine(str(out), {"oproj_tensor_parallel_size": 2}, False,
+                 [PROMPTS[:1], PROMPTS[1:2]], {"quantization": "ascend"})
 
 
 @pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "w8a8_dynamic"),
