@@ -121,9 +121,12 @@ def serving_defaults(f: Any, device: str | None) -> dict[str, Any]:
 
 def parallel_settings(cfg: Any) -> dict[str, Any]:
     """EngineConfig fields for data / expert parallelism and EPLB, from the flags and
-    ``eplb_config`` (vLLM-Ascend's fields) or upstream ``--eplb-config``."""
+    ``eplb_config`` (vLLM-Ascend's fields) or upstream ``--eplb-config``. Expert
+    parallelism spreads the experts over DP x TP ranks: with one DP rank, over its
+    tensor-parallel ranks (vLLM's EP size is DP x TP)."""
     f = cfg.flags
-    if f.data_parallel_size == 1:
+    if f.data_parallel_size == 1 and not (f.enable_expert_parallel
+                                          and f.tensor_parallel_size > 1):
         return {}
     from pdmesh.shared.infra.net import reachable_host
 
@@ -142,7 +145,8 @@ def parallel_settings(cfg: Any) -> dict[str, Any]:
     ep = f.enable_expert_parallel
     return {"data_parallel_size": f.data_parallel_size,
             "data_parallel_rank": f.data_parallel_rank or 0,
-            "data_parallel_address": f"{host}:{f.data_parallel_rpc_port}",
+            "data_parallel_address": f"{host}:{f.data_parallel_rpc_port}"
+            if f.data_parallel_size > 1 else None,
             "enable_expert_parallel": ep,
             "num_redundant_experts": redundant if ep else 0,
             "expert_map_path": eplb.expert_map_path if ep else None,

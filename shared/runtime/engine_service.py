@@ -102,7 +102,7 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
     if role.name in ("prefill", "decode") and not engine.lockstep:
         engine.measure_step_costs()  # (routers price prompts by them from the first on)
     host.at_close(engine.close)  # (its tensor-parallel ranks, once drained)
-    eplb = _rank_eplb(cfg, role.name, engine)
+    eplb = _rank_eplb(cfg, role.name, engine, host.id)
     if edge is not None:
         loop = EngineLoop(engine, edge[1], eplb)
         host.adopt_port(edge_port(*edge))
@@ -170,17 +170,20 @@ def _serve_metrics(host: ServiceHost, loop: EngineLoop, eplb, a) -> None:
     host.serve_metrics(worker_metrics(loop, labels, eplb), per_request.registry)
 
 
-def _rank_eplb(a: ServeConfig, role: str, engine):
-    """The rank's side of dynamic EPLB (expert-parallel ranks with load recording)."""
+def _rank_eplb(a: ServeConfig, role: str, engine, instance: str):
+    """The rank's side of dynamic EPLB (expert-parallel ranks with load recording). The
+    controller places experts over the expert-parallel ranks, DP x TP of them (each DP
+    rank reports for its TP ranks, which see its tokens); the group is the DP ranks'
+    address, or with one DP rank the instance."""
     config = engine.config
     if engine.ep is None or engine.model.load_recorder is None:
         return None
     from pdmesh.shared.parallel.eplb_rank import ControllerFinder, RankEplb
 
-    finder = ControllerFinder(Registry(a.redis_url, a.registry_prefix),
-                              f"{role}@{config.data_parallel_address}",
-                              config.data_parallel_rank, config.data_parallel_size,
-                              engine.ep.num_slots, a.eplb_address)
+    group = config.data_parallel_address if config.data_parallel_size > 1 else instance
+    finder = ControllerFinder(Registry(a.redis_url, a.registry_prefix), f"{role}@{group}",
+                              engine.ep.rank, engine.ep.world, engine.ep.num_slots,
+                              a.eplb_address)
     return RankEplb(engine.ep, engine.model.load_recorder, finder,
                     record_path=config.expert_map_record_path)
 

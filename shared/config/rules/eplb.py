@@ -54,6 +54,26 @@ def eplb_needs_expert_parallel(ctx: RuleContext, out: Findings) -> None:
                  "has no effect without --enable-expert-parallel")
 
 
+# the fields pdmesh acts on once experts are spread over several ranks
+_MOVES_EXPERTS = ("dynamic_eplb", "num_redundant_experts", "expert_map_path",
+                  "expert_map_record_path", "expert_heat_collection_interval",
+                  "eplb_heat_collection_stage", "load_collection_phase")
+
+
+def expert_parallel_over_one_rank(ctx: RuleContext, out: Findings) -> None:
+    """Expert parallelism spreads the experts over DP x TP ranks (vLLM's EP size): on one
+    rank it, and every EPLB field, does nothing; said rather than silently dropped."""
+    e = ctx.engine
+    if not e.enable_expert_parallel or e.data_parallel_size * e.tensor_parallel_size > 1:
+        return
+    out.warn("--enable-expert-parallel", "without effect: one rank (data-parallel size x "
+             "tensor-parallel size is 1) holds every expert")
+    for field in _MOVES_EXPERTS:
+        if ctx.is_set(f"{_EPLB}.{field}"):
+            out.warn(ctx.name(f"{_EPLB}.{field}"), "without effect: expert parallelism "
+                     "over one rank has no expert to move")
+
+
 def eplb_record_path(ctx: RuleContext, out: Findings) -> None:
     """Recording an expert map runs dynamic EPLB (code: EplbConfig sets dynamic_eplb when
     expert_map_record_path is given)."""
@@ -78,6 +98,7 @@ def force_eplb_vs_dynamic(ctx: RuleContext, out: Findings) -> None:
 RULES = (
     eplb_runner_schema,
     eplb_needs_expert_parallel,
+    expert_parallel_over_one_rank,
     eplb_record_path,
     force_eplb_vs_dynamic,
 )

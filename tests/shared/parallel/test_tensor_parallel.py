@@ -492,3 +492,37 @@ def test_static_w8a8_split_by_its_input_is_refused(tiny_models, tmp_path):
     with pytest.raises(ValueError, match=r"tensor_parallel_size: static W8A8 weights split by "
                                          r"their input \(model\.layers\.\d+\.\S+, \.\.\.\)"):
         LLM(str(out), device="cpu", quantization="ascend", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+def test_expert_parallelism_over_the_tensor_parallel_ranks_of_one_dp_rank(tiny_models, arch,
+                                                                          tmp_path):
+    """The features seed's line (--enable-expert-parallel, DP 1, TP > 1): the experts are
+    spread over the TP ranks (each holds half of them, at full width) instead of split by
+    width; `pdmesh serve` keeps the flag and EPLB's fields, the answers are one
+    process's. On one rank it is said to be without effect, with EPLB's fields set."""
+    from pdmesh.shared.config.serve import serve_config
+
+    path = str(tiny_models[arch])
+    eplb = '{"eplb_config": {"num_redundant_experts": 2}}'
+    serve = serve_config("serve", [path, "--tensor-parallel-size", "2",
+                                   "--enable-expert-parallel", "--additional-config", eplb],
+                         env={}, device="cpu")
+    assert serve.engine.enable_expert_parallel and serve.engine.num_redundant_experts == 2
+    one_rank = serve_config("serve", [path, "--enable-expert-parallel",
+                                      "--additional-config", eplb], env={}, device="cpu")
+    assert not one_rank.engine.enable_expert_parallel
+    said = " ".join(one_rank.warnings)
+    assert "--enable-expert-parallel: without effect" in said
+    assert "eplb_config.num_redundant_experts: without effect" in said
+    _, want = run(LLM(path, device="cpu", dtype="float32", block_size=16))
+    tp = LLM(path, device="cpu", dtype="float32", block_size=16, tensor_parallel_size=2,
+             enable_expert_parallel=True)
+    try:
+        ep = tp.engine.ep
+        moe = ModelConfig.from_folder(path).moe
+        assert ep is not None and ep.world == 2 and ep.num_slots == moe.num_experts
+        _, got = run(tp)
+    finally:
+        tp.close()
+    assert got == want
