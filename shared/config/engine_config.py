@@ -133,7 +133,7 @@ def parallel_settings(cfg: Any) -> dict[str, Any]:
     eplb = cfg.additional_config.eplb_config
     upstream = cfg.engine_args.eplb_config if cfg.engine_args.enable_eplb else {}
     dynamic = eplb.dynamic_eplb or cfg.engine_args.enable_eplb
-    if upstream:
+    if cfg.engine_args.enable_eplb:  # (--eplb-config or not: its defaults, MRv2's phase)
         window = int(upstream.get("window_size", 1000))
         redundant = int(upstream.get("num_redundant_experts", 0))
         phase = eplb.load_collection_phase

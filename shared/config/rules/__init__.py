@@ -6,10 +6,11 @@ Each module holds small rule functions for one area and lists them in ``RULES``;
 
 from __future__ import annotations
 
-from pdmesh.shared.config.rules import eplb, features, parallel, scheduler
+from pdmesh.shared.config.rules import eplb, features, parallel, scheduler, switches
 from pdmesh.shared.config.rules.base import Findings, Rule, RuleContext
 
-ALL_RULES: tuple[Rule, ...] = (*scheduler.RULES, *eplb.RULES, *parallel.RULES, *features.RULES)
+ALL_RULES: tuple[Rule, ...] = (*scheduler.RULES, *eplb.RULES, *parallel.RULES, *features.RULES,
+                               *switches.RULES)
 
 
 def run_rules(ctx: RuleContext) -> Findings:

@@ -45,10 +45,7 @@ def rl_mode(ctx: RuleContext, out: Findings) -> None:
     "其固定的 NZ 设置优先于顶层 weight_nz_mode 配置"; line 84: "当 enabled 为 false 时，所有
     其他子字段均被忽略")."""
     rl = ctx.config.rl_config
-    if not rl.enabled:
-        for path in ctx.set_under("rl_config"):
-            if path != "rl_config.enabled":
-                out.warn(ctx.name(path), "ignored because rl_config.enabled is false")
+    if not rl.enabled:  # (its other keys: switches.keys_of_a_switched_off_section)
         return
     if ctx.config.weight_nz_mode != 0:
         warning = None

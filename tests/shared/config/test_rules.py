@@ -251,7 +251,40 @@ def test_resolved_values(raw, engine, path: str, value, warned: bool) -> None:
 def test_rl_mode_disabled_ignores_its_other_fields_with_a_warning() -> None:
     config = parse({"rl_config": {"enabled": False, "enable_batch_invariant": True}})
     assert config.warnings[0] == (
-        "rl_config.enable_batch_invariant: ignored because rl_config.enabled is false")
+        "rl_config.enable_batch_invariant: without effect while rl_config.enabled is false")
     assert config.warnings[1:] == ("1 key(s) set vLLM-Ascend's own graph passes, fused "
                                    "operators, communication or runtime, which pdmesh's npu "
                                    "backend does not implement; without effect: rl_config",)
+
+
+@pytest.mark.parametrize(("raw", "said"), [
+    ({"scheduler_config": {"dyntra_lb_config": {"mode": "static", "start_step": 3}}},
+     "scheduler_config.dyntra_lb_config.mode, scheduler_config.dyntra_lb_config.start_step: "
+     "without effect while scheduler_config.dyntra_lb_config.enabled is false"),
+    ({"short_request_first_config": {"threshold": 64, "long_max_wait_ms": 5}},
+     "short_request_first_config.long_max_wait_ms, short_request_first_config.threshold: "
+     "without effect while short_request_first_config.enabled is false"),
+    ({"xlite_graph_config": {"full_mode": True}},
+     "xlite_graph_config.full_mode: without effect while xlite_graph_config.enabled is false"),
+])
+def test_keys_of_a_switched_off_section_are_said_to_be_without_effect(raw, said) -> None:
+    """Each section's keys act only with its switch on; set with it off, they are named
+    (as the user spelled them: the old top-level spelling too) rather than dropped."""
+    config = parse(raw)
+    assert said in config.warnings, config.warnings
+    on = parse({"scheduler_config": {"dyntra_lb_config": {"enabled": True, "mode": "static"}}},
+               EngineArgs(kv_role="kv_consumer", data_parallel_size=2))
+    assert not any("without effect while" in w for w in on.warnings), on.warnings
+
+
+def test_enable_eplb_without_eplb_config_reads_the_collection_phase(tmp_path) -> None:
+    """Upstream --enable-eplb (Model Runner V2) with no --eplb-config still takes
+    eplb_config.load_collection_phase, and upstream's window."""
+    from pdmesh.shared.config.serve import serve_config
+
+    c = serve_config("serve", [str(tmp_path), "--data-parallel-size", "2",
+                               "--enable-expert-parallel", "--enable-eplb",
+                               "--additional-config",
+                               '{"eplb_config": {"load_collection_phase": "decode"}}'],
+                     env={"VLLM_USE_V2_MODEL_RUNNER": "1"}, device="cpu")
+    assert c.engine.expert_load_phase == "decode" and c.engine.expert_load_window == 1000
