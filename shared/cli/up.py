@@ -162,7 +162,7 @@ def _words(flag: str, text: str) -> list[str]:
 def run(cfg: ServeConfig) -> int:
     """`pdmesh up`: the PD mesh; `pdmesh serve`: one mixed instance (no pool), or the
     prefill / decode instance its kv_role names."""
-    if cfg.command == "serve" and cfg.kv_role in KV_ROLE_OF:
+    if cfg.command == "serve" and (cfg.kv_role in KV_ROLE_OF or cfg.flags.headless):
         return _become_pd_instance(cfg)
     p = plan(cfg)
     stop = SignalStop().install()
@@ -224,9 +224,10 @@ def run(cfg: ServeConfig) -> int:
 
 
 def pd_instance_line(cfg: ServeConfig) -> tuple[list[str], list[str]]:
-    """(the `pdmesh prefill` / `decode` line a PD `serve` line stands for, the flags it
-    gives that only the gateway takes)."""
-    role = KV_ROLE_OF[cfg.kv_role]
+    """(the `pdmesh prefill` / `decode` line a PD `serve` line stands for - with
+    --headless and no kv_role, the `pdmesh mixed` line of a node's engine ranks - the
+    flags it gives that only the gateway takes)."""
+    role = KV_ROLE_OF.get(cfg.kv_role, "mixed")
     taken = [f.name for f in FLAGS if role in f.commands]
     words = [role, *to_words(cfg.flags, taken)]
     if cfg.model and "--model" not in words:
@@ -237,9 +238,14 @@ def pd_instance_line(cfg: ServeConfig) -> tuple[list[str], list[str]]:
 
 def _become_pd_instance(cfg: ServeConfig) -> int:
     words, idle = pd_instance_line(cfg)
-    print(f"[serve] kv_role {cfg.kv_role!r}: a {words[0]} instance of the mesh (vLLM's "
-          f"{'P' if words[0] == 'prefill' else 'D'} node; `pdmesh gateway` is the PD proxy)",
-          flush=True)
+    if words[0] == "mixed":
+        print("[serve] --headless: this node's engine ranks alone, no gateway (they join "
+              "rank 0's group at --data-parallel-address and register at --redis-url, "
+              "where rank 0's node serves the API)", flush=True)
+    else:
+        print(f"[serve] kv_role {cfg.kv_role!r}: a {words[0]} instance of the mesh (vLLM's "
+              f"{'P' if words[0] == 'prefill' else 'D'} node; `pdmesh gateway` is the PD "
+              "proxy)", flush=True)
     for name in idle:
         print(f"[serve] {name}: without effect on a {words[0]} instance (a gateway flag: "
               f"give it to `pdmesh gateway`)", file=sys.stderr, flush=True)

@@ -230,8 +230,9 @@ FLAGS: list[Flag] = [
              "CUDA_VISIBLE_DEVICES)"),
             ("--data-parallel-start-rank", "int", 0, "the first rank this node runs"),
             ("--headless", "bool", False, "this node runs engine ranks only, no API server "
-             "(prefill and decode never run one: the gateway is its own service)",
-             {"effect": frozenset({"prefill", "decode", "config check"})}),
+             "(serve: its `pdmesh mixed` ranks, no gateway; prefill and decode never run "
+             "one: the gateway is its own service)",
+             {"effect": frozenset({"prefill", "decode", "mixed", "serve", "config check"})}),
             ("--enable-expert-parallel", "bool", ENGINE_DEFAULT["enable_expert_parallel"],
              "MoE experts spread over the DP ranks"),
             ("--enable-eplb", "bool", False, "dynamic EPLB (upstream vLLM's switch)"),

@@ -475,3 +475,48 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
             ("get_weather", '{"city": "Oslo"}')]
     finally:
         shut(proc, prefix)
+
+
+def test_a_headless_serve_line_runs_its_node_s_engine_ranks_without_a_gateway(
+        tiny_models, tmp_path, registry_prefix):
+    """The multi-node mixed recipe on loopback: the head node's `serve` line (rank 0 of
+    two, expert-parallel) and the worker node's, with --data-parallel-start-rank 1
+    --headless. The worker runs its `pdmesh mixed` rank alone - no gateway - which joins
+    rank 0's group; the head's gateway answers as the offline engine does, over both
+    ranks."""
+    from pdmesh.shared.infra.launcher import Service
+    from pdmesh.shared.infra.net import free_port
+    from pdmesh.shared.infra.registry import Registry
+
+    model = str(tiny_models["qwen3_moe"])
+    prefix = f"{registry_prefix}-headless"
+    line = [model, "--device", "cpu", "--block-size", "16", "--registry-prefix", prefix,
+            "--redis-url", "redis://127.0.0.1:6379/0", "--enable-expert-parallel",
+            "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+            "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(free_port("127.0.0.1"))]
+    worker = Service("mixed", ["serve", *line, "--data-parallel-start-rank", "1",
+                               "--headless"], tmp_path, wait=False)
+    proc = None
+    try:
+        proc, url, out = launch("serve", *line, "--port", "0", "--log-dir", str(tmp_path))
+        assert url, "".join(out)
+        worker.wait_ready()
+        assert "--headless: this node's engine ranks alone, no gateway" in \
+            worker.log_path.read_text()
+        registry = Registry("redis://127.0.0.1:6379/0", prefix)
+        assert sorted(i.dp_rank for i in registry.instances("mixed")) == [0, 1]
+        assert len(registry.instances("gateway")) == 1  # the head node's
+        prompts = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+        want = LLM(model, device="cpu", block_size=16).generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for prompt, expected in zip(prompts, want, strict=True):
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected.outputs[0].text
+    finally:
+        if proc is not None:
+            shut(proc, prefix)
+        stop_all([worker])
