@@ -75,6 +75,9 @@ COMMANDS = [
     Command(("sglang-router",), "pdmesh.services.gateway.main",
             "SGLang's router command line (launch_router --pd-disaggregation): the gateway",
             True),
+    Command(("proxy",), "pdmesh.services.gateway.main",
+            "vLLM-Ascend's PD proxy line (--prefiller-hosts/-ports, --decoder-hosts/-ports): "
+            "the gateway, dialling the instances it names", True),
     Command(("health",), "pdmesh.shared.cli.health", "probe a service (for healthchecks)",
             False),
     Command(("status",), "pdmesh.shared.cli.status", "live instances, pool and EPLB at a glance",
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(version("pdmesh"))
         return 0
     try:
-        argv = _sglang_line(argv)
+        argv = _translated_line(argv)
     except ValueError as e:
         print(f"pdmesh: error: {e}", file=sys.stderr)
         return 2
@@ -271,19 +274,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _sglang_line(argv: list[str]) -> list[str]:
-    """`pdmesh sglang ...` / `pdmesh sglang-router ...` rewritten into the pdmesh command
-    they describe."""
+def _translated_line(argv: list[str]) -> list[str]:
+    """`pdmesh sglang ...` / `pdmesh sglang-router ...` / `pdmesh proxy ...` rewritten into
+    the pdmesh command they describe."""
     try:
         options, command, rest = _split(argv)
     except UsageError:
         return argv
-    if command is None or command.words not in (("sglang",), ("sglang-router",)):
+    if command is None or command.words not in (("sglang",), ("sglang-router",), ("proxy",)):
         return argv
+    from pdmesh.shared.cli.proxy import translate_proxy
     from pdmesh.shared.cli.sglang import translate, translate_router
 
     name = command.words[0]
-    line, warnings = (translate if name == "sglang" else translate_router)(rest)
+    line, warnings = {"sglang": translate, "sglang-router": translate_router,
+                      "proxy": translate_proxy}[name](rest)
     for warning in warnings:
         print(f"pdmesh {name}: {warning}", file=sys.stderr)
     return [*argv[:len(argv) - len(rest) - 1], *line]

@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: EngineClient, model_name: str, role: str = "decode",
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, model_path: str = ""):
         self.engine = engine
         self.role = role
         self.model_name = model_name
+        self.model_path = model_path
         self.tracing = tracing or Tracing("pdmesh-decode", None)
         self._spans: dict[str, Any] = {}  # request id -> its server span (tracing on)
 
@@ -102,7 +103,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role=self.role,
-                                         model=self.model_name,
+                                         model=self.model_name, model_path=self.model_path,
                                          load=load_to_proto(self.engine.load()))
 
     # -- tracing -------------------------------------------------------------------------

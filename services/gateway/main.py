@@ -19,6 +19,7 @@ import uvicorn
 from pdmesh.services.gateway.app import GatewayState, create_app
 from pdmesh.services.gateway.chat_output import OutputSettings
 from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_parser_named
+from pdmesh.services.gateway.named import NamedInstances
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.config.environment import rpc_timeout_s
 from pdmesh.shared.config.serve import ServeConfig, api_key
@@ -57,7 +58,11 @@ def run(a: ServeConfig) -> int:
                             a.registry_prefix, model_name=name,
                             metrics_names=a.metrics_names)
     with ServiceHost(settings) as host:
-        router = Router(Registry(a.redis_url, a.registry_prefix), name,
+        # the instances a proxy line names (pdmesh proxy), else the registry's
+        named = a.prefill_addresses or a.decode_addresses
+        found = (NamedInstances(a.prefill_addresses, a.decode_addresses) if named
+                 else Registry(a.redis_url, a.registry_prefix))
+        router = Router(found, name,  # type: ignore[arg-type]
                         offload_threshold=a.prefill_offload_threshold,
                         decode_tpot_slo_ms=a.decode_tpot_slo_ms,
                         stall_timeout_s=a.stall_timeout)

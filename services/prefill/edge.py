@@ -14,7 +14,8 @@ from pdmesh.shared.runtime.edge import EdgeConfig, serve_edge
 def add_servicer(server, client, config: EdgeConfig) -> None:
     tracing = Tracing("pdmesh-prefill", config.otlp_endpoint)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(client, config.model_name, tracing=tracing), server)
+        PrefillServicer(client, config.model_name, tracing=tracing,
+                        model_path=config.model_path), server)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: EngineClient, model_name: str, timeout_s: float = 600.0,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, model_path: str = ""):
         self.engine = engine
         self.tracing = tracing or Tracing("pdmesh-prefill", None)
         self.model_name = model_name
+        self.model_path = model_path
         self.timeout_s = timeout_s
 
     async def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
@@ -139,5 +140,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role="prefill",
-                                         model=self.model_name,
+                                         model=self.model_name, model_path=self.model_path,
                                          load=load_to_proto(self.engine.load()))

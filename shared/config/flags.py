@@ -311,6 +311,12 @@ FLAGS: list[Flag] = [
          "the folder of the tokenizer (tokenizer.json, tokenizer_config.json with the "
          "chat template) when it is not the model's: the gateway tokenizes with it, "
          "engines compile grammars against it", aliases=("--tokenizer-path",)),
+    Flag("--prefill-addresses", "names", {"gateway"}, (),
+         "host:port of each prefill instance to route to, instead of those the registry "
+         "lists (what `pdmesh proxy` gives, from vLLM-Ascend's proxy line)"),
+    Flag("--decode-addresses", "names", {"gateway"}, (),
+         "host:port of each decode (or mixed) instance to route to, instead of those the "
+         "registry lists"),
     Flag("--prefill-offload-threshold", "int", {"gateway", "up", "serve"},
          {"gateway": 0, "*": 2048},
          "while every prefill instance has this many prompt tokens queued, a decode instance "

@@ -45,6 +45,7 @@ class EdgeConfig:
     log_level: str = "info"
     log_format: str = "text"
     fd: int = -1
+    model_path: str = ""  # the folder the engine loaded (Health says it)
 
 
 def start_edge(module: str, config: EdgeConfig) -> tuple[subprocess.Popen, SocketPort]:

@@ -67,7 +67,8 @@ def serve_engine(cfg: ServeConfig, role: EngineRole) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     settings = host_settings(cfg, role.name)
     edge_config = EdgeConfig(role.name, cfg.host, cfg.port, cfg.model_name,
-                             endpoint_from_args(cfg), cfg.log_level, cfg.log_format)
+                             endpoint_from_args(cfg), cfg.log_level, cfg.log_format,
+                             model_path=os.path.abspath(cfg.model or ""))
     with ServiceHost(settings) as host:
         # started first: the edge imports and binds while this process loads the model
         edge = None if edge_on_thread() else start_edge(role.edge_module, edge_config)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdmesh.cli import _sglang_line, parse_args
+from pdmesh.cli import _translated_line, parse_args
 from pdmesh.shared.cli.sglang import translate
 from tests.mesh import stop_all
 
@@ -34,7 +34,7 @@ def test_the_seed_lists_119_supported_flags():
 @pytest.mark.parametrize(("flag", "value"), seed_flags(), ids=[f for f, _ in seed_flags()])
 def test_every_ascend_supported_flag_is_accepted(flag, value):
     words = ["sglang", "--model-path", "/m", flag, *([value] if value else [])]
-    line = _sglang_line(words)
+    line = _translated_line(words)
     assert line[0] == "serve"
     _, command, flags = parse_args(line, resolve=False)  # read by the one table
     assert command.name == "serve"
@@ -45,7 +45,7 @@ def test_every_ascend_supported_flag_is_accepted(flag, value):
 
 
 def test_implemented_flags_take_effect_and_the_rest_are_listed():
-    line = _sglang_line(["sglang", "--model-path", "/tmp/m", "--device", "cpu",
+    line = _translated_line(["sglang", "--model-path", "/tmp/m", "--device", "cpu",
                          "--chunked-prefill-size", "512", "--max-running-requests", "7",
                          "--page-size", "32", "--context-length", "256",
                          "--mem-fraction-static", "0.5", "--disable-radix-cache",
@@ -128,7 +128,7 @@ def test_a_misspelt_flag_gets_a_did_you_mean():
     assert r.returncode == 2 and "--disaggregation-transfer-backend" in r.stderr
 
 
-def test_an_sglang_line_serves(qwen3_path, tmp_path, registry_prefix):
+def test_an_translated_line_serves(qwen3_path, tmp_path, registry_prefix):
     """A seed-like SGLang line starts a real mesh (mixed instance + gateway) and serves;
     the flags beyond it are listed at start-up."""
     from tests.shared.cli.test_up import kill_all, launch
@@ -232,6 +232,6 @@ def test_sglang_parser_names_become_the_gateway_parsers():
                          "--tool-call-parser=qwen"])
     assert line[line.index("--reasoning-parser") + 1] == "deepseek_r1"
     assert "--tool-call-parser=hermes" in line
-    _, _, flags = parse_args(_sglang_line(["sglang", "--model-path", "/m",
+    _, _, flags = parse_args(_translated_line(["sglang", "--model-path", "/m",
                                            "--tool-call-parser", "llama3"]), resolve=False)
     assert flags.tool_call_parser == "llama3_json"
