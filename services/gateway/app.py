@@ -92,6 +92,7 @@ class GatewayState:
     body_timeout_s: float = 30.0  # --request-body-timeout
     stall_timeout_s: float = 10.0  # --stall-timeout
     rpc_timeout_s: float = 600.0  # VLLM_RPC_TIMEOUT: a prefill call, a decode stream's silence
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
     model_path: str = ""  # the model as given (--model): a model card's root, as vLLM's
     instance_grace_s: float = 15.0  # --instance-grace
     output: OutputSettings = OutputSettings()  # the chat output's parsers
@@ -198,9 +199,11 @@ class Gateway:
         except ValueError as e:
             return error(400, str(e), "tool_choice")
         try:
-            text = render_chat(self.state.tokenizer, body)
+            text = render_chat(self.state.tokenizer, body,
+                               self.state.trust_request_chat_template)
         except ValueError as e:
-            return error(400, str(e), "messages")
+            return error(400, str(e), "chat_template" if str(e).startswith("chat_template")
+                         else "messages")
         prompt = await self._tokenize(text, "messages",
                                       add_special_tokens=bool(body.add_special_tokens))
         if isinstance(prompt, JSONResponse):

@@ -44,6 +44,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     tools: list[ToolSpec] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
 
 
@@ -145,7 +146,8 @@ def _tokens(gw: Any, body: TokenizeRequest) -> list[int]:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         text = body.prompt
     else:
-        text, special = render_chat(tok, body), bool(body.add_special_tokens)
+        text = render_chat(tok, body, gw.state.trust_request_chat_template)
+        special = bool(body.add_special_tokens)
     context = gw.context_len()
     if gw.max_text_chars is not None and len(text) > gw.max_text_chars:
         raise ValueError(f"{field}: {len(text)} characters are more than max_model_len "

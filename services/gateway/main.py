@@ -26,7 +26,7 @@ from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.config import ModelConfig
-from pdmesh.shared.models.tokenizer import Tokenizer
+from pdmesh.shared.models.tokenizer import Tokenizer, load_chat_template
 from pdmesh.shared.runtime.host import HostSettings, ServiceHost
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ def run(a: ServeConfig) -> int:
                                 auto_tool_choice=a.enable_auto_tool_choice,
                                 reasoning_parser=reasoning,
                                 grammar_in_reasoning=in_reasoning)
-        tokenizer = Tokenizer(a.tokenizer or a.model, a.tokenizer_mode)
+        tokenizer = Tokenizer(a.tokenizer or a.model, a.tokenizer_mode,
+                              load_chat_template(a.chat_template))
         state = GatewayState(tokenizer=tokenizer, router=router,
                              model_name=name, output=output, model_path=str(a.model),
                              model_names=a.served_model_name or (name,),
@@ -85,6 +86,7 @@ def run(a: ServeConfig) -> int:
                              body_timeout_s=a.request_body_timeout,
                              stall_timeout_s=a.stall_timeout,
                              rpc_timeout_s=rpc_timeout_s(),
+                             trust_request_chat_template=a.trust_request_chat_template,
                              instance_grace_s=a.instance_grace,
                              metrics_names=a.metrics_names,
                              eos_token_ids=cfg.eos_token_ids,

@@ -348,17 +348,30 @@ def chat_kwargs(body: Any) -> dict[str, Any]:
     return kwargs
 
 
-def render_chat(tokenizer: Any, body: Any) -> str:
+def render_chat(tokenizer: Any, body: Any, trust_request_template: bool = False) -> str:
     """The prompt text of ``body``'s chat (a chat completion or a tokenize request): its
     messages through the chat template with its tools, chat_template_kwargs and
-    reasoning_effort, as vLLM renders them. ValueError when the template refuses them."""
+    reasoning_effort, as vLLM renders them. A template the request brings (its
+    ``chat_template``, or one in its chat_template_kwargs) renders it only when the
+    gateway trusts them (--trust-request-chat-template), as vLLM refuses it otherwise.
+    ValueError when the template refuses them (or is refused: the message then begins
+    with "chat_template")."""
     kwargs = chat_kwargs(body)
+    own = body.chat_template if body.chat_template is not None else kwargs.pop(
+        "chat_template", None)
+    kwargs.pop("chat_template", None)
+    if own is not None and not trust_request_template:
+        raise ValueError("chat_template: passed with the request, but the server was not "
+                         "started with --trust-request-chat-template (an untrusted "
+                         "template is refused)")
+    if own is not None and not isinstance(own, str):
+        raise ValueError("chat_template: must be a string (a Jinja template)")
     if body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     return tokenizer.apply_chat_template(
         [m.for_template() for m in body.messages],
         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-        continue_final_message=body.continue_final_message, **kwargs)
+        continue_final_message=body.continue_final_message, chat_template=own, **kwargs)
 
 
 def _as_mapping(arguments: str | dict[str, Any]) -> Any:
@@ -407,6 +420,7 @@ class ChatCompletionRequest(_Base):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template puts them where they go
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # a template of its own (--trust-request-chat-template)
     reasoning_effort: str | None = None  # to the chat template, which may read it
     return_prompt_text: bool = False  # the prompt as the chat template rendered it
     # False: the reasoning is not sent (with a reasoning parser: nor the answer's logprobs

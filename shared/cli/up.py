@@ -48,7 +48,8 @@ from pdmesh.shared.runtime.shared_cores import BELOW_ENV, PATH_ENV, create, requ
 DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 # what the gateway makes of the model's chats and output (vLLM's flags of these names)
 SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
-                 "--tokenizer-mode", "--tokenizer", "--structured-outputs-config",
+                 "--tokenizer-mode", "--tokenizer", "--chat-template",
+                 "--trust-request-chat-template", "--structured-outputs-config",
                  "--enable-force-include-usage", "--enable-prompt-tokens-details")
 
 

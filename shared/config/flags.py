@@ -307,6 +307,12 @@ FLAGS: list[Flag] = [
          "auto: chats rendered by the checkpoint's chat template; deepseek_v4: by "
          "DeepSeek-V4's own message encoding (it ships no template)",
          choices=TOKENIZER_MODES, effect=AT_THE_GATEWAY),
+    Flag("--chat-template", "str", ENGINE_LINE | {"gateway", "up"}, None,
+         "the chat template in place of the checkpoint's: a file's path, or the template "
+         "itself in one line (as vLLM reads it)", effect=AT_THE_GATEWAY),
+    Flag("--trust-request-chat-template", "bool", ENGINE_LINE | {"gateway", "up"}, False,
+         "a chat request may bring its own chat_template (refused with a 400 otherwise, "
+         "as vLLM does)", effect=AT_THE_GATEWAY),
     Flag("--tokenizer", "str", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["tokenizer"],
          "the folder of the tokenizer (tokenizer.json, tokenizer_config.json with the "
          "chat template) when it is not the model's: the gateway tokenizes with it, "
@@ -406,7 +412,6 @@ FLAGS: list[Flag] = [
              ("--disable-hybrid-kv-cache-manager", "bool"), ("--enable-sleep-mode", "bool"),
              ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
-             ("--trust-request-chat-template", "bool"), ("--chat-template", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--disable-log-stats", "bool"),
              ("--enable-log-requests", "bool", ("--log-requests",)),

@@ -20,6 +20,16 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """Where chat templates render, as transformers renders them (sandboxed)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                              indent=indent)
+    env.globals["raise_exception"] = _raise
+    return env
+
+
 # (hf, slow: as auto - one tokenizer here, tokenizer.json through `tokenizers`)
 MODES = ("auto", "hf", "slow", "deepseek_v4")
 
@@ -36,8 +46,28 @@ def thinking_asked(kwargs: dict[str, Any] | None) -> bool | None:
     return any(said) if said else None
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's ``--chat-template``: a file's path (read), or the template itself in one
+    line (with ``{``, ``}`` or a newline in it; its escapes such as ``\\n`` read as
+    characters). ValueError naming the flag for a path that cannot be read."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template: {value!r} looks like a file's path, but it "
+                             f"cannot be read ({e.strerror})") from None
+    import codecs
+
+    return codecs.decode(value, "unicode_escape")
+
+
 class Tokenizer:
-    def __init__(self, folder: str | Path, mode: str = "auto"):
+    def __init__(self, folder: str | Path, mode: str = "auto",
+                 chat_template: str | None = None):
+        """``chat_template``: a template in place of the checkpoint's (--chat-template)."""
         if mode not in MODES:
             raise ValueError(f"tokenizer mode: must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
@@ -52,7 +82,7 @@ class Tokenizer:
         if cfg_file.is_file():
             with open(cfg_file) as f:
                 self.config = json.load(f)
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template: str | None = chat_template or self.config.get("chat_template")
         tmpl_file = folder / "chat_template.jinja"
         if self.chat_template is None and tmpl_file.is_file():
             self.chat_template = tmpl_file.read_text()
@@ -107,16 +137,18 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        continue_final_message: bool = False, **kwargs: Any
+        continue_final_message: bool = False, chat_template: str | None = None,
+        **kwargs: Any
     ) -> str:
-        """The chat rendered as the model's template says. ``continue_final_message``:
-        the text ends where the last (assistant) message's content ends, so the answer
-        continues it (transformers' cut: what the template puts after it is dropped)."""
-        if self.mode == "deepseek_v4":
+        """The chat rendered as the model's template says (``chat_template``: a request's
+        own, trusted by the caller). ``continue_final_message``: the text ends where the
+        last (assistant) message's content ends, so the answer continues it
+        (transformers' cut: what the template puts after it is dropped)."""
+        if self.mode == "deepseek_v4" and chat_template is None:
             return self._encode_dsv4(messages, add_generation_prompt, continue_final_message,
                                      kwargs)
         text = self._render(messages, add_generation_prompt and not continue_final_message,
-                            **kwargs)
+                            chat_template, **kwargs)
         if not continue_final_message:
             return text
         final = messages[-1].get("content") or ""
@@ -146,23 +178,24 @@ class Tokenizer:
             raise ValueError(f"messages: {e}") from None
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                **kwargs: Any) -> str:
-        if not self.chat_template:
-            raise ValueError("messages: this model's tokenizer has no chat template (a "
-                             "DeepSeek-V4 checkpoint's chats need --tokenizer-mode "
-                             "deepseek_v4)")
-        if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(
-                x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(self.chat_template)
+                chat_template: str | None = None, **kwargs: Any) -> str:
+        if chat_template is not None:  # a request's own (compiled for it alone)
+            try:
+                template = _environment().from_string(chat_template)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"chat_template: not a Jinja template: {e}") from None
+        else:
+            if not self.chat_template:
+                raise ValueError("messages: this model's tokenizer has no chat template (a "
+                                 "DeepSeek-V4 checkpoint's chats need --tokenizer-mode "
+                                 "deepseek_v4, others --chat-template)")
+            if self._template is None:
+                self._template = _environment().from_string(self.chat_template)
+            template = self._template
         reserved = ("messages", "add_generation_prompt", "bos_token", "eos_token")
         kwargs = {k: v for k, v in kwargs.items() if k not in reserved}
         try:
-            return self._template.render(
+            return template.render(
                 **kwargs,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
