@@ -38,6 +38,14 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def read_as(self, names: dict[str, tuple[str, tuple | None]]) -> None:
+        """Read the tensors under other names from now on (``names``: new name -> (the
+        stored name, what to take of it), models.v4_layout's)."""
+        from pdmesh.shared.models.v4_layout import Renamed
+
+        self._where = {new: Renamed(self._where[stored], stored, select)
+                       for new, (stored, select) in names.items()}
+
     def names(self) -> list[str]:
         return list(self._where)
 

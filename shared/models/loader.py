@@ -16,7 +16,7 @@ import torch
 
 from pdmesh.shared.kernels import KernelBackend
 from pdmesh.shared.kernels.quant import QuantExperts, QuantLinear
-from pdmesh.shared.models import quantization
+from pdmesh.shared.models import quantization, v4_layout
 from pdmesh.shared.models.checkpoint import CheckpointReader, open_checkpoint
 from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig, local_config
 from pdmesh.shared.models.deepseek_v4 import (
@@ -425,10 +425,12 @@ def _rope_order(dim: int, rope: int) -> torch.Tensor:
 
 def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
              dev: torch.device) -> V4Weights:
-    if ckpt.has("model.embed_tokens.weight"):
-        raise ValueError("model: this DeepSeek-V4 checkpoint uses transformers' renamed "
-                         "layout; pdmesh loads DeepSeek's own (embed.weight, layers.{i}.attn."
-                         "wq_a.weight, ...), as the official releases ship it")
+    if v4_layout.is_transformers_layout(ckpt.names()):
+        if ckpt.quant is not None:
+            raise ValueError("model: a quantized DeepSeek-V4 checkpoint in transformers' "
+                             "layout (model.layers.{i}.self_attn...) is not read; quantized "
+                             "ones load in DeepSeek's own layout, as modelslim writes them")
+        ckpt.read_as(v4_layout.official_names(ckpt.names(), ckpt.shape))
 
     def f32(name: str) -> torch.Tensor:
         return ckpt.get(name, torch.float32, dev)

@@ -88,7 +88,10 @@ def detect(folder: str | Path, dtypes: dict[str, str]) -> QuantFormat | None:
         if dtype not in FLOAT_DTYPES and name.endswith("weight"):
             return QuantFormat("quantized tensors", f"{name} is stored as {dtype}", None)
     for name in dtypes:
-        if name.endswith(SCALE_SUFFIXES):
+        # (a bare ".scale" is one only beside its weight: DeepSeek-V4's hyper-connection
+        # scales in transformers' layout, "attn_hc.scale", are parameters of their own)
+        if name.endswith(SCALE_SUFFIXES) and (
+                not name.endswith(".scale") or name.removesuffix("scale") + "weight" in dtypes):
             return QuantFormat("quantized tensors", f"it has scale tensors ({name})", None)
     return None
 

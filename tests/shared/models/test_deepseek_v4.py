@@ -206,3 +206,41 @@ def test_routing_matches_transformers_routers(models, shape):
         torch.testing.assert_close(got_w.gather(1, order_g.indices),
                                    want_w.gather(1, order_w.indices), rtol=1e-5, atol=1e-6)
     assert hashed == SHAPES[shape].num_hash_layers
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "state_dict"])
+def test_a_checkpoint_in_transformers_layout_gives_the_official_layout_s_tokens(
+        models, tmp_path, layout):
+    """A fine-tune written by transformers - save_pretrained (DeepSeek's names under
+    ``model.``, ``model.embed_tokens``, ``attn.norm`` for the attention's kv_norm), or its
+    state dict as such (``self_attn.q_a_proj``, ``mlp.experts.gate_up_proj`` fused, ...) -
+    loads under DeepSeek's names and gives the official layout's greedy tokens; its
+    hyper-connection ``.scale`` tensors are not mistaken for quantization scales."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from pdmesh.shared.models.checkpoint import open_checkpoint
+
+    transformers.logging.set_verbosity_error()
+    path = models["default"]  # (a hash layer, CSA and HCA, MTP layers transformers drops)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = tmp_path / layout
+    if layout == "save_pretrained":
+        hf.save_pretrained(out)
+    else:
+        out.mkdir()
+        save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+                  str(out / "model.safetensors"))
+        hf.config.save_pretrained(out)
+    for f in path.glob("tokenizer*"):
+        shutil.copy(f, out)
+    with open_checkpoint(out) as ckpt:
+        names = ckpt.names()
+    assert "model.embed_tokens.weight" in names
+    assert any(".experts.gate_up_proj" in n for n in names) == (layout == "state_dict")
+    sp = Params(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = LLM(str(path), device="cpu", dtype="float32", block_size=16).generate(PROMPTS, sp)
+    got = LLM(str(out), device="cpu", dtype="float32", block_size=16).generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
