@@ -283,7 +283,7 @@ def _translated_line(argv: list[str]) -> list[str]:
         return argv
     if command is None or command.words not in (("sglang",), ("sglang-router",), ("proxy",)):
         return argv
-    from pdmesh.shared.cli.proxy import translate_proxy
+    from pdmesh.services.gateway.proxy_line import translate_proxy
     from pdmesh.shared.cli.sglang import translate, translate_router
 
     name = command.words[0]

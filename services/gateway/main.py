@@ -21,9 +21,9 @@ from pdmesh.services.gateway.chat_output import OutputSettings
 from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_parser_named
 from pdmesh.services.gateway.named import NamedInstances
 from pdmesh.services.gateway.router import Router
-from pdmesh.shared.config.environment import rpc_timeout_s
 from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.infra.registry import Registry
+from pdmesh.shared.infra.timeouts import rpc_timeout_s
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.models.config import ModelConfig
 from pdmesh.shared.models.tokenizer import Tokenizer, load_chat_template
@@ -37,18 +37,7 @@ HTTP_IMPL = "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
 def run(a: ServeConfig) -> int:
-    if a.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes: must be >= 1, got "
-                         f"{a.max_request_body_bytes}")
-    if not a.stall_timeout > 0:
-        raise ValueError(f"--stall-timeout: must be > 0, got {a.stall_timeout}")
-    if not a.instance_grace >= 0:
-        raise ValueError(f"--instance-grace: must be >= 0, got {a.instance_grace}")
-    if not a.request_body_timeout > 0:
-        raise ValueError(f"--request-body-timeout: must be > 0, got {a.request_body_timeout}")
-    if a.enable_auto_tool_choice and not a.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (how the "
-                         "model's tool calls are read)")
+    _check(a)
     in_reasoning = grammar_in_reasoning(a.structured_outputs_config)
     reasoning = reasoning_parser_named(a.structured_outputs_config, a.reasoning_parser)
     key = api_key(a)
@@ -58,14 +47,7 @@ def run(a: ServeConfig) -> int:
                             a.registry_prefix, model_name=name,
                             metrics_names=a.metrics_names)
     with ServiceHost(settings) as host:
-        # the instances a proxy line names (pdmesh proxy), else the registry's
-        named = a.prefill_addresses or a.decode_addresses
-        found = (NamedInstances(a.prefill_addresses, a.decode_addresses) if named
-                 else Registry(a.redis_url, a.registry_prefix))
-        router = Router(found, name,  # type: ignore[arg-type]
-                        offload_threshold=a.prefill_offload_threshold,
-                        decode_tpot_slo_ms=a.decode_tpot_slo_ms,
-                        stall_timeout_s=a.stall_timeout)
+        router = _router(a, name)
         router.start()
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered
@@ -99,6 +81,33 @@ def run(a: ServeConfig) -> int:
         host.ready(model=name)
         server.run(sockets=[sock])
     return 0
+
+
+def _check(a: ServeConfig) -> None:
+    """ValueError naming the flag for a value the gateway cannot run with."""
+    if a.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes: must be >= 1, got "
+                         f"{a.max_request_body_bytes}")
+    if not a.stall_timeout > 0:
+        raise ValueError(f"--stall-timeout: must be > 0, got {a.stall_timeout}")
+    if not a.instance_grace >= 0:
+        raise ValueError(f"--instance-grace: must be >= 0, got {a.instance_grace}")
+    if not a.request_body_timeout > 0:
+        raise ValueError(f"--request-body-timeout: must be > 0, got {a.request_body_timeout}")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (how the "
+                         "model's tool calls are read)")
+
+
+def _router(a: ServeConfig, name: str) -> Router:
+    """The router over the instances a proxy line names (pdmesh proxy), else over the
+    registry's."""
+    named = a.prefill_addresses or a.decode_addresses
+    found = (NamedInstances(a.prefill_addresses, a.decode_addresses) if named
+             else Registry(a.redis_url, a.registry_prefix))
+    return Router(found, name,  # type: ignore[arg-type]
+                  offload_threshold=a.prefill_offload_threshold,
+                  decode_tpot_slo_ms=a.decode_tpot_slo_ms, stall_timeout_s=a.stall_timeout)
 
 
 class _Uvicorn(uvicorn.Server):

@@ -177,6 +177,17 @@ class _Loaded:
             setup_finegrained(config, model, model_cfg, fine, joined=loaded.ep is not None,
                               device=device)
         loaded.lockstep = loaded.ep is not None or fine is not None
+        if (config.dyntra_lb is not None and not loaded.lockstep and model.moe_layers
+                and config.data_parallel_size > 1 and tp_ranks is None):
+            # vLLM-Ascend runs its DP engine core (ranks in lockstep) for a MoE model
+            # without expert parallelism too, and DyntraLB plans there
+            from pdmesh.shared.parallel.expert_parallel import init_group
+
+            init_group(config.data_parallel_rank, config.data_parallel_size,
+                       config.data_parallel_address, device)
+            loaded.lockstep = True
+            log.info("engine: DP ranks in lockstep for DyntraLB (a MoE model without "
+                     "expert parallelism, as vLLM-Ascend's DP engine core runs it)")
         if config.expert_load_window and model.moe_layers:
             model.load_recorder = ExpertLoadRecorder(
                 len(model.moe_layers), model_config.moe.num_experts,
@@ -262,11 +273,13 @@ def _proposer(spec: SpeculativeConfig, loaded: _Loaded, caches: _Caches,
 def _dyntralb(config: EngineConfig, loaded: _Loaded) -> DyntraLB | None:
     if config.dyntra_lb is None:
         return None
-    if loaded.ep is None:
-        # vLLM-Ascend plans only on DP ranks that step together (MoE models); a dense
-        # model keeps its scheduler class there and never plans either
-        log.warning("dyntra_lb_config: ranks that do not step in lockstep (no expert "
-                    "parallelism) have no DP bubble to balance; DyntraLB is inactive")
+    if not loaded.lockstep:
+        # vLLM-Ascend plans only on DP ranks that step together (its DP engine core, which
+        # MoE models run); a dense model keeps its scheduler class there and never plans
+        log.warning("dyntra_lb_config: without effect: these DP ranks do not step together "
+                    "(%s), so they have no bubble to balance",
+                    "tensor-parallel ranks without expert parallelism" if loaded.tp_ranks
+                    else "a dense model, as vLLM-Ascend runs it")
         return None
     return DyntraLB(config.dyntra_lb, config.data_parallel_rank, config.data_parallel_size,
                     config.block_size, config.max_num_seqs)

@@ -30,8 +30,11 @@ prefetched ones (a planning step starts the pool reads of up to 2 x max_num_seqs
 running waiting requests, without seats), and those with nothing to read.
 
 Planning happens between the engine steps of a busy period (a "wave"): from step
-``start_step`` of each wave (counted from 1, restarting after every moment all ranks
-are idle) to ``end_step``; in "dynamic" mode only once a request longer than
+``start_step`` of each wave to ``end_step``. Steps count as vLLM's DP engine core counts
+them: from 1, every step of the lockstep, and on once all ranks are idle (its dummy
+steps, planned too) until the next multiple of 32, where it checks that every rank is
+done and the count restarts; a request arriving before that continues the wave. In
+"dynamic" mode planning starts only once a request longer than
 ``long_req_block_threshold`` blocks has been added on some rank, and until
 ``dynamic_max_step`` planning steps passed without another. vLLM-Ascend snapshots after
 a step and applies the plan in the next; pdmesh snapshots just before that next step
@@ -49,6 +52,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# vLLM's DP engine core checks that every rank is done only every this many steps
+FINISH_SYNC_STEPS = 32
 # vLLM-Ascend's step-latency model: fixed overhead + per KV block of the heaviest rank
 STEP_FIXED = 20000
 STEP_PER_BLOCK = 19.2
@@ -287,6 +292,13 @@ class DyntraLB:
         """A busy step that does not plan: no plan in force."""
         scheduler.set_lb_plan(None)
 
+    def wave_goes_on(self) -> bool:
+        """Every rank is idle: whether vLLM's DP engine core would still be stepping -
+        dummy steps, counted and planned, until the count reaches a multiple of
+        FINISH_SYNC_STEPS - so this moment is such a step; at the multiple the wave
+        ends (``end_wave``)."""
+        return self.wave_steps % FINISH_SYNC_STEPS != 0
+
     def end_wave(self, scheduler) -> None:
         """Every rank is idle: the step count restarts, no plan stays in force."""
         self.wave_steps = 0
@@ -300,6 +312,7 @@ class DyntraLB:
         pool reads of up to 2 x max_num_seqs - running waiting requests start (only
         requests whose KV is here are candidates)."""
         bs, slots = self.block_size, 2 * self.max_num_seqs
+        scheduler.collect_loads()
         scheduler.prefetch_kv(slots - len(scheduler.running))
         running = [blocks_of(r.num_tokens, bs) for r in scheduler.running][:slots]
         candidates = scheduler.lb_candidates()

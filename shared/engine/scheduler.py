@@ -15,7 +15,8 @@ steps (chunked prefill). ``schedule()`` runs these passes, in order, over one ``
     preemption  a running request that cannot get a block preempts the policy's victim:
                 its blocks are freed and it waits to be recomputed (or, recompute
                 elsewhere, is handed back); memory is then tight: nothing new is admitted
-    resume      requests whose KV is here, paused then prefetched, get a seat again
+    resume      requests whose KV is here, prefetched then paused (newest first), get a
+                seat again
     admission   waiting requests, in the policy's order (the balancer's picks while its
                 plan is in force), while seats (``max_num_seqs``) and blocks last; each
                 takes its local prefix-cache hits, and what the KV pool holds beyond
@@ -145,7 +146,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemptions = 0  # since start, for metrics and tests
         self.priority_preemptions = 0  # ... of them, to admit a request of higher priority
-        # DyntraLB: paused requests (out of ``running``, blocks kept; oldest first), the
+        # DyntraLB: paused requests (out of ``running``, blocks kept; in pause order), the
         # candidates its last snapshot listed, the plan to apply at the next schedule,
         # and the requests that plan lets in (None: any).
         self.paused: list[Request] = []
@@ -393,11 +394,22 @@ class Scheduler:
 
     # -- pausing and plans (DyntraLB) ---------------------------------------------------
     def lb_candidates(self) -> list[Request]:
-        """What this rank could admit, in the order it would: paused and prefetched
-        requests (their KV is here), then the waiting queue, less the requests past the
-        prefetch limit (``prefetch_kv``)."""
-        return [*self.paused, *self.ready,
-                *(r for r in self.waiting if id(r) not in self._not_ready)]
+        """What this rank could admit, in the order it would (vLLM-Ascend's schedule
+        order): prefetched requests whose KV is in (its skipped-waiting queue), paused
+        ones newest first (each pause goes to the head of its waiting queue), then the
+        waiting queue, less the requests past the prefetch limit (``prefetch_kv``)."""
+        return [*self._resumable(), *(r for r in self.waiting if id(r) not in self._not_ready)]
+
+    def _resumable(self) -> list[Request]:
+        """Requests whose KV is here, in admission order: prefetched, then paused (the
+        newest pause first)."""
+        return [*self.ready, *reversed(self.paused)]
+
+    def collect_loads(self) -> None:
+        """Pool loads done since the last step join now (a planning step's snapshot sees
+        them, as vLLM-Ascend's refresh of its blocked requests does)."""
+        if self.loads.pending:
+            self._finish_loads()
 
     def prefetch_kv(self, limit: int) -> None:
         """vLLM-Ascend's DyntraLB prefetch: start the pool reads of up to ``limit`` fresh
@@ -456,10 +468,10 @@ class Scheduler:
         self._lb_admit = chosen
 
     def _resume_paused(self, step: _Step) -> None:
-        """The resume pass: requests whose KV is here first, paused (oldest first) then
-        prefetched: a seat and their next tokens' blocks."""
+        """The resume pass: requests whose KV is here first, prefetched then paused (the
+        newest pause first): a seat and their next tokens' blocks."""
         chosen = self._lb_admit
-        for req in [*self.paused, *self.ready]:
+        for req in self._resumable():
             if step.budget <= 0 or self._seats_taken >= self.max_num_seqs:
                 break
             if chosen is not None and id(req) not in chosen:

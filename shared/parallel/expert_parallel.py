@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from pdmesh.shared.config.environment import collective_timeout_s
+from pdmesh.shared.infra.timeouts import collective_timeout_s
 from pdmesh.shared.kernels.quant import (
     QuantExperts,
     expert_tensors,

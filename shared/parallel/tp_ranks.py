@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pdmesh.shared.config.environment import collective_timeout_s
+from pdmesh.shared.infra.timeouts import collective_timeout_s
 from pdmesh.shared.parallel.expert_parallel import dist_backend
 
 log = logging.getLogger(__name__)

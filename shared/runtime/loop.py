@@ -284,6 +284,12 @@ class EngineLoop:
                 self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
             if not flags[0]:
                 if lb is not None and lb.wave_steps:
+                    # (vLLM's DP engine core steps on, dummy steps counted and planned,
+                    # until its every-32nd-step check that all ranks are done: a request
+                    # arriving before that continues the wave)
+                    if lb.wave_goes_on():
+                        self._balance(lb, int(flags[5:].max()), world)
+                        continue
                     lb.end_wave(self.engine.scheduler)
                 self._idle(0.005)
                 continue

@@ -198,3 +198,69 @@ def test_plan_step_applies_this_ranks_moves_and_logs_on_rank_0(caplog):
     with caplog.at_level("INFO", logger="pdmesh.shared.engine.dyntralb"):
         quiet.plan_step(make(), [lb.snapshot(s), other])
     assert "modifications" not in caplog.text  # diagnostics on rank 0 only
+
+
+def test_a_wave_ends_at_vllm_s_every_32nd_step_check_and_its_idle_steps_count():
+    """Once every rank is idle, vLLM's DP engine core keeps stepping (dummy steps,
+    counted and planned) until its step count is a multiple of 32, where it checks that
+    all ranks are done and the count restarts; a request arriving before that
+    continues the wave, with the count it had."""
+    lb = DyntraLB(_Cfg(start_step=25), rank=0, world=2, block_size=4, max_num_seqs=4)
+    busy = steps_planned(lb, [0] * 5)
+    assert not any(busy) and lb.wave_steps == 5
+    tail = []
+    while lb.wave_goes_on():  # every rank idle: dummy steps, planned from step 25 on
+        tail.append(lb.begin_step(0))
+    assert len(tail) == 27 and lb.wave_steps == 32 and tail.count(True) == 7  # 25..31
+    lb.end_wave(make())
+    assert lb.wave_steps == 0
+    # a burst of 20, an idle moment of 3 dummy steps, then a request: the same wave goes
+    # on, so its steps 23, 24, 25, 26 follow (a restart would count from 0 again)
+    steps_planned(lb, [0] * 20)
+    for _ in range(3):
+        assert lb.wave_goes_on()
+        lb.begin_step(0)
+    assert steps_planned(lb, [0] * 4) == [False, False, True, True]
+
+
+def test_candidates_are_prefetched_then_paused_newest_first_then_waiting():
+    """vLLM-Ascend's schedule order: its skipped-waiting queue (prefetched requests whose
+    KV is in) before its waiting queue, where each pause goes to the head - so the
+    newest pause comes back first; a planning step's snapshot sees loads finished
+    since the last step (as its refresh of blocked requests does)."""
+    s = make(budget=64, block_size=4, max_seqs=4)
+    a, b, c = req("a", 8), req("b", 3), req("c", 6)
+    for r in (a, b, c):
+        s.add(r)
+    run_step(s)
+    s.pause("a")
+    s.pause("c")
+    d = req("d", 5)
+    s.add(d)
+    assert s.lb_candidates() == [c, a, d]
+    s.set_lb_plan(None)
+    out, _ = run_step(s)  # no plan: the paused come back, the newest first
+    assert out.requests[-3:] == [c, a, d] and not s.paused
+
+
+def test_a_finished_prefetch_joins_the_same_planning_step_s_snapshot():
+    """A pool load that finished between two steps is collected before the snapshot
+    (``collect_loads``), not at the next step's schedule."""
+    calls = []
+
+    class _Scheduler:
+        running: list = []
+        lb_snapshot: list = []
+
+        def collect_loads(self):
+            calls.append("collect")
+
+        def prefetch_kv(self, limit):
+            calls.append("prefetch")
+
+        def lb_candidates(self):
+            calls.append("candidates")
+            return []
+
+    DyntraLB(_Cfg(), rank=0, world=2, block_size=4, max_num_seqs=2).snapshot(_Scheduler())
+    assert calls == ["collect", "prefetch", "candidates"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdmesh.cli import parse_args
-from pdmesh.shared.cli.proxy import translate_proxy
+from pdmesh.services.gateway.proxy_line import translate_proxy
 
 
 def test_the_recipe_s_proxy_line_becomes_a_gateway_dialling_its_nodes():
