@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm", "lof", "random")
 
 
 @dataclass(frozen=True)

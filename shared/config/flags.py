@@ -248,6 +248,10 @@ FLAGS: list[Flag] = [
              '"kv_producer" | "kv_consumer" | "kv_both", ...}'),
             ("--additional-config", "str", "{}", "vLLM-Ascend's additional config (JSON), "
              "validated strictly"),
+            ("--schedule-policy", "str", None, "SGLang's waiting-queue order: fcfs, lpm "
+             "(longest cached prefix first), lof (longest output first), random; dfs-weight "
+             "is read as lpm (default: --scheduling-policy's)",
+             {"choices": ("fcfs", "lpm", "dfs-weight", "lof", "random")}),
             ("--enable-priority-scheduling", "bool", False, "schedule by priority, larger "
              "values first (SGLang's order)"),
             ("--schedule-low-priority-values-first", "bool", False, "with "

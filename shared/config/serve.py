@@ -298,8 +298,17 @@ def priority_scheduling(f: Any) -> PrioritySettings:
     default = f.default_priority_value
     if default is None:
         default = (sys.maxsize if low_first else -sys.maxsize - 1) if sglang else 0
+    order = getattr(f, "schedule_policy", None)  # SGLang's queue order
+    if order is not None and (sglang or vllm):
+        warnings += (f"--schedule-policy {order}: without effect (priority scheduling "
+                     "orders the queue)",)
     if not (sglang or vllm):
-        return PrioritySettings(f.scheduling_policy, True, None, default, warnings)
+        policy = f.scheduling_policy
+        if order == "dfs-weight":  # (its radix-tree walk groups shared prefixes: lpm's aim)
+            warnings += ("--schedule-policy dfs-weight: read as lpm (longest cached prefix "
+                         "first)",)
+            order = "lpm"
+        return PrioritySettings(order or policy, True, None, default, warnings)
     preempt = sglang and not f.disable_priority_preemption
     return PrioritySettings("priority", low_first or not sglang,
                             threshold if preempt else None, default, warnings)

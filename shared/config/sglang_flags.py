@@ -26,7 +26,6 @@ WITHOUT_EFFECT: tuple[tuple, ...] = (
     ("--nccl-port", "int"),
     ("--prefill-max-requests", "int"),
     ("--max-total-tokens", "int"),
-    ("--schedule-policy", "str"),
     ("--schedule-conservativeness", "float"),
     ("--stream-interval", "int"),
     ("--stream-output", "bool"),

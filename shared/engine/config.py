@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB, when nothing else is said on a CPU
-SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first")  # pdmesh.shared.engine.policy
+# pdmesh.shared.engine.policy (lpm, lof, random: SGLang's --schedule-policy)
+SCHEDULING_POLICIES = ("fcfs", "priority", "short_request_first", "lpm", "lof", "random")
 QUANTIZATIONS = (None, "ascend", "modelslim", "fp8")  # pdmesh.shared.models.quantization
 KV_CACHE_DTYPES = ("auto", "int8")
 

@@ -5,6 +5,9 @@ A policy is an object the scheduler asks, never a branch inside the scheduler:
     fcfs                 arrival order
     priority             by the request's ``priority``, lower or larger values first
     short_request_first  vLLM-Ascend's ShortRequestFirst lanes (short prompts first)
+    lpm, lof, random     SGLang's --schedule-policy: longest cached prefix first (with its
+                         in-batch deprioritisation), longest output first, shuffled;
+                         ordered again before each step's admission (``reorder``)
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import random
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -299,8 +303,75 @@ class ShortRequestFirstPolicy(SchedulingPolicy):
         return running[-1]
 
 
+class _Reordered(FCFSPolicy):
+    """A queue in arrival order that the scheduler has ordered again before each
+    step's admission (``reorder``, given how many prompt tokens of a request the prefix
+    cache holds); a preempted request goes first until then."""
+
+    def reorder(self, cached_tokens: Callable[[Request], int]) -> None:
+        """Sort the queue in place (stable: arrival order breaks ties)."""
+
+
+class LongestPrefixMatchPolicy(_Reordered):
+    """SGLang's lpm (``schedule_policy.py``): the request with the most prompt tokens in
+    the prefix cache first. One whose cached prefix is short (<= ``check`` tokens) but
+    that shares at least ``shared`` tokens with a request ahead of it waits behind the
+    rest this step (its prefix is computed by that one, then a hit: SGLang's in-batch
+    prefix caching). Past ``max_sorted`` waiting requests it is fcfs, as SGLang's."""
+
+    def __init__(self, block_size: int = 16, check: int = 32, shared: int = 32,
+                 max_sorted: int = 128):
+        super().__init__()
+        self.block_size = block_size
+        self.check, self.shared, self.max_sorted = check, shared, max_sorted
+
+    def reorder(self, cached_tokens: Callable[[Request], int]) -> None:
+        if len(self._queue) > self.max_sorted:
+            return
+        cached = {id(r): cached_tokens(r) for r in self._queue}
+        seen: set[bytes] = set()
+        later: set[int] = set()
+        for r in self._queue:
+            if cached[id(r)] > self.check:
+                continue
+            shared = 0  # (the block hashes: cached_tokens computed them)
+            for h in r.block_hashes:
+                if h not in seen:
+                    break
+                shared += self.block_size
+            if shared >= self.shared:
+                later.add(id(r))
+            else:
+                seen.update(r.block_hashes)
+        self._queue = deque(sorted(self._queue, key=lambda r: (
+            id(r) in later, -cached[id(r)])))
+
+
+class LongestOutputFirstPolicy(_Reordered):
+    """SGLang's lof: the largest max_tokens first."""
+
+    def reorder(self, cached_tokens: Callable[[Request], int]) -> None:
+        self._queue = deque(sorted(self._queue,
+                                   key=lambda r: -(r.sampling_params.max_tokens or 0)))
+
+
+class RandomPolicy(_Reordered):
+    """SGLang's random: the queue shuffled before each admission (seeded)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self._rng = random.Random(seed)
+
+    def reorder(self, cached_tokens: Callable[[Request], int]) -> None:
+        order = list(self._queue)
+        self._rng.shuffle(order)
+        self._queue = deque(order)
+
+
 POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy,
-            "short_request_first": ShortRequestFirstPolicy}
+            "short_request_first": ShortRequestFirstPolicy,
+            "lpm": LongestPrefixMatchPolicy, "lof": LongestOutputFirstPolicy,
+            "random": RandomPolicy}
 
 
 def make_policy(name: str) -> SchedulingPolicy:
@@ -318,4 +389,8 @@ def policy_from_config(config: EngineConfig) -> SchedulingPolicy:
     if config.scheduling_policy == "short_request_first":
         return ShortRequestFirstPolicy(config.short_request_threshold,
                                        config.short_request_long_max_wait_ms)
+    if config.scheduling_policy == "lpm":
+        return LongestPrefixMatchPolicy(config.block_size)
+    if config.scheduling_policy == "random":
+        return RandomPolicy(config.seed)
     return make_policy(config.scheduling_policy)

@@ -200,6 +200,9 @@ class Scheduler:
         if step.out.preempted:
             return step.out  # memory is tight: admit nothing new this step
         self._resume_paused(step)
+        reorder = getattr(self.waiting, "reorder", None)
+        if reorder is not None and self._lb_admit is None and len(self.waiting) > 1:
+            reorder(self._cached_tokens)  # (SGLang's lpm, lof, random)
         self._admit_waiting(step)
         if step.out.is_empty and self.loading:  # nothing to compute but loads: wait a little
             self.loads.wait(timeout=0.005)
@@ -310,6 +313,13 @@ class Scheduler:
         self._start_running(req)
         step.take(req, n, chunk)
         return True
+
+    def _cached_tokens(self, req: Request) -> int:
+        """Prompt tokens of a waiting ``req`` the local prefix cache holds (none for one
+        that computed some already)."""
+        if req.num_computed_tokens or req.wants_prompt_logprobs:
+            return 0
+        return self.kv.find_cached_prefix(req).num_blocks * self.kv.block_size
 
     def _look_up_prompt(self, req: Request) -> _PromptSources:
         """``req``'s prompt in the local prefix cache, and past its hits in the pool.
