@@ -63,7 +63,7 @@ def run(a: ServeConfig) -> int:
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
                              api_key=key, max_queued_requests=a.max_queued_requests,
                              tracing=tracing,
-                             log_requests=a.log_requests_level if a.log_requests else None,
+                             log_requests=a.log_requests_level if a.enable_log_requests else None,
                              max_body_bytes=a.max_request_body_bytes,
                              body_timeout_s=a.request_body_timeout,
                              stall_timeout_s=a.stall_timeout,

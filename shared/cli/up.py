@@ -50,6 +50,7 @@ DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
                  "--tokenizer-mode", "--tokenizer", "--chat-template",
                  "--trust-request-chat-template", "--structured-outputs-config",
+                 "--enable-log-requests", "--log-requests-level",
                  "--enable-force-include-usage", "--enable-prompt-tokens-details")
 
 

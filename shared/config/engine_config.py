@@ -26,13 +26,24 @@ def engine_config(f: Any) -> EngineConfig:
         max_num_batched_tokens=step_tokens(f),
         enable_prefix_caching=f.enable_prefix_caching and not getattr(
             f, "disable_radix_cache", False),
-        scheduling_policy=f.scheduling_policy, num_kv_blocks=f.num_kv_blocks,
+        scheduling_policy=f.scheduling_policy, num_kv_blocks=kv_blocks(f),
         kv_cache_memory_bytes=f.kv_cache_memory_bytes,
         gpu_memory_utilization=f.gpu_memory_utilization,
         enforce_eager=getattr(f, "enforce_eager", False) or getattr(f, "disable_cuda_graph",
                                                                     False),
         compilation_config=compilation_config(f),
         cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False))
+
+
+def kv_blocks(f: Any) -> int | None:
+    """--num-kv-blocks, else SGLang's --max-total-tokens (the KV pool's size in tokens)
+    as blocks, the null block besides."""
+    tokens = getattr(f, "max_total_tokens", None)
+    if f.num_kv_blocks is not None or tokens is None:
+        return f.num_kv_blocks
+    if tokens < 1:
+        raise ValueError(f"--max-total-tokens: must be >= 1, got {tokens}")
+    return -(-tokens // f.block_size) + 1
 
 
 def compilation_config(f: Any) -> dict[str, Any] | None:

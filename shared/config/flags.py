@@ -177,6 +177,8 @@ FLAGS: list[Flag] = [
              "fcfs, or priority (lower values first)", {"choices": ("fcfs", "priority")}),
             ("--num-kv-blocks", "int", ENGINE_DEFAULT["num_kv_blocks"],
              "KV cache size in blocks (overrides the sizing)"),
+            ("--max-total-tokens", "int", None, "KV cache size in tokens (SGLang's; "
+             "--num-kv-blocks wins)"),
             ("--kv-cache-memory-bytes", "int", ENGINE_DEFAULT["kv_cache_memory_bytes"],
              "KV cache size in bytes (CPU default: up to 1 GiB)"),
             ("--gpu-memory-utilization", "float", ENGINE_DEFAULT["gpu_memory_utilization"],
@@ -347,10 +349,12 @@ FLAGS: list[Flag] = [
          "gateway, or with no prefill instance up) in chunks that keep its steps under this "
          "many ms, by the step costs it measures, and the gateway offloads a prompt to it "
          "only if that chunk beside its decode rows fits (by the costs it publishes)"),
-    *_flags({"gateway"},
-            ("--log-requests", "bool", False, "log every finished request"),
-            ("--log-requests-level", "int", 2, "0 metadata, 1 + sampling parameters, 2 + the "
-             "start of the input and output, 3 + all of them", {"choices": (0, 1, 2, 3)})),
+    Flag("--enable-log-requests", "bool", ENGINE_LINE | {"gateway", "up"}, False,
+         "the gateway logs every finished request (SGLang's --log-requests)",
+         aliases=("--log-requests",), effect=AT_THE_GATEWAY),
+    Flag("--log-requests-level", "int", ENGINE_LINE | {"gateway", "up"}, 2,
+         "0 metadata, 1 + sampling parameters, 2 + the start of the input and output, 3 + "
+         "all of them", choices=(0, 1, 2, 3), effect=AT_THE_GATEWAY),
     # -- the kvstore --------------------------------------------------------------------
     *_flags({"kvstore"},
             ("--master-port", "int", 0, "the Mooncake master's RPC port (0: a free one)"),
@@ -418,7 +422,6 @@ FLAGS: list[Flag] = [
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--disable-log-stats", "bool"),
-             ("--enable-log-requests", "bool", ("--log-requests",)),
              ("--uvicorn-log-level", "str"), ("--generation-config", "str"),
              ("--hf-overrides", "json"), ("--load-format", "str"), ("--download-dir", "str"),
              ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),

@@ -456,6 +456,7 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
                             prefix, "--log-dir", str(tmp_path), "--enable-auto-tool-choice",
                             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                             "--structured-outputs-config", '{"enable_in_reasoning": true}',
+                            "--log-requests", "--log-requests-level", "0",
                             "--engine-args", "--device cpu --block-size 16 "
                             "--pool-segment-mb 64")
     try:
@@ -473,6 +474,14 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
         assert msg.reasoning == "\nthe user asks for the weather\n"
         assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [
             ("get_weather", '{"city": "Oslo"}')]
+        # --log-requests (SGLang's spelling of vLLM's --enable-log-requests): the gateway
+        # logs each finished request
+        deadline = time.monotonic() + 10
+        logged = ""
+        while f"request {r.id} finished" not in logged and time.monotonic() < deadline:
+            time.sleep(0.2)
+            logged = "".join(p.read_text() for p in tmp_path.glob("gateway-*.log"))
+        assert f"request {r.id} finished" in logged, logged[-2000:]
     finally:
         shut(proc, prefix)
 

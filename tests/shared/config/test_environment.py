@@ -114,3 +114,4 @@ def _collective_waits(rank: int, world: int, address: str) -> float:
 def test_vllm_execute_model_timeout_bounds_a_rank_s_wait_for_the_others():
     waited = run_ranks(_collective_waits, 2, timeout_s=60)[0]
     assert 1.5 <= waited < 7, waited
+

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from pdmesh.shared.config.serve import serve_config
+
 
 def start(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pdmesh", *args], capture_output=True,
@@ -41,3 +43,15 @@ def test_vllm_flags_without_effect_are_accepted(qwen3_path):
     assert r.returncode == 2, r.stderr
     assert "kvstore" in r.stderr and "unrecognized" not in r.stderr
     assert "--pipeline-parallel-size" in r.stderr and "--trust-remote-code" in r.stderr
+
+
+def test_sglang_max_total_tokens_sizes_the_kv_cache(tmp_path):
+    c = serve_config("serve", [str(tmp_path), "--max-total-tokens", "1000", "--block-size",
+                               "16"], env={}, device="cpu")
+    assert c.engine.num_kv_blocks == 64  # 63 blocks of 16 tokens, and the null block
+    both = serve_config("serve", [str(tmp_path), "--max-total-tokens", "1000",
+                                  "--num-kv-blocks", "9"], env={}, device="cpu")
+    assert both.engine.num_kv_blocks == 9
+    with pytest.raises(ValueError, match="--max-total-tokens"):
+        serve_config("serve", [str(tmp_path), "--max-total-tokens", "0"], env={},
+                     device="cpu")
