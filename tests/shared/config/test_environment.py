@@ -98,7 +98,7 @@ def _collective_waits(rank: int, world: int, address: str) -> float:
 
     from pdmesh.shared.parallel.expert_parallel import init_group
 
-    os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "2"
+    os.environ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "1"
     init_group(rank, world, address, "cpu")
     import torch
 
@@ -107,11 +107,11 @@ def _collective_waits(rank: int, world: int, address: str) -> float:
         with pytest.raises(RuntimeError):
             dist.all_reduce(torch.ones(1))
         return time.monotonic() - start
-    time.sleep(8)
+    time.sleep(3)
     return 0.0
 
 
 def test_vllm_execute_model_timeout_bounds_a_rank_s_wait_for_the_others():
     waited = run_ranks(_collective_waits, 2, timeout_s=60)[0]
-    assert 1.5 <= waited < 7, waited
+    assert 0.8 <= waited < 2.9, waited  # (the default would be 120 s)
 

@@ -441,14 +441,24 @@ def test_finegrained_tp_splits_w8a8_dynamic_weights_with_their_scales(tiny_model
 
 
 def test_finegrained_tp_refuses_static_w8a8_split_by_its_input(tiny_models, tmp_path):
+    """At load, before any weight is read or any rank joined (each DP rank loads its
+    slices as this does)."""
     from pdmesh.shared.cli.quantize import quantize_checkpoint
+    from pdmesh.shared.kernels import get_backend
+    from pdmesh.shared.models.loader import load_model
+    from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
 
     out = tmp_path / "w8a8"
     quantize_checkpoint(tiny_models["qwen3"], out, "w8a8")
-    with pytest.raises(RuntimeError, match=r"finegrained_tp_config\.oproj_tensor_parallel_size: "
-                                           r"static W8A8 weights split by their input"):
-        run_fine(str(out), {"oproj_tensor_parallel_size": 2}, False,
-                 [PROMPTS[:1], PROMPTS[1:2]], {"quantization": "ascend"})
+    for key in ("oproj", "mlp"):
+        fine = FineGrainedLayout.from_config({f"{key}_tensor_parallel_size": 2}, 0, 2)
+        with pytest.raises(ValueError, match=rf"finegrained_tp_config\.{key}_tensor_parallel_"
+                                             r"size: static W8A8 weights split by their input"):
+            load_model(out, get_backend("cpu"), torch.float32, quantization_flag="ascend",
+                       fine=fine)
+    # embedding and lm_head are split by vocabulary rows: static W8A8 loads
+    fine = FineGrainedLayout.from_config({"embedding_tensor_parallel_size": 2}, 0, 2)
+    load_model(out, get_backend("cpu"), torch.float32, quantization_flag="ascend", fine=fine)
 
 
 @pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "w8a8_dynamic"),
