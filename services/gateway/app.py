@@ -93,6 +93,8 @@ class GatewayState:
     stall_timeout_s: float = 10.0  # --stall-timeout
     rpc_timeout_s: float = 600.0  # VLLM_RPC_TIMEOUT: a prefill call, a decode stream's silence
     trust_request_chat_template: bool = False  # --trust-request-chat-template
+    # what a request's unset sampling fields take (--generation-config and its overrides)
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     model_path: str = ""  # the model as given (--model): a model card's root, as vLLM's
     instance_grace_s: float = 15.0  # --instance-grace
     output: OutputSettings = OutputSettings()  # the chat output's parsers
@@ -335,7 +337,7 @@ class Gateway:
         if bad is not None:
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        params = body.to_sampling(context - len(prompt))
+        params = body.to_sampling(context - len(prompt), self.state.sampling_defaults)
         grammar = None
         if wants_grammar(body):  # compiled off the event loop: a schema can be large
             grammar = await asyncio.to_thread(grammar_for, body, self._accepts)

@@ -22,6 +22,7 @@ from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_
 from pdmesh.services.gateway.named import NamedInstances
 from pdmesh.services.gateway.router import Router
 from pdmesh.shared.config.serve import ServeConfig, api_key
+from pdmesh.shared.engine.generation_defaults import default_sampling
 from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.infra.timeouts import rpc_timeout_s
 from pdmesh.shared.infra.tracing import Tracing
@@ -57,6 +58,7 @@ def run(a: ServeConfig) -> int:
                                 grammar_in_reasoning=in_reasoning)
         tokenizer = Tokenizer(a.tokenizer or a.model, a.tokenizer_mode,
                               load_chat_template(a.chat_template))
+        defaults = _sampling_defaults(a)
         state = GatewayState(tokenizer=tokenizer, router=router,
                              model_name=name, output=output, model_path=str(a.model),
                              model_names=a.served_model_name or (name,),
@@ -69,6 +71,7 @@ def run(a: ServeConfig) -> int:
                              stall_timeout_s=a.stall_timeout,
                              rpc_timeout_s=rpc_timeout_s(),
                              trust_request_chat_template=a.trust_request_chat_template,
+                             sampling_defaults=defaults,
                              instance_grace_s=a.instance_grace,
                              metrics_names=a.metrics_names,
                              eos_token_ids=cfg.eos_token_ids,
@@ -97,6 +100,21 @@ def _check(a: ServeConfig) -> None:
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (how the "
                          "model's tool calls are read)")
+
+
+def _sampling_defaults(a: ServeConfig) -> dict:
+    """A request's default sampling fields (vLLM's --generation-config, said at start-up
+    as vLLM says it)."""
+    defaults, warnings = default_sampling(a.model, a.generation_config,
+                                          a.override_generation_config,
+                                          a.preferred_sampling_params)
+    for w in warnings:
+        log.warning("%s", w)
+    if defaults:
+        log.warning("default sampling parameters from the model's generation config (and "
+                    "the overrides): %s; relaunch with --generation-config vllm for "
+                    "none", defaults)
+    return defaults
 
 
 def _router(a: ServeConfig, name: str) -> Router:

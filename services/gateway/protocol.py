@@ -199,17 +199,29 @@ class _Base(BaseModel):
     def prompt_logprobs_n(self) -> int | None:
         return self.prompt_logprobs
 
-    def to_sampling(self, room: int) -> SamplingParams:
+    def to_sampling(self, room: int, defaults: dict[str, Any] | None = None
+                    ) -> SamplingParams:
         """The engine's parameters; ``room``: the tokens the context has left, which a
-        default max_tokens is cut to (one asked for past it is refused before this)."""
+        default max_tokens is cut to (one asked for past it is refused before this);
+        ``defaults``: what a field the request leaves out takes (the model's generation
+        config, as vLLM serves it: shared/engine/generation_defaults.py)."""
+        d = defaults or {}
+
+        def given(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else d.get(name, fallback)
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+            temperature=given(self.temperature, "temperature", 1.0),
+            top_p=given(self.top_p, "top_p", 1.0),
+            top_k=given(self.top_k, "top_k", 0), min_p=given(self.min_p, "min_p", 0.0),
+            seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=given(self.repetition_penalty, "repetition_penalty", 1.0),
             stop_token_ids=self.stop_token_ids or [],
-            max_tokens=min(self.effective_max_tokens() or room, room),
+            # (vLLM's get_max_tokens: the least of what is asked, the room left and the
+            # generation config's max_new_tokens, which caps an asked one too)
+            max_tokens=min(v for v in (self.effective_max_tokens() or room, room,
+                                       d.get("max_tokens")) if v is not None),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=self.top_logprobs_n(), skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=self.prompt_logprobs_n())

@@ -50,7 +50,8 @@ DEMO_MODEL = Path(".cache/models/tiny-qwen3")
 SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
                  "--tokenizer-mode", "--tokenizer", "--chat-template",
                  "--trust-request-chat-template", "--structured-outputs-config",
-                 "--enable-log-requests", "--log-requests-level",
+                 "--enable-log-requests", "--log-requests-level", "--generation-config",
+                 "--override-generation-config", "--preferred-sampling-params",
                  "--enable-force-include-usage", "--enable-prompt-tokens-details")
 
 

@@ -319,6 +319,16 @@ FLAGS: list[Flag] = [
     Flag("--trust-request-chat-template", "bool", ENGINE_LINE | {"gateway", "up"}, False,
          "a chat request may bring its own chat_template (refused with a 400 otherwise, "
          "as vLLM does)", effect=AT_THE_GATEWAY),
+    Flag("--generation-config", "str", ENGINE_LINE | {"gateway", "up"}, "auto",
+         "where a request's unset sampling fields take their defaults: auto (the model's "
+         "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+         "max_new_tokens), vllm (none), or a folder's", effect=AT_THE_GATEWAY),
+    Flag("--override-generation-config", "json", ENGINE_LINE | {"gateway", "up"}, None,
+         "those defaults set or overridden (JSON, e.g. {\"temperature\": 0.5})",
+         effect=AT_THE_GATEWAY),
+    Flag("--preferred-sampling-params", "json", ENGINE_LINE | {"gateway", "up"}, None,
+         "SGLang's: default sampling parameters (JSON), over the others",
+         effect=AT_THE_GATEWAY),
     Flag("--tokenizer", "str", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["tokenizer"],
          "the folder of the tokenizer (tokenizer.json, tokenizer_config.json with the "
          "chat template) when it is not the model's: the gateway tokenizes with it, "
@@ -422,7 +432,7 @@ FLAGS: list[Flag] = [
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--disable-log-stats", "bool"),
-             ("--uvicorn-log-level", "str"), ("--generation-config", "str"),
+             ("--uvicorn-log-level", "str"),
              ("--hf-overrides", "json"), ("--load-format", "str"), ("--download-dir", "str"),
              ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),
              ("--limit-mm-per-prompt", "json")),

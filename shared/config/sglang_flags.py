@@ -44,7 +44,6 @@ WITHOUT_EFFECT: tuple[tuple, ...] = (
     ("--nnodes", "int"),
     ("--node-rank", "int"),
     ("--json-model-override-args", "str"),
-    ("--preferred-sampling-params", "str"),
     ("--enable-lora", "bool"),
     ("--max-lora-rank", "int"),
     ("--lora-paths", "names"),

@@ -1,0 +1,79 @@
+"""A request's unset sampling fields take the model's generation config, as vLLM serves
+them (--generation-config auto), with --override-generation-config / SGLang's
+--preferred-sampling-params laid over; --generation-config vllm takes none; a request's
+own values win, but max_new_tokens caps max_tokens (vLLM's get_max_tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from pdmesh.shared.engine.generation_defaults import default_sampling
+from pdmesh.shared.infra.launcher import Service
+from tests.mesh import stop_all
+
+
+def _complete(url: str, **fields) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": [5, 6, 7, 8], "ignore_eos": True,
+                         **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_model_s_generation_config_sets_a_request_s_defaults(qwen3_path, tmp_path,
+                                                                 registry_prefix):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in qwen3_path.iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    gen = json.loads((qwen3_path / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**gen, "temperature": 0.0, "max_new_tokens": 3}))
+    reg = ["--registry-prefix", registry_prefix + "-gencfg"]
+    started: list[Service] = []
+    try:
+        started.append(Service("mixed", ["mixed", str(model), "--served-model-name", "tiny",
+                                         "--device", "cpu", "--block-size", "16",
+                                         "--max-model-len", "64", *reg], tmp_path))
+        urls = {}
+        for name, extra in (("auto", []),
+                            ("vllm", ["--generation-config", "vllm",
+                                      "--override-generation-config",
+                                      '{"max_new_tokens": 5, "do_sample": true}'])):
+            gw = Service("gateway", ["gateway", str(model), "--port", "0",
+                                     "--served-model-name", "tiny", *extra, *reg], tmp_path)
+            started.append(gw)
+            urls[name] = gw.info["http"]
+        # auto: greedy (temperature 0) and 3 tokens, whatever the seed
+        a, b = (_complete(urls["auto"], seed=s) for s in (1, 2))
+        assert a["usage"]["completion_tokens"] == 3
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        # the request's own temperature wins; its max_tokens is capped by max_new_tokens
+        # (vLLM's get_max_tokens: the least of them)
+        own = {_complete(urls["auto"], max_tokens=8, temperature=1.0, seed=s)["choices"][0][
+            "text"] for s in range(4)}
+        assert len(own) > 1
+        assert _complete(urls["auto"], max_tokens=2)["usage"]["completion_tokens"] == 2
+        assert _complete(urls["auto"], max_tokens=8)["usage"]["completion_tokens"] == 3
+        # vllm: the model's config unread (temperature 1: seeds differ), the override's
+        # max_new_tokens; do_sample is named as without effect
+        texts = {_complete(urls["vllm"], seed=s)["choices"][0]["text"] for s in range(4)}
+        assert len(texts) > 1
+        assert _complete(urls["vllm"], seed=9)["usage"]["completion_tokens"] == 5
+        assert "--override-generation-config: without effect: do_sample" in \
+            started[2].log_path.read_text()
+    finally:
+        stop_all(started)
+
+
+def test_a_bad_default_is_refused_naming_the_flag(qwen3_path, tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="--generation-config.*temperature"):
+        default_sampling(qwen3_path, "auto", {"temperature": -1})
+    with pytest.raises(ValueError, match="--generation-config: .* not found"):
+        default_sampling(qwen3_path, str(tmp_path))
+    assert default_sampling(qwen3_path, "vllm", None, {"top_k": 20}) == ({"top_k": 20}, [])
