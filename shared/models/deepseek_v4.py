@@ -33,14 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pdmesh.shared.kernels import AttentionMetadata, KernelBackend
 from pdmesh.shared.kernels.base import score_experts
-from pdmesh.shared.models.config import CSA, SLIDING, ModelConfig
+from pdmesh.shared.models.config import SLIDING, ModelConfig
 from pdmesh.shared.models.rotary import rotary_tables
 from pdmesh.shared.models.transformer import DenseMLPWeights, KVCache, MoESteps, MoEWeights
+from pdmesh.shared.models.v4_step import Compression, Step, step_plan
 
 
 @dataclass
@@ -134,33 +134,6 @@ class V4Weights:
     mtp_not_run: str | None = None
 
 
-@dataclass
-class _Compression:
-    """One step's work for the compressed layers of one (rate, overlap)."""
-
-    closing_slots: torch.Tensor  # [NW, rows] window-group slots of each closing window
-    closing_valid: torch.Tensor  # [NW, rows] bool (CSA's window -1 does not exist)
-    closing_dest: torch.Tensor  # [NW] compressed-group entry slot
-    closing_pos: torch.Tensor  # [NW] the window's first position (its entry's rotation)
-    entry_slots: torch.Tensor  # [S, E] each sequence's entries (0: padding, masked)
-    causal: torch.Tensor  # [S, Lq, E] bool: entry e's window is over for the query
-
-
-@dataclass
-class _Step:
-    """What every layer of one step shares, built once on the host."""
-
-    num_seqs: int
-    max_query: int
-    decode: bool
-    q_valid: torch.Tensor | None  # [S, Lq] bool (None: one sequence, or decode)
-    positions: torch.Tensor  # [T]
-    write_slots: torch.Tensor  # [T] window-group slot of each new token
-    window_slots: torch.Tensor  # [S, Lw] the window keys of each sequence
-    window_visible: torch.Tensor  # [S, Lq, Lw] bool
-    compression: dict[tuple[int, bool], _Compression]
-
-
 class DeepseekV4(MoESteps):
     """forward(tokens of a flat varlen batch) -> logits for the rows asked for; the same
     interface as :class:`~pdmesh.shared.models.transformer.CausalLM`."""
@@ -204,80 +177,15 @@ class DeepseekV4(MoESteps):
     # between the pieces on the step's rows (x, and the rope tables of its positions).
     graph_holes = {"_attention": ("x", "rope"), **MoESteps.graph_holes}
 
-    def graph_state(self, meta: AttentionMetadata, positions: torch.Tensor) -> _Step:
+    def graph_state(self, meta: AttentionMetadata, positions: torch.Tensor) -> Step:
         return self._step(meta, positions)
 
     # -- the step plan ----------------------------------------------------------------
     def _step(self, meta: AttentionMetadata, positions: torch.Tensor,
-              compressed: bool = True) -> _Step:
+              compressed: bool = True) -> Step:
         """``compressed`` False: the window alone (an MTP block's sliding layer), no
         compression plans."""
-        v4, dev = self.v4, self.backend.device
-        if not len(meta.query_lens_host):  # a lockstep rank's idle forward: none attends
-            none = torch.zeros((0, 0), dtype=torch.int64, device=dev)
-            return _Step(0, 0, True, None, positions, none.view(0), none,
-                         none.view(0, 0, 0).bool(), {})
-        bs = meta.block_size
-        qlens = np.asarray(meta.query_lens_host, dtype=np.int64)
-        starts = np.asarray(meta.context_lens_host, dtype=np.int64)
-        ends = np.asarray(meta.seq_lens_host, dtype=np.int64)
-        s, lq = len(qlens), int(qlens.max())
-        ctable = np.asarray(meta.block_tables_host, dtype=np.int64)  # compressed group
-        wtable = np.asarray(meta.group_tables_host[0], dtype=np.int64)  # window group
-        seq_of = np.repeat(np.arange(s), qlens)
-        pos = (np.asarray(meta.positions_host, dtype=np.int64) if meta.positions_host
-               is not None else meta_positions(starts, qlens))
-        write = wtable[seq_of, pos // bs] * bs + pos % bs
-
-        def window_slot(seq: np.ndarray, p: np.ndarray, ok: np.ndarray) -> np.ndarray:
-            safe = np.where(ok, p, 0)
-            return np.where(ok, wtable[seq, safe // bs] * bs + safe % bs, 0)
-
-        q_pos = starts[:, None] + np.arange(lq)  # [S, Lq]
-        lo = np.maximum(0, starts - v4.window + 1)
-        lw = int((ends - lo).max())
-        key_pos = lo[:, None] + np.arange(lw)  # [S, Lw]
-        key_ok = key_pos < ends[:, None]
-        rows = np.broadcast_to(np.arange(s)[:, None], key_pos.shape)
-        window_slots = window_slot(rows, key_pos, key_ok)
-        ahead = q_pos[:, :, None] - key_pos[:, None, :]  # [S, Lq, Lw]
-        visible = key_ok[:, None, :] & (ahead >= 0) & (ahead < v4.window)
-
-        comp: dict[tuple[int, bool], _Compression] = {}
-        for kind, rate in zip(v4.layer_types, v4.compress_rates, strict=True):
-            key = (rate, kind == CSA)
-            if not compressed or not rate or key in comp:
-                continue
-            overlap = kind == CSA
-            spb = max(1, bs // rate)
-            # windows that close in this step: w with (w + 1) * rate - 1 in [start, end)
-            counts = ends // rate - starts // rate
-            seq_w = np.repeat(np.arange(s), counts)
-            w = (np.repeat(starts // rate, counts)
-                 + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
-            span = 2 * rate if overlap else rate
-            first = (w - 1) * rate if overlap else w * rate
-            rows_pos = first[:, None] + np.arange(span)  # [NW, span]
-            rows_ok = rows_pos >= 0
-            closing = window_slot(np.broadcast_to(seq_w[:, None], rows_pos.shape), rows_pos,
-                                  rows_ok)
-            dest = ctable[seq_w, ((w + 1) * rate - 1) // bs] * spb + w % spb
-            num_entries = ends // rate
-            e_max = int(num_entries.max())
-            e = np.arange(e_max)
-            e_ok = e[None, :] < num_entries[:, None]
-            entry_slots = np.where(
-                e_ok, ctable[np.arange(s)[:, None],
-                             np.where(e_ok, ((e + 1) * rate - 1) // bs, 0)] * spb + e % spb, 0)
-            causal = e[None, None, :] < ((q_pos + 1) // rate)[:, :, None]  # [S, Lq, E]
-            comp[key] = _Compression(
-                _t(closing, dev), _t(rows_ok, dev), _t(dest, dev), _t(w * rate, dev),
-                _t(entry_slots, dev), _t(causal, dev))
-        q_valid = None
-        if s > 1 and lq > 1:
-            q_valid = _t(np.arange(lq)[None, :] < qlens[:, None], dev)
-        return _Step(s, lq, lq == 1, q_valid, positions, _t(write, dev), _t(window_slots, dev),
-                     _t(visible, dev), comp)
+        return step_plan(self.v4, meta, positions, self.backend.device, compressed)
 
     # -- the forward ------------------------------------------------------------------
     @torch.inference_mode()
@@ -289,7 +197,7 @@ class DeepseekV4(MoESteps):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,  # [B] int64
         hidden_out: list[torch.Tensor] | None = None,
-        step: _Step | None = None,
+        step: Step | None = None,
     ) -> torch.Tensor:  # [B, V] float32
         """``hidden_out``: gets every row's streams before the head collapses them,
         [T, hc * hidden], what an MTP block continues from. ``step``: the step's plan,
@@ -340,7 +248,7 @@ class DeepseekV4(MoESteps):
                 for name, (cos, sin) in self.rope.items()}
 
     def _layer(self, i: int | None, kind: str, layer: V4LayerWeights, streams: torch.Tensor,
-               cache: KVCache, step: _Step, rope: dict, input_ids: torch.Tensor
+               cache: KVCache, step: Step, rope: dict, input_ids: torch.Tensor
                ) -> torch.Tensor:
         """One V4 layer on the streams [T, hc, hidden] (``i`` None: an MTP block's)."""
         be, eps = self.backend, self.config.rms_norm_eps
@@ -415,7 +323,7 @@ class DeepseekV4(MoESteps):
                          dim=-1)
 
     def _attention(self, kind: str, w: V4AttentionWeights, x: torch.Tensor,
-                   cache: KVCache, step: _Step, rope: dict) -> torch.Tensor:
+                   cache: KVCache, step: Step, rope: dict) -> torch.Tensor:
         be, v4, cfg = self.backend, self.v4, self.config
         eps = cfg.rms_norm_eps
         t, h, d = x.shape[0], cfg.num_heads, v4.head_dim
@@ -481,7 +389,7 @@ class DeepseekV4(MoESteps):
         return rows.to(self.dtype).mul_(_gather(scales, slots).to(self.dtype))
 
     def _compress(self, c: CompressorWeights, proj: torch.Tensor, state: torch.Tensor,
-                  cache: KVCache, role: str, plan: _Compression, step: _Step) -> None:
+                  cache: KVCache, role: str, plan: Compression, step: Step) -> None:
         """Keep this step's compressor inputs (kv | gate + position bias, per token) and
         write the entry of every window this step closes into the cache's ``role``."""
 
@@ -510,7 +418,7 @@ class DeepseekV4(MoESteps):
         self._write(entry, cache, role, plan.closing_dest)
 
     def _index(self, w: V4AttentionWeights, q_res: torch.Tensor, weights: torch.Tensor,
-               cache: KVCache, plan: _Compression, step: _Step, rope: dict
+               cache: KVCache, plan: Compression, step: Step, rope: dict
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The lightning indexer: each query's ``index_topk`` entries, scored
         sum_h w_h * relu(q_h . k); -> (entry ids [S, Lq, k], chosen [S, Lq, k] bool)."""
@@ -534,7 +442,7 @@ class DeepseekV4(MoESteps):
         ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
         return ids, scores.gather(-1, ids) > float("-inf")
 
-    def _pad(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+    def _pad(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """[T, N, D] -> [S, N, Lq, D], zeros in padded rows."""
         if step.decode:
             return x.unsqueeze(2)
@@ -544,7 +452,7 @@ class DeepseekV4(MoESteps):
         out[step.q_valid] = x
         return out.transpose(1, 2)
 
-    def _unpad(self, out: torch.Tensor, step: _Step) -> torch.Tensor:
+    def _unpad(self, out: torch.Tensor, step: Step) -> torch.Tensor:
         if step.decode:
             return out[:, :, 0]
         out = out.transpose(1, 2)
@@ -615,12 +523,3 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of a paged cache [blocks, slots, 1, D] at flat slots [S, L] -> [S, L, D]."""
     flat = cache.view(-1, cache.shape[-1])
     return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[-1])
-
-
-def _t(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-
-def meta_positions(starts: np.ndarray, qlens: np.ndarray) -> np.ndarray:
-    offsets = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens)
-    return np.repeat(starts, qlens) + offsets

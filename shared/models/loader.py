@@ -57,8 +57,7 @@ def check_tensor_parallel(folder: str | Path, size: int,
     if config.v4 is None:
         with open_checkpoint(folder) as ckpt:
             quantized = quantization.plan(folder, ckpt.dtypes(), quantization_flag)
-        static = sorted(n for n, t in (quantized.types.items() if quantized else ())
-                        if t == "w8a8" and n.endswith(("o_proj.weight", "down_proj.weight")))
+        static = _static_w8a8(quantized, ("o_proj.weight", "down_proj.weight"))
         if static:
             raise ValueError(f"tensor_parallel_size: static W8A8 weights split by their "
                              f"input ({static[0]}, ...) fold their whole input into "
@@ -111,6 +110,14 @@ def load_model(
     return config, model
 
 
+def _static_w8a8(quant: quantization.QuantPlan | None, suffixes: tuple[str, ...]
+                 ) -> list[str]:
+    """The static W8A8 weights whose names end so (those split by their input: their
+    quant_bias folds the whole input's zero point), sorted."""
+    return sorted(n for n, t in (quant.types.items() if quant else ())
+                  if t == "w8a8" and n.endswith(suffixes))
+
+
 def _check_fine_static(fine: FineGrainedLayout, quant: quantization.QuantPlan) -> None:
     """Static W8A8 weights fine-grained TP would split by their input (o_proj, a dense
     MLP's down_proj) are refused naming the key, as tensor parallelism refuses them."""
@@ -118,8 +125,7 @@ def _check_fine_static(fine: FineGrainedLayout, quant: quantization.QuantPlan) -
     for module, suffix in splits.items():
         if fine.shard(module) is None:
             continue
-        static = sorted(n for n, t in (quant.types or {}).items()
-                        if t == "w8a8" and n.endswith(suffix))
+        static = _static_w8a8(quant, (suffix,))
         if static:
             raise ValueError(f"finegrained_tp_config.{module}_tensor_parallel_size: static "
                              f"W8A8 weights split by their input ({static[0]}, ...) fold "
