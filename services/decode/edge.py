@@ -14,7 +14,7 @@ from pdmesh.shared.runtime.edge import EdgeConfig, serve_edge
 def add_servicer(server, client, config: EdgeConfig) -> None:
     tracing = Tracing(f"pdmesh-{config.role}", config.otlp_endpoint)
     servicer = DecodeServicer(client, config.model_name, role=config.role, tracing=tracing,
-                              model_path=config.model_path)
+                              model_path=config.model_path, runner=config.runner)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
 

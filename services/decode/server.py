@@ -21,6 +21,7 @@ from typing import Any
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from pdmesh.shared.runtime.client import EngineClient, SessionSink
+from pdmesh.shared.runtime.embed_edge import embed
 from pdmesh.shared.runtime.proto_convert import (
     fill_chunk,
     grpc_code,
@@ -34,11 +35,14 @@ log = logging.getLogger(__name__)
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: EngineClient, model_name: str, role: str = "decode",
-                 tracing: Tracing | None = None, model_path: str = ""):
+                 tracing: Tracing | None = None, model_path: str = "",
+                 runner: str = "generate", timeout_s: float = 600.0):
         self.engine = engine
         self.role = role
         self.model_name = model_name
         self.model_path = model_path
+        self.runner = runner
+        self.timeout_s = timeout_s  # an Embed's wait
         self.tracing = tracing or Tracing("pdmesh-decode", None)
         self._spans: dict[str, Any] = {}  # request id -> its server span (tracing on)
 
@@ -100,11 +104,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     live.discard(msg.abort_request_id)
                     self.engine.abort(msg.abort_request_id)
 
+    async def Embed(self, request, context):  # noqa: N802
+        return await embed(self.engine, request, context, self.timeout_s)
+
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role=self.role,
                                          model=self.model_name, model_path=self.model_path,
-                                         load=load_to_proto(self.engine.load()))
+                                         load=load_to_proto(self.engine.load()),
+                                         runner=self.runner)
 
     # -- tracing -------------------------------------------------------------------------
     def _begin_span(self, request: decode_pb2.GenerateRequest, carrier) -> None:

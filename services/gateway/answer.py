@@ -33,8 +33,11 @@ class Answer:
                  metrics: GatewayMetrics, span: Any = None, log_level: int | None = None,
                  echo: str = "", output: ChatOutput | None = None, index: int = 0,
                  shape: Shape | None = None, eos_token_ids: tuple[int, ...] = (),
-                 prompt_text: str | None = None):
+                 prompt_text: str | None = None, stream_interval: int = 1):
         self.rid, self.model, self.chat, self.prompt = rid, model, chat, prompt
+        # after the first token, deltas are held until they carry this many tokens (or
+        # the answer ends): --stream-interval, vLLM's and SGLang's
+        self.stream_interval = stream_interval
         self.prompt_text = prompt_text  # a chat's prompt as its template rendered it
         self.index = index  # its choice's index (n > 1: one Answer per choice)
         self.journey: Any = None  # the Journey it answers (set by the gateway)
@@ -203,9 +206,21 @@ class Answer:
                 yield delta
                 if self.done:
                     return
-                delta = await anext(self._journey, None)
+                delta = await self._next()
         finally:
             await self.close()
+
+    async def _next(self) -> TokenDelta | None:
+        """The journey's next delta, with those after it while it holds fewer than
+        ``stream_interval`` tokens and has not ended."""
+        delta = await anext(self._journey, None)
+        while delta is not None and not delta.finished and \
+                len(delta.token_ids) < self.stream_interval:
+            more = await anext(self._journey, None)
+            if more is None:
+                break
+            delta = delta.then(more)
+        return delta
 
     def _pieces(self, ids: list[int]) -> list[tuple[str, int]]:
         """Each token's text, with 1; the tokens of a character split over several (up to

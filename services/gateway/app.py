@@ -45,6 +45,7 @@ from pdmesh.services.gateway.constraints import (
     tool_grammar,
     wants_grammar,
 )
+from pdmesh.services.gateway.embeddings import add_route as add_embeddings
 from pdmesh.services.gateway.endpoints import add_routes
 from pdmesh.services.gateway.errors import RETRY_AFTER_S, MeshError, error
 from pdmesh.services.gateway.guard import BodyGuard
@@ -101,6 +102,7 @@ class GatewayState:
     metrics_names: str = "pdmesh"  # --metrics-names (vllm: /metrics as vllm:X)
     eos_token_ids: tuple[int, ...] = ()  # the model's (config and generation config)
     force_include_usage: bool = False  # --enable-force-include-usage: every stream's usage
+    stream_interval: int = 1  # --stream-interval: tokens a streamed chunk holds (the last: fewer)
 
 
 class Gateway:
@@ -133,12 +135,14 @@ class Gateway:
     async def health(self) -> JSONResponse:
         router = self.state.router
         n_pre, n_dec, n_mix = (len(router.live(r)) for r in ("prefill", "decode", "mixed"))
+        n_pool = sum(len(router.live(r, runner="pooling")) for r in ("prefill", "mixed"))
         # decode instances alone still serve (they prefill themselves), slower: degraded
-        ok = n_dec > 0 or n_mix > 0
-        status = ("ok" if n_pre > 0 or n_mix > 0 else "degraded") if ok else "unavailable"
+        ok = n_dec > 0 or n_mix > 0 or n_pool > 0
+        status = ("ok" if n_pre > 0 or n_mix > 0 or n_pool > 0 else "degraded") if ok \
+            else "unavailable"
         return JSONResponse(status_code=200 if ok else 503,
                             content={"status": status, "prefill": n_pre, "decode": n_dec,
-                                     "mixed": n_mix})
+                                     "mixed": n_mix, "pooling": n_pool})
 
     async def prometheus(self) -> Response:
         registry = self.metrics.registry
@@ -159,7 +163,8 @@ class Gateway:
         checkpoint's), and no more than any registered engine's own."""
         router = self.state.router
         engines = [i.load.get("max_model_len", 0) for role in ("prefill", "decode", "mixed")
-                   for i in router.instances(role)]
+                   for runner in ("generate", "pooling")
+                   for i in router.instances(role, runner)]
         return min([self.state.max_model_len, *(n for n in engines if n > 0)])
 
     @property
@@ -213,6 +218,13 @@ class Gateway:
         return await self.serve(body, [prompt], True, request, output=output,
                                 prompt_text=text)
 
+    def _pools_only(self) -> bool:
+        """Every instance of the model serves embeddings; none generates."""
+        router = self.state.router
+        roles = ("prefill", "decode", "mixed")
+        return not any(router.instances(r) for r in roles) and \
+            any(router.instances(r, runner="pooling") for r in roles)
+
     def _check_model(self, body: _Base) -> JSONResponse | None:
         return None if body.model in self.names else self.refuse_model(body.model)
 
@@ -252,6 +264,10 @@ class Gateway:
         rendered text is ``prompt_text``): each prompt's choices (n, or best_of's
         candidates) in the order vLLM numbers them."""
         field = "messages" if chat else "prompt"
+        if self._pools_only():
+            return error(400, "model: runs the pooling runner (--runner pooling, "
+                              "--is-embedding): it serves /v1/embeddings, not "
+                              "generation", "model")
         context = self.context_len()  # (once: it reads every registered instance)
         runs, echoes = [], list(echoes or [""] * len(prompts))
         for g, given in enumerate(prompts):
@@ -310,7 +326,7 @@ class Gateway:
         answer = Answer(rid, body.model, output is not None, prompt, params,
                         body.stop_strings(), state.tokenizer, self.metrics, span,
                         state.log_requests, echo, output, i, body.shape(),
-                        state.eos_token_ids, prompt_text)
+                        state.eos_token_ids, prompt_text, state.stream_interval)
         answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)
@@ -470,6 +486,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.post("/v1/completions")(gw.completions)
     app.post("/v1/chat/completions")(gw.chat)
     add_routes(app, gw)
+    add_embeddings(app, gw)
     return app
 
 

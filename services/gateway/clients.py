@@ -22,7 +22,13 @@ from pdmesh.services.gateway.errors import CallFailed
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.infra import cluster_auth, tls
 from pdmesh.shared.infra.registry import Instance
-from pdmesh.shared.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdmesh.shared.proto import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from pdmesh.shared.runtime.proto_convert import (
     delta_from_chunk,
     logprobs_from_proto,
@@ -119,6 +125,19 @@ class GrpcClients:
             output_token_ids=call.carried, block_keys=call.block_keys,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
             trace_context=call.trace_context), idle_timeout_s, stall)
+
+    async def embed(self, inst: Instance, request: common_pb2.EmbedRequest,
+                    timeout_s: float) -> common_pb2.EmbedResponse:
+        """One prompt's embedding from a pooling instance (a prefill one answers on
+        ``Prefill``, a mixed one on ``Decode``); CallFailed with the gRPC code."""
+        channel = self.channel(inst.address)
+        stub = (prefill_pb2_grpc.PrefillStub(channel) if inst.role == "prefill"
+                else decode_pb2_grpc.DecodeStub(channel))
+        try:
+            return await stub.Embed(request, timeout=timeout_s,
+                                    metadata=cluster_auth.call_metadata() or None)
+        except grpc.aio.AioRpcError as e:
+            raise CallFailed(e.code(), e.details() or "") from None
 
     def session(self, address: str) -> DecodeSession:
         """The live session to ``address``; a broken one is replaced."""

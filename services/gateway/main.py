@@ -75,7 +75,8 @@ def run(a: ServeConfig) -> int:
                              instance_grace_s=a.instance_grace,
                              metrics_names=a.metrics_names,
                              eos_token_ids=cfg.eos_token_ids,
-                             force_include_usage=a.enable_force_include_usage)
+                             force_include_usage=a.enable_force_include_usage,
+                             stream_interval=a.stream_interval)
         sock = host.http_socket()
         server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
                                          lifespan="on", http=HTTP_IMPL))

@@ -61,7 +61,8 @@ class NamedInstances:
             inst = Instance(id=address, role=h.role, address=address, model=h.model,
                             load={f.name: int(getattr(h.load, f.name))
                                   for f in h.load.DESCRIPTOR.fields},
-                            heartbeat=now, draining=not h.serving)
+                            heartbeat=now, draining=not h.serving,
+                            runner=h.runner or "generate")
             if (role is None or inst.role == role) and (model is None or inst.model == model):
                 out.append(inst)
         return out

@@ -194,18 +194,21 @@ class Router:
                 log.warning("registry refresh failed: %s", e)
                 self._unread = True
 
-    def instances(self, role: str) -> list[Instance]:
+    def instances(self, role: str, runner: str = "generate") -> list[Instance]:
+        """The instances of ``role`` that serve: not draining, not stalled, running
+        ``runner`` (generate; pooling: those that serve embeddings)."""
         if not self._background and time.monotonic() - self._at > self.refresh_s:
             self._refresh()
         with self._lock:
             return [i for i in self._cache if i.role == role and not i.draining
-                    and i.load.get("stalled_ms", 0) < self.stall_ms]
+                    and i.runner == runner and i.load.get("stalled_ms", 0) < self.stall_ms]
 
-    def live(self, role: str, within_s: float = LIVE_S) -> list[Instance]:
+    def live(self, role: str, within_s: float = LIVE_S, runner: str = "generate"
+             ) -> list[Instance]:
         """``instances(role)`` whose heartbeats still come: a new one seen within
         ``within_s`` (a killed instance's entry, until its key expires, is not)."""
         now = time.monotonic()
-        found = self.instances(role)
+        found = self.instances(role, runner)
         with self._lock:
             return [i for i in found if now - self._beats.get(i.id, (0.0, now))[1] < within_s]
 
@@ -220,10 +223,10 @@ class Router:
                        for i in self._cache)
 
     def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset(),
-             prompt: list[int] | None = None) -> Instance | None:
-        """The cheapest live instance of ``role`` by its cost policy; for prefill,
-        ``prompt`` lets cached prefixes count."""
-        live = [i for i in self.instances(role) if i.id not in exclude]
+             prompt: list[int] | None = None, runner: str = "generate") -> Instance | None:
+        """The cheapest live instance of ``role`` (running ``runner``) by its cost
+        policy; for prefill, ``prompt`` lets cached prefixes count."""
+        live = [i for i in self.instances(role, runner) if i.id not in exclude]
         if not live:
             return None
         query = RouteQuery(self, prompt)

@@ -15,7 +15,7 @@ def add_servicer(server, client, config: EdgeConfig) -> None:
     tracing = Tracing("pdmesh-prefill", config.otlp_endpoint)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
         PrefillServicer(client, config.model_name, tracing=tracing,
-                        model_path=config.model_path), server)
+                        model_path=config.model_path, runner=config.runner), server)
 
 
 if __name__ == "__main__":

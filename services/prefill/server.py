@@ -24,6 +24,7 @@ import grpc
 from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdmesh.shared.runtime.client import EngineClient, RequestStream
+from pdmesh.shared.runtime.embed_edge import embed
 from pdmesh.shared.runtime.proto_convert import (
     grpc_code,
     load_to_proto,
@@ -38,12 +39,14 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: EngineClient, model_name: str, timeout_s: float = 600.0,
-                 tracing: Tracing | None = None, model_path: str = ""):
+                 tracing: Tracing | None = None, model_path: str = "",
+                 runner: str = "generate"):
         self.engine = engine
         self.tracing = tracing or Tracing("pdmesh-prefill", None)
         self.model_name = model_name
         self.model_path = model_path
         self.timeout_s = timeout_s
+        self.runner = runner
 
     async def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
         span = None
@@ -137,8 +140,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                 attributes={"pdmesh.blocks": len(delta.kv_keys),
                                             "pdmesh.bytes": t.get("kv_put_bytes", 0)})
 
+    async def Embed(self, request, context):  # noqa: N802
+        return await embed(self.engine, request, context, self.timeout_s)
+
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role="prefill",
                                          model=self.model_name, model_path=self.model_path,
-                                         load=load_to_proto(self.engine.load()))
+                                         load=load_to_proto(self.engine.load()),
+                                         runner=self.runner)

@@ -52,7 +52,8 @@ SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning
                  "--trust-request-chat-template", "--structured-outputs-config",
                  "--enable-log-requests", "--log-requests-level", "--generation-config",
                  "--override-generation-config", "--preferred-sampling-params",
-                 "--enable-force-include-usage", "--enable-prompt-tokens-details")
+                 "--enable-force-include-usage", "--enable-prompt-tokens-details",
+                 "--stream-interval")
 
 
 def _listening(host: str, port: int) -> bool:

@@ -32,7 +32,44 @@ def engine_config(f: Any) -> EngineConfig:
         enforce_eager=getattr(f, "enforce_eager", False) or getattr(f, "disable_cuda_graph",
                                                                     False),
         compilation_config=compilation_config(f),
-        cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False))
+        cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False),
+        runner=runner(f), pooler_config=getattr(f, "pooler_config", None))
+
+
+def stats_settings(f: Any) -> dict[str, Any]:
+    """The periodic stats line a serving engine writes: SGLang's every
+    --decode-log-interval decoding steps when given, else vLLM's every
+    VLLM_LOG_STATS_INTERVAL seconds (10) unless --disable-log-stats."""
+    import os
+
+    every = getattr(f, "decode_log_interval", 0)
+    if every:
+        return {"decode_log_interval": every, "log_stats_interval_s": 0.0}
+    if getattr(f, "disable_log_stats", False):
+        return {}
+    raw = os.environ.get("VLLM_LOG_STATS_INTERVAL", "10")
+    try:
+        interval = float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL: a number of seconds, got {raw!r}") from None
+    return {"log_stats_interval_s": max(interval, 0.0)}
+
+
+def runner(f: Any) -> str:
+    """--runner, or what --convert embed, --task embed and SGLang's --is-embedding say
+    (pooling); ValueError when they disagree."""
+    said = getattr(f, "runner", "auto")
+    pools = [name for name, on in (
+        ("--convert embed", getattr(f, "convert", "auto") == "embed"),
+        ("--task embed", getattr(f, "task", "auto") in ("embed", "embedding")),
+        ("--is-embedding", getattr(f, "is_embedding", False))) if on]
+    if pools and said == "generate":
+        raise ValueError(f"--runner: generate disagrees with {pools[0]} (an embedding "
+                         f"model runs the pooling runner)")
+    if getattr(f, "task", "auto") == "generate" and (pools or said == "pooling"):
+        raise ValueError("--task: generate disagrees with "
+                         f"{pools[0] if pools else '--runner pooling'}")
+    return "pooling" if pools or said == "pooling" else said
 
 
 def kv_blocks(f: Any) -> int | None:
@@ -81,6 +118,7 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     sched = cfg.additional_config.scheduler_config
     if sched.dyntra_lb_config.enabled:
         config = dataclasses.replace(config, dyntra_lb=sched.dyntra_lb_config)
+    config = dataclasses.replace(config, **stats_settings(cfg.flags))
     if cfg.flags.kv_load_timeout is not None:
         config = dataclasses.replace(config, kv_load_timeout_s=cfg.flags.kv_load_timeout)
     if sched.recompute_scheduler_enable and cfg.role == "decode":  # (a warning elsewhere)

@@ -38,6 +38,9 @@ KNOWN: dict[str, EnvVar] = {
         READ, "milliseconds the gateway waits on an instance: a prefill call, or a "
         "decode stream's silence; default 600000"),
     "VLLM_ENGINE_READY_TIMEOUT_S": EnvVar(READ, "how long start-up waits for an engine"),
+    "VLLM_LOG_STATS_INTERVAL": EnvVar(
+        READ, "seconds between an engine's stats lines (default 10; --disable-log-stats: "
+        "none)"),
     "VLLM_API_KEY": EnvVar(READ, "the gateway's API key, as --api-key"),
     MODEL_RUNNER_V2_ENV: EnvVar(READ, "which additional-config fields EPLB accepts"),
     # -- always so here -----------------------------------------------------------------

@@ -203,6 +203,43 @@ FLAGS: list[Flag] = [
          aliases=("--context-length",)),
     Flag("--disable-radix-cache", "bool", ENGINES | {"serve"} | CHECK, False,
          "SGLang's spelling of --no-enable-prefix-caching"),
+    Flag("--enable-dp-attention", "bool", ENGINE_LINE, False,
+         "SGLang's: --tp-size counts every rank; attention data-parallel over --dp-size "
+         "ranks, the experts over all (shared/config/sglang_parallel.py)"),
+    Flag("--enable-dp-lm-head", "bool", ENGINE_LINE, False,
+         "SGLang's: under --enable-dp-attention the LM head stays in each DP rank's TP "
+         "group (not split over the DP ranks)"),
+    Flag("--moe-dense-tp-size", "int", ENGINE_LINE, None,
+         "SGLang's: under --enable-dp-attention the dense MLPs split over this many ranks "
+         "(default: --tp-size; 1: whole on each)"),
+    Flag("--expert-parallel-size", "int", ENGINE_LINE, None,
+         "SGLang's: 1, or the ranks the MoE spans (--enable-expert-parallel)",
+         aliases=("--ep-size", "--ep")),
+    Flag("--nnodes", "int", ENGINE_LINE, None,
+         "SGLang's: nodes of a multi-node instance, each running its share of the DP ranks "
+         "(--data-parallel-size-local)"),
+    Flag("--node-rank", "int", ENGINE_LINE, None,
+         "SGLang's: this node's index (--data-parallel-start-rank; a node but the first "
+         "runs ranks only, --headless)"),
+    Flag("--dist-init-addr", "str", ENGINE_LINE, None,
+         "SGLang's: HOST:PORT where the nodes meet (--data-parallel-address, "
+         "--data-parallel-rpc-port)", aliases=("--nccl-init-addr",)),
+    Flag("--runner", "str", ENGINES | {"serve"} | CHECK, ENGINE_DEFAULT["runner"],
+         "generate, or pooling: the instance serves /v1/embeddings (a prompt's final "
+         "hidden states pooled), not generation; auto: generate",
+         choices=("auto", "generate", "pooling")),
+    Flag("--convert", "str", ENGINES | {"serve"} | CHECK, "auto",
+         "embed: a generative checkpoint served as an embedding model (--runner pooling)",
+         choices=("auto", "none", "embed")),
+    Flag("--task", "str", ENGINES | {"serve"} | CHECK, "auto",
+         "vLLM's older spelling: embed (or embedding) is --runner pooling",
+         choices=("auto", "generate", "embed", "embedding")),
+    Flag("--is-embedding", "bool", ENGINES | {"serve"} | CHECK, False,
+         "SGLang's --runner pooling"),
+    Flag("--pooler-config", "json", ENGINES | {"serve"} | CHECK, ENGINE_DEFAULT["pooler_config"],
+         'the pooling runner\'s defaults over the checkpoint\'s: {"pooling_type": "LAST" | '
+         '"MEAN" | "CLS", "normalize": true, "dimensions": n}',
+         aliases=("--override-pooler-config",)),
     # -- serving an engine --------------------------------------------------------------
     *_flags(ENGINE_LINE,
             ("--kvstore", "str", None, "the kvstore service's gRPC address (default: the "
@@ -309,6 +346,17 @@ FLAGS: list[Flag] = [
     Flag("--enable-prompt-tokens-details", "bool", ENGINE_LINE | {"gateway", "up"}, False,
          "usage.prompt_tokens_details (cached prompt tokens); sent here whether set or "
          "not, as OpenAI sends it (vLLM sends null without it)", effect=AT_THE_GATEWAY),
+    Flag("--disable-log-stats", "bool", ENGINE_LINE, False,
+         "no periodic stats line (vLLM's, every VLLM_LOG_STATS_INTERVAL seconds: prompt and "
+         "generation throughput, running and waiting requests, KV cache usage, prefix "
+         "cache hit rate)"),
+    Flag("--decode-log-interval", "int", ENGINE_LINE, ENGINE_DEFAULT["decode_log_interval"],
+         "SGLang's: its decode stats line every this many decoding steps, in place of "
+         "vLLM's periodic one (0: vLLM's)"),
+    Flag("--stream-interval", "int", ENGINE_LINE | {"gateway", "up"}, 1,
+         "tokens a streamed chunk holds: after the first token, the gateway sends once "
+         "this many are in (or the answer ends), as vLLM and SGLang buffer them",
+         effect=AT_THE_GATEWAY),
     Flag("--tokenizer-mode", "str", ENGINE_LINE | {"gateway", "up"}, "auto",
          "auto: chats rendered by the checkpoint's chat template; deepseek_v4: by "
          "DeepSeek-V4's own message encoding (it ships no template)",
@@ -421,7 +469,9 @@ FLAGS: list[Flag] = [
             ("--no-hf", "bool", False, "skip the transformers baseline"),
             ("--json", "str", None, "also write the figures here")),
     # -- SGLang's launch_server flags (Ascend-supported) accepted without effect ---------
-    *_compat(*WITHOUT_EFFECT),
+    *(Flag(name, kind, ENGINE_LINE, None, f"SGLang's, without effect: {why}",
+           aliases=aliases, effect=frozenset())
+      for name, kind, aliases, _, why in WITHOUT_EFFECT),
     # -- `vllm serve` flags accepted without effect -------------------------------------
     *_compat(("--pipeline-parallel-size", "int", ("-pp", "--pp-size")),
              ("--async-scheduling", "bool"),
@@ -431,7 +481,6 @@ FLAGS: list[Flag] = [
              ("--enable-return-routed-experts", "bool"), ("--weight-transfer-config", "json"),
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
-             ("--disable-log-stats", "bool"),
              ("--uvicorn-log-level", "str"),
              ("--hf-overrides", "json"), ("--load-format", "str"), ("--download-dir", "str"),
              ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),

@@ -147,7 +147,7 @@ def flag_name(flag: Flag) -> str:
 def flags_page() -> str:
     acting = [f for f in FLAGS if f.effect is None or f.effect]
     idle = [f for f in FLAGS if f.effect is not None and not f.effect]
-    sglang = {spec[0] for spec in WITHOUT_EFFECT}
+    sglang = {spec[0]: spec for spec in WITHOUT_EFFECT}
     out = [HEADER.format(source="the flag table, shared/config/flags.py"),
            "# Flag reference\n\n", FLAGS_INTRO,
            "\n## Flags that take effect\n\n",
@@ -160,7 +160,11 @@ def flags_page() -> str:
         group = [f for f in idle if (f.name in sglang) == names]
         out += [f"\n## {title}\n\n",
                 f"{len(group)} flags. Taken by {commands_text(ENGINE_LINE)}; each one given "
-                "is listed at start-up (and by `pdmesh config check`) as without effect.\n\n",
+                "is listed at start-up (and by `pdmesh config check`) as without effect"
+                + (", with its reason.\n\n" if names else ".\n\n"),
+                table(("flag", "value", "why (kind)", "why"),
+                      ((flag_name(f), value_text(f), sglang[f.name][3], sglang[f.name][4])
+                       for f in group)) if names else
                 table(("flag", "value"), ((flag_name(f), value_text(f)) for f in group))]
     return "".join(out)
 

@@ -29,6 +29,9 @@ from pdmesh.shared.config.environment import environment_warnings
 from pdmesh.shared.config.flags import ENGINES
 from pdmesh.shared.config.parse import parse_additional_config
 from pdmesh.shared.config.schema import AdditionalConfig
+from pdmesh.shared.config.sglang_flags import reasons as sglang_reasons
+from pdmesh.shared.config.sglang_parallel import read_sglang_parallel
+from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.spec_decode import RUN_METHODS, SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -75,10 +78,12 @@ class ServeConfig:
         return names[0] if names else (self.flags.model or "")
 
     def log_warnings(self) -> None:
-        """What a service says at start-up about its flags."""
-        if self.accepted_without_effect:
+        """What a service says at start-up about its flags (SGLang's with the reason,
+        among ``flag_warnings``)."""
+        plain = [f for f in self.accepted_without_effect if f not in sglang_reasons()]
+        if plain:
             log.warning("accepted for vLLM / SGLang compatibility, without effect: %s",
-                        ", ".join(self.accepted_without_effect))
+                        ", ".join(plain))
         for w in self.flag_warnings:
             log.warning("%s", w)
         for w in self.warnings:
@@ -103,6 +108,10 @@ def read_config(flags: Flags, *, device: str | None = None,
     role = engine_role(flags)
     compat = tuple(flags.without_effect)
     said: list[str] = environment_warnings(os.environ if env is None else env)
+    why = sglang_reasons()
+    said += [f"{f}: without effect ({why[f]})" for f in compat if f in why]
+    flags, layout = read_sglang_parallel(flags)
+    said += layout
     if getattr(flags, "tokenizer_mode", None) == "slow":
         said.append("--tokenizer-mode slow: read as auto (pdmesh tokenizes with the "
                     "model's tokenizer.json, the fast tokenizer; a slow tokenizer that "
@@ -158,6 +167,8 @@ def resolve(config: ServeConfig) -> ServeConfig:
     """What the command will run, with what pdmesh cannot run (yet) refused."""
     f = config.flags
     _at_least(f, "max_queued_requests", 1)
+    _at_least(f, "stream_interval", 1)
+    _at_least(f, "decode_log_interval", 0)
     _at_least(f, "max_prefill_tokens", 1)
     chunk = getattr(f, "chunked_prefill_size", None)
     if chunk is not None and chunk != -1 and chunk < 1:
@@ -196,7 +207,29 @@ def resolve(config: ServeConfig) -> ServeConfig:
         graphs = ("decode graphs: without effect on cpu (a CPU launches no kernels to "
                   "capture; every step runs eagerly): --compilation-config, --cuda-graph-*",)
     return dataclasses.replace(config, engine=engine,
-                               flag_warnings=(*config.flag_warnings, *graphs))
+                               flag_warnings=(*config.flag_warnings, *graphs,
+                                              *_pooling(config, engine)))
+
+
+def _pooling(config: ServeConfig, engine: EngineConfig) -> tuple[str, ...]:
+    """The pooling runner's checks: refused on a decode instance (it continues
+    generations another instance prefilled), --pooler-config read against the model's
+    folder when it is here; what is without effect under it."""
+    if not engine.pools:
+        return ("--pooler-config: without effect: the instance generates (it needs "
+                "--runner pooling)",) if engine.pooler_config else ()
+    if config.role == "decode":
+        raise ValueError("--runner: pooling serves embeddings from a mixed or prefill "
+                         "instance (`pdmesh mixed` / `pdmesh prefill`), not a decode one")
+    from pdmesh.shared.engine.pooling import Pooling, with_pooler_config
+
+    _, unused = with_pooler_config(Pooling(), engine.pooler_config)  # (ValueError: a value)
+    said = [f"--pooler-config: {k}: without effect (pdmesh pools for embeddings: "
+            f"pooling_type, normalize, dimensions)" for k in unused]
+    if engine.speculative_config is not None:
+        said.append("--speculative-config: without effect under --runner pooling (an "
+                    "embedding drafts no tokens)")
+    return tuple(said)
 
 
 def _tensor_parallel(f: Flags) -> None:

@@ -44,6 +44,8 @@ from pdmesh.shared.engine.parallel_setup import (
     start_tensor_parallel,
 )
 from pdmesh.shared.engine.policy import policy_from_config
+from pdmesh.shared.engine.pooler import Pooler
+from pdmesh.shared.engine.pooling import is_matryoshka, model_pooling
 from pdmesh.shared.engine.prompt_saves import PromptSaves
 from pdmesh.shared.engine.sampler import Sampler
 from pdmesh.shared.engine.scheduler import Scheduler
@@ -54,6 +56,7 @@ from pdmesh.shared.engine.spec_decode import (
     make_ngram_proposer,
 )
 from pdmesh.shared.engine.speculation import Speculation, speculative_config
+from pdmesh.shared.engine.stats_log import StatsLog
 from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.engine.step_hooks import StepHook
 from pdmesh.shared.engine.structured import GrammarCompiler
@@ -89,7 +92,10 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     max_model_len = _max_model_len(config, model_cfg)  # (before ranks start)
     batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
     loaded = _Loaded.load(config, model_cfg, backend, dtype, device)
-    speculative = speculative_config(config, loaded.model, loaded.model_config)
+    pooling = model_pooling(config.model, config.pooler_config)[0] if config.pools else None
+    save_prompts = save_prompts and pooling is None  # (an embedding feeds no decode)
+    speculative = None if pooling is not None else speculative_config(
+        config, loaded.model, loaded.model_config)
     mtp = speculative is not None and speculative.is_mtp
     caches = _Caches.build(config, model_cfg, loaded, mtp, dtype, device, backend,
                            max_model_len, batched)
@@ -97,24 +103,19 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     if caches.runner.graphs is not None and speculative is not None:
         # verify steps (each sequence 1 + its drafts) replay too
         caches.runner.graphs.max_per_seq = 1 + (speculative.num_speculative_tokens or 0)
-    scheduler = Scheduler(caches.kv, policy_from_config(config), config.max_num_seqs,
-                          batched, max_model_len, connector,
-                          # pool reads run beside the steps, never inside one (TP: the
-                          # ranks get their heads of what was read between two steps)
-                          async_kv_load=kv_pool is not None,
-                          kv_load_timeout_s=config.kv_load_timeout_s)
-    scheduler.recompute_elsewhere = config.recompute_scheduler
+    scheduler = _scheduler(config, caches, batched, max_model_len, connector,
+                           pooled=kv_pool is not None)
     spec_stats = SpecStats()
     speculation = None if speculative is None else Speculation(
         speculative, _proposer(speculative, loaded, caches, backend), scheduler,
         caches.runner, spec_stats)
     saves = PromptSaves(connector, caches.kv) \
         if connector is not None and connector.save_prompts else None
-    step_costs = StepCosts()
-    load_step = None if loaded.model.load_recorder is None \
-        else ExpertLoadStep(loaded.model.load_recorder)
-    hooks: list[StepHook] = [h for h in (load_step, saves, step_costs, speculation)
-                             if h is not None]
+    step_costs, load_step = StepCosts(), ExpertLoadStep.of(loaded.model.load_recorder)
+    pooler = None if pooling is None else Pooler(caches.runner, loaded.model.final_hidden)
+    stats = _stats_log(config, scheduler, caches.kv)
+    hooks: list[StepHook] = [h for h in (load_step, saves, step_costs, speculation, pooler,
+                                         stats) if h is not None]
     engine = EngineCore(
         config=config, device=device, backend=backend, dtype=dtype,
         model_config=loaded.model_config, model=loaded.model, max_model_len=max_model_len,
@@ -129,11 +130,30 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
         connector=connector, saves=saves, dyntralb=_dyntralb(config, loaded),
         step_costs=step_costs, spec_stats=spec_stats, hooks=hooks,
         tp_ranks=loaded.tp_ranks, tp_weight_bytes=loaded.tp_weight_bytes,
-        dp_group=loaded.dp_group, ep=loaded.ep, lockstep=loaded.lockstep)
+        dp_group=loaded.dp_group, ep=loaded.ep, lockstep=loaded.lockstep, pooling=pooling,
+        matryoshka=pooling is not None and is_matryoshka(config.model), stats_log=stats)
     if engine.tp_ranks is not None:
         weakref.finalize(engine, engine.tp_ranks.close)
     _log_ready(engine, caches, time.perf_counter() - t0)
     return engine
+
+
+def _stats_log(config: EngineConfig, scheduler: Scheduler, kv: KVCacheManager
+               ) -> StatsLog | None:
+    if not (config.log_stats_interval_s or config.decode_log_interval):
+        return None
+    return StatsLog(scheduler, kv, config.log_stats_interval_s, config.decode_log_interval)
+
+
+def _scheduler(config: EngineConfig, caches: _Caches, batched: int, max_model_len: int,
+               connector: PoolConnector | None, pooled: bool) -> Scheduler:
+    scheduler = Scheduler(caches.kv, policy_from_config(config), config.max_num_seqs,
+                          batched, max_model_len, connector,
+                          # pool reads run beside the steps, never inside one (TP: the
+                          # ranks get their heads of what was read between two steps)
+                          async_kv_load=pooled, kv_load_timeout_s=config.kv_load_timeout_s)
+    scheduler.recompute_elsewhere = config.recompute_scheduler
+    return scheduler
 
 
 @dataclass

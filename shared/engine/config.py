@@ -123,6 +123,23 @@ class EngineConfig:
     enforce_eager: bool = False
     compilation_config: dict[str, Any] | None = None
     cuda_graph_padding: bool = True
+    # vLLM's --runner: "generate", or "pooling" (--convert embed, SGLang's
+    # --is-embedding): every request ends in its prompt's embedding
+    # (pdmesh.shared.engine.pooling), none generates; "auto": generate
+    runner: str = "auto"
+    # vLLM's --pooler-config: the pooling's defaults over the checkpoint's
+    # ({"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool, "dimensions": n})
+    pooler_config: dict[str, Any] | None = None
+    # the periodic stats line (pdmesh.shared.engine.stats_log): vLLM's every so many
+    # seconds (0: none; serving: VLLM_LOG_STATS_INTERVAL, 10, unless --disable-log-stats),
+    # SGLang's every so many decoding steps (--decode-log-interval; 0: none)
+    log_stats_interval_s: float = 0.0
+    decode_log_interval: int = 0
+
+    @property
+    def pools(self) -> bool:
+        """The pooling runner: embeddings, no generation."""
+        return self.runner == "pooling"
 
     def graph_config(self) -> Any:
         """The decode graphs' GraphConfig (ValueError naming a bad compilation_config
@@ -163,6 +180,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: pdmesh keeps the KV cache in the model's "
                              f"dtype (auto) or in int8, not {self.kv_cache_dtype!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner: must be auto, generate or pooling, got {self.runner!r}")
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError(f"pooler_config: must be a JSON object, got "
+                             f"{self.pooler_config!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")

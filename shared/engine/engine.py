@@ -27,6 +27,8 @@ from pdmesh.shared.engine.dyntralb import DyntraLB
 from pdmesh.shared.engine.kv_cache_spec import KVCacheSpec
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.model_runner import ModelRunner
+from pdmesh.shared.engine.pooler import Pooler
+from pdmesh.shared.engine.pooling import Pooling, PoolingParams
 from pdmesh.shared.engine.prompt_saves import PromptSaves
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.engine.sampler import Sampler, ranked_logprobs
@@ -102,6 +104,11 @@ class EngineCore:
     dp_group: Any = None
     ep: ExpertParallel | None = None
     lockstep: bool = False
+    # the pooling runner: the model's pooling (a request's own fields over it), and
+    # whether it may cut embeddings short (Matryoshka); None: this engine generates
+    pooling: Pooling | None = None
+    matryoshka: bool = False
+    stats_log: Any = None  # stats_log.StatsLog: the periodic stats line (None: none)
 
     def __post_init__(self) -> None:
         self._requests: dict[str, Request] = {}
@@ -143,11 +150,21 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int | None = None,
-                    output_token_ids: list[int] | None = None) -> Request:
+                    output_token_ids: list[int] | None = None,
+                    pooling: PoolingParams | None = None) -> Request:
         """``output_token_ids``: tokens already generated elsewhere (a decode instance
         continuing a prefill); they count towards ``max_tokens``. ``priority`` None: the
-        config's ``default_priority``."""
+        config's ``default_priority``. ``pooling``: an embedding request (a pooling
+        engine's only kind; ``params`` are then unused), its own fields over the model's
+        pooling: it ends with its ``embedding``."""
         done = list(output_token_ids or [])
+        self.check_runner(pooling)
+        resolved = None
+        if pooling is not None:
+            assert self.pooling is not None  # (check_runner)
+            resolved = pooling.over(self.pooling)
+            resolved.validate(self.model_config.hidden_size, self.matryoshka)
+            params, done = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), []
         self._check_request(prompt_token_ids, params, done)  # (its grammar: by the compile)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._requests:
@@ -159,11 +176,22 @@ class EngineCore:
             req.grammar = self.grammars.start(params.grammar, after=params.grammar_after)
         req.token_ids.extend(done)
         req.num_carried_outputs = len(done)
+        req.pooling = resolved
         self._requests[rid] = req
         self.scheduler.add(req)
         if self.dyntralb is not None:
             self.dyntralb.note_added(req.num_tokens)
         return req
+
+    def check_runner(self, pooling: PoolingParams | None) -> None:
+        """ValueError when the request is not of the kind this engine runs."""
+        if pooling is None and self.pooling is not None:
+            raise ValueError("prompt: this model runs the pooling runner (--runner "
+                             "pooling, --is-embedding): it serves embeddings, not "
+                             "generation")
+        if pooling is not None and self.pooling is None:
+            raise ValueError("input: this model generates; embeddings need an instance "
+                             "started with --runner pooling (SGLang's --is-embedding)")
 
     def _priority(self, rid: str, priority: int | None) -> int:
         """The priority a request runs with. One given to an engine that does not
@@ -316,8 +344,9 @@ class EngineCore:
     def _execute(self, step: StepRecord) -> torch.Tensor:
         """The forward pass: the logits of the rows to sample (``step.sample_idx``)."""
         try:
-            logits, step.sample_idx = self.runner.execute(step.sched,
-                                                          hidden=self._needs_hidden)
+            hidden = self._needs_hidden or (self.pooling is not None
+                                            and Pooler.wants_hidden(step.sched.requests))
+            logits, step.sample_idx = self.runner.execute(step.sched, hidden=hidden)
             for hook in self.hooks:
                 hook.executed(step)
         except BaseException:

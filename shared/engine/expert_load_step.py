@@ -12,6 +12,11 @@ class ExpertLoadStep(StepHook):
     def __init__(self, recorder: ExpertLoadRecorder):
         self.recorder = recorder
 
+    @classmethod
+    def of(cls, recorder: ExpertLoadRecorder | None) -> ExpertLoadStep | None:
+        """The hook for a model's recorder (None: it records no expert load)."""
+        return None if recorder is None else cls(recorder)
+
     def executed(self, step: StepRecord) -> None:
         sched = step.sched
         self.recorder.end_step(is_prefill=any(

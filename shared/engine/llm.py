@@ -13,6 +13,7 @@ from typing import Any
 
 from pdmesh.shared.engine.build import build_engine
 from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.pooling import PoolingParams
 from pdmesh.shared.engine.request import Logprob, Request
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.models.tokenizer import Tokenizer
@@ -42,6 +43,19 @@ class RequestOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
     # one per prompt token (the first: None), when prompt_logprobs asked for them
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 class LLM:
@@ -97,6 +111,34 @@ class LLM:
                 if not r.is_finished:
                     self.engine.abort(r.request_id)
         return [self._output(r, p) for r, p in zip(reqs, prompt_list, strict=True)]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (an engine built with
+        ``runner="pooling"``, as vLLM's ``LLM.embed``); ``pooling_params``: dimensions,
+        normalize over the model's pooling. Every prompt is checked before any runs."""
+        engine = self.engine
+        params = pooling_params or PoolingParams()
+        engine.check_runner(params)
+        token_lists = [self._tokenize(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
+        assert engine.pooling is not None  # (check_runner)
+        params.over(engine.pooling).validate(engine.model_config.hidden_size,
+                                             engine.matryoshka)
+        for toks in token_lists:
+            engine.validate_request(toks, SamplingParams(max_tokens=1))
+        reqs: list[Request] = []
+        try:
+            for toks in token_lists:
+                reqs.append(engine.add_request(toks, SamplingParams(), pooling=params))
+            while engine.has_unfinished():
+                engine.step()
+        finally:
+            for r in reqs:
+                if not r.is_finished:
+                    engine.abort(r.request_id)
+        return [EmbeddingRequestOutput(r.request_id, list(r.prompt_token_ids),
+                                       EmbeddingOutput(list(r.embedding or [])))
+                for r in reqs]
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):

@@ -96,6 +96,12 @@ class Request:
     # its next step (spec_decode.Drafts; None: it decodes one token)
     drafts: Any = None
     grammar: Any = None  # structured.Grammar: its output's grammar (None: free output)
+    # a pooling request (pooling.Pooling): its prompt ends in ``embedding``, not tokens;
+    # ``pooled``: the rows pooled so far (a MEAN's sum, over prompt rows < pooled_upto)
+    pooling: Any = None
+    pooled: Any = None
+    pooled_upto: int = 0
+    embedding: list[float] | None = None
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""
@@ -138,6 +144,13 @@ class Request:
         computed here, none taken from a prefix cache or the pool."""
         return (self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must be computed here (none from a prefix cache or
+        the pool): its prompt's logprobs are asked, or its pooling reads every row."""
+        return self.wants_prompt_logprobs or (
+            self.pooling is not None and self.pooling.every_row and self.embedding is None)
 
     @property
     def is_finished(self) -> bool:

@@ -318,15 +318,16 @@ class Scheduler(LoadBalancing):
     def _cached_tokens(self, req: Request) -> int:
         """Prompt tokens of a waiting ``req`` the local prefix cache holds (none for one
         that computed some already)."""
-        if req.num_computed_tokens or req.wants_prompt_logprobs:
+        if req.num_computed_tokens or req.computes_whole_prompt:
             return 0
         return self.kv.find_cached_prefix(req).num_blocks * self.kv.block_size
 
     def _look_up_prompt(self, req: Request) -> _PromptSources:
         """``req``'s prompt in the local prefix cache, and past its hits in the pool.
-        Only a fresh prompt is looked up (a prompt whose logprobs are asked is computed
-        whole: no hits, as vLLM's), and the pool only if it has not been given up on."""
-        fresh = req.num_computed_tokens == 0 and not req.wants_prompt_logprobs
+        Only a fresh prompt is looked up (a prompt whose logprobs are asked, or that
+        MEAN or CLS pooling reads, is computed whole: no hits, as vLLM's), and the pool
+        only if it has not been given up on."""
+        fresh = req.num_computed_tokens == 0 and not req.computes_whole_prompt
         if not fresh:
             return _PromptSources()
         cached = self.kv.find_cached_prefix(req)

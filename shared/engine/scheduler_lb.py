@@ -52,7 +52,7 @@ class LoadBalancing:
         for req in list(self.waiting):
             if req.num_computed_tokens:
                 continue  # its KV is here already
-            if req.pool_gave_up or req.wants_prompt_logprobs:
+            if req.pool_gave_up or req.computes_whole_prompt:
                 continue  # nothing to read (given up, or computed whole): as it is
             if looked >= limit:
                 self._not_ready.add(id(req))

@@ -49,6 +49,7 @@ class Instance:
     load: dict[str, int] = field(default_factory=dict)
     heartbeat: float = 0.0  # unix time of the last heartbeat
     draining: bool = False
+    runner: str = "generate"  # an engine's: generate, or pooling (it serves embeddings)
 
 
 def redis_password() -> str | None:
@@ -89,7 +90,7 @@ class Registry:
         mapping = {"role": inst.role, "address": inst.address, "model": inst.model,
                    "dp_size": inst.dp_size, "dp_rank": inst.dp_rank, "group": inst.group,
                    "heartbeat": inst.heartbeat,
-                   "draining": int(inst.draining),
+                   "draining": int(inst.draining), "runner": inst.runner,
                    **{k: int(inst.load.get(k, 0)) for k in LOAD_FIELDS}}
         if self._signing_key is not None:
             mapping["sig"] = cluster_auth.sign(self._signing_key, inst.id, mapping)
@@ -124,7 +125,8 @@ class Registry:
                 model=h.get("model", ""), dp_size=int(h.get("dp_size", 1)),
                 dp_rank=int(h.get("dp_rank", 0)), group=h.get("group", ""),
                 load={k: int(h.get(k, 0)) for k in LOAD_FIELDS},
-                heartbeat=float(h.get("heartbeat", 0)), draining=h.get("draining") == "1")
+                heartbeat=float(h.get("heartbeat", 0)), draining=h.get("draining") == "1",
+                runner=h.get("runner", "generate"))
             if (role is None or inst.role == role) and (model is None or inst.model == model):
                 out.append(inst)
         return sorted(out, key=lambda i: i.id)

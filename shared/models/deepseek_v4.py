@@ -290,6 +290,13 @@ class DeepseekV4(MoESteps):
         logits = be.linear(last, head).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of ``hidden_out`` (streams, [T, hc * hidden]) -> the final normed hidden
+        states the head reads, [T, hidden] (what pooling embeds)."""
+        streams = hidden.view(hidden.shape[0], self.v4.hc_mult, -1)
+        return self.backend.rms_norm(self._hc_head(streams, self.w.hc_head),
+                                     self.w.final_norm, self.config.rms_norm_eps)
+
     # -- hyper-connections ----------------------------------------------------------------
     def _mixes(self, streams: torch.Tensor, hc: HyperConnectionWeights) -> torch.Tensor:
         flat = streams.flatten(1).float()

@@ -251,6 +251,11 @@ class CausalLM(MoESteps):
         last = (h + residual).index_select(0, logits_rows)  # [B, hidden]
         return self._logits(be.rms_norm(last, self.w.final_norm, eps))
 
+    @staticmethod
+    def final_hidden(hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of ``hidden_out`` -> the final normed hidden states (they are already)."""
+        return hidden
+
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         if self.fg is not None and self.fg.layout.shard("lmhead") is not None:
             return self.fg.lm_head(last, self.w.lm_head, self.backend)

@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdmesh.v1.Decode/Embed',
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Decode/Health',
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
@@ -60,6 +65,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """a pooling-runner instance's: one prompt's embedding (INVALID_ARGUMENT elsewhere)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -73,6 +85,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.FromString,
                     response_serializer=pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionOutputs.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -107,6 +124,33 @@ class Decode:
             '/pdmesh.v1.Decode/Session',
             pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionRequest.SerializeToString,
             pdmesh_dot_shared_dot_proto_dot_decode__pb2.SessionOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Decode/Embed',
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

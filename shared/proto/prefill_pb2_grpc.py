@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdmesh.v1.Prefill/Embed',
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Prefill/Health',
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
@@ -52,6 +57,13 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """a pooling-runner instance's: one prompt's embedding (INVALID_ARGUMENT elsewhere)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -69,6 +81,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -103,6 +120,33 @@ class Prefill:
             '/pdmesh.v1.Prefill/Prefill',
             pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillRequest.SerializeToString,
             pdmesh_dot_shared_dot_proto_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Prefill/Embed',
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

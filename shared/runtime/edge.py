@@ -46,6 +46,7 @@ class EdgeConfig:
     log_format: str = "text"
     fd: int = -1
     model_path: str = ""  # the folder the engine loaded (Health says it)
+    runner: str = "generate"  # or pooling: the engine serves embeddings (Health says it)
 
 
 def start_edge(module: str, config: EdgeConfig) -> tuple[subprocess.Popen, SocketPort]:

@@ -68,7 +68,8 @@ def serve_engine(cfg: ServeConfig, role: EngineRole) -> int:
     settings = host_settings(cfg, role.name)
     edge_config = EdgeConfig(role.name, cfg.host, cfg.port, cfg.model_name,
                              endpoint_from_args(cfg), cfg.log_level, cfg.log_format,
-                             model_path=os.path.abspath(cfg.model or ""))
+                             model_path=os.path.abspath(cfg.model or ""),
+                             runner="pooling" if cfg.engine.pools else "generate")
     with ServiceHost(settings) as host:
         # started first: the edge imports and binds while this process loads the model
         edge = None if edge_on_thread() else start_edge(role.edge_module, edge_config)
@@ -100,7 +101,7 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
     engine = build_engine(cfg.engine, kv_pool=pool, save_prompts=role.name == "prefill")
     if role.name == "decode":  # prompts it computes itself come in chunks its streams bear
         engine.chunk_step_ms = cfg.decode_tpot_slo_ms
-    if role.name in ("prefill", "decode") and not engine.lockstep:
+    if role.name in ("prefill", "decode") and not engine.lockstep and engine.pooling is None:
         engine.measure_step_costs()  # (routers price prompts by them from the first on)
     host.at_close(engine.close)  # (its tensor-parallel ranks, once drained)
     eplb = _rank_eplb(cfg, role.name, engine, host.id)
@@ -131,7 +132,8 @@ def _announce(cfg: ServeConfig, role: str, host: ServiceHost, loop: EngineLoop,
     dp = cfg.data_parallel_size
     group = f"{role}@{cfg.engine.data_parallel_address}" if dp > 1 else ""
     host.register(load=lambda: loop.load().registry_fields(), dp_size=dp,
-                  dp_rank=cfg.data_parallel_rank or 0, group=group)
+                  dp_rank=cfg.data_parallel_rank or 0, group=group,
+                  runner="pooling" if engine.pooling is not None else "generate")
     host.ready(model=host.settings.model_name, device=engine.device,
                dp_rank=cfg.data_parallel_rank or 0, kv_blocks=engine.kv.num_blocks,
                kv_bytes_per_token=engine.kv_bytes_per_token,

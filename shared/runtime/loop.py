@@ -343,6 +343,8 @@ class EngineLoop:
 
     def _idle(self, timeout_s: float) -> None:
         self._progress = time.monotonic()
+        if self.engine.stats_log is not None:
+            self.engine.stats_log.idle()
         self._publish()
         self.port.wait(timeout_s)  # a signal's drain() is noticed after the timeout
 
@@ -381,7 +383,7 @@ class EngineLoop:
             # (add_request validates it, and changes nothing when it raises)
             self._requests[rid] = self.engine.add_request(
                 m.prompt_token_ids, m.sampling, request_id=rid, priority=m.priority,
-                output_token_ids=m.output_token_ids or None)
+                output_token_ids=m.output_token_ids or None, pooling=m.pooling)
         except (Draining, QueueFull, ValueError) as e:
             self._pending.append(refused(rid, e))
 
@@ -426,6 +428,11 @@ class EngineLoop:
 
 
 def _delta(req: Request, tokens: list[int], finished: bool) -> TokenDelta:
+    if req.pooling is not None:  # its embedding; the token sampled after it is not one
+        return TokenDelta(req.request_id, [], max(req.num_cached_tokens, 0),
+                          finish_reason=req.finish_reason if finished else None,
+                          timing=req.timing() if finished else None,
+                          embedding=req.embedding or [])
     lps = (req.logprobs[-len(tokens):]
            if tokens and req.sampling_params.logprobs is not None else [])
     cached = max(req.num_cached_tokens, 0)

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from pdmesh.shared.engine.pooling import PoolingParams
 from pdmesh.shared.engine.request import Logprob
 from pdmesh.shared.engine.sampling_params import SamplingParams
 
@@ -100,6 +101,8 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     error: Failure | None = None  # refused or failed: the last delta, no tokens
     # with the first token computed here, when asked: one per prompt token (first: None)
     prompt_logprobs: list[dict[int, Logprob] | None] = msgspec.field(default_factory=list)
+    # a pooling request's last delta: its prompt's embedding (no tokens)
+    embedding: list[float] = msgspec.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -112,7 +115,8 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
                           self.num_cached_tokens or more.num_cached_tokens,
                           self.logprobs + more.logprobs, more.finish_reason,
                           more.stop_reason, more.kv_keys or self.kv_keys, more.timing,
-                          more.error, self.prompt_logprobs or more.prompt_logprobs)
+                          more.error, self.prompt_logprobs or more.prompt_logprobs,
+                          more.embedding)
 
 
 def refused(request_id: str, error: Exception) -> TokenDelta:
@@ -127,6 +131,8 @@ class SubmitRequest(msgspec.Struct, tag=True):
     sampling: SamplingParams
     priority: int | None = None  # None: the engine's default
     output_token_ids: list[int] = msgspec.field(default_factory=list)  # carried (hand-back)
+    # an embedding request (a pooling engine's only kind): its own pooling fields
+    pooling: PoolingParams | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True):

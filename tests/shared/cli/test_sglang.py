@@ -57,7 +57,7 @@ def test_implemented_flags_take_effect_and_the_rest_are_listed():
             engine.max_model_len, engine.gpu_memory_utilization,
             engine.enable_prefix_caching) == (512, 7, 32, 256, 0.5, False)
     # (NEXTN: DeepSeek's MTP, read into --speculative-config, which runs it)
-    assert "--enable-dp-attention" in cfg.accepted_without_effect
+    assert "--enable-dp-attention" not in cfg.accepted_without_effect  # (DP 1: one rank)
     # the decode graphs' sizes (captured on cuda / npu)
     assert "--cuda-graph-bs" not in cfg.accepted_without_effect
     assert engine.graph_config().sizes == (1, 2, 4)

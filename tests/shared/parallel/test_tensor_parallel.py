@@ -354,14 +354,16 @@ def fine_rank(dp_rank: int, world: int, address: str, model: str,
 def split_shapes(model) -> dict[str, int]:
     """The sizes of what fine-grained TP splits: vocabulary rows of the embedding and
     the lm_head, input rows of o_proj, intermediate columns of a dense MLP's gate_up
-    (DeepSeek-V4: of its grouped output projection's second half, wo_b; no dense MLP)."""
+    (DeepSeek-V4: of its grouped output projection's second half, wo_b; none for a model
+    without a dense MLP)."""
     w = model.w
     if hasattr(w.layers[0].attn, "o_b"):
         return {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
                 "oproj": _rows(w.layers[0].attn.o_b)}
-    dense = next(i for i, lw in enumerate(w.layers) if hasattr(lw.mlp, "gate_up"))
+    dense = next((lw.mlp for lw in w.layers if hasattr(lw.mlp, "gate_up")), None)
     return {"embedding": w.embed.shape[0], "lmhead": w.lm_head.shape[1],
-            "oproj": _rows(w.layers[0].attn.o), "mlp": _columns(w.layers[dense].mlp.gate_up)}
+            "oproj": _rows(w.layers[0].attn.o),
+            **({} if dense is None else {"mlp": _columns(dense.gate_up)})}
 
 
 def _rows(w) -> int:
@@ -410,6 +412,30 @@ def test_each_finegrained_tp_key_splits_its_module_and_keeps_the_answers(tiny_mo
     _, want = run(one)
     got = run_fine(path, fine, ep, [PROMPTS[:3], PROMPTS[3:]])
     check_fine(got, want, split_shapes(one.engine.model), fine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
+def test_sglang_dp_attention_answers_as_one_process(tiny_models, arch):
+    """SGLang's --tp-size 2 --dp-size 2 --enable-dp-attention, as every command reads it:
+    two DP ranks of one TP rank each in lockstep, the experts over both, the LM head
+    (and DeepSeek-V3's dense MLP) split over both; the greedy answers are the
+    single-process engine's, the second rank idling while the first works."""
+    from pdmesh.shared.config.serve import serve_config
+
+    path = str(tiny_models[arch])
+    engine = serve_config("mixed", [path, "--device", "cpu", "--tp-size", "2", "--dp-size",
+                                    "2", "--enable-dp-attention"]).engine
+    assert (engine.data_parallel_size, engine.tensor_parallel_size,
+            engine.enable_expert_parallel) == (2, 1, True)
+    fine = engine.finegrained_tp_config
+    assert fine == {"lmhead_tensor_parallel_size": 2, "mlp_tensor_parallel_size": 2}
+    one = LLM(path, device="cpu", dtype="float32", block_size=16)
+    _, want = run(one)
+    got = run_fine(path, fine, True, [PROMPTS[:3], PROMPTS[3:]])
+    whole = split_shapes(one.engine.model)
+    if "mlp" not in whole:  # (every layer MoE: the mlp key splits nothing)
+        fine = {k: v for k, v in fine.items() if not k.startswith("mlp")}
+    check_fine(got, want, whole, fine)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v4"])
