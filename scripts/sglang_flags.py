@@ -5,7 +5,8 @@ with each: takes effect, or without effect for which kind of reason.
 
 Each flag is read alone on an SGLang line (`pdmesh sglang --model-path M FLAG VALUE`),
 translated and checked as `pdmesh config check` checks it (on cpu); it takes effect
-unless it is among the flags the check lists as without effect. ``--list`` prints every
+unless the check lists it, or says it, to be without effect (a flag that acts only
+beside its switch, given alone, is said to be). ``--list`` prints every
 flag without effect with its reason (shared/config/sglang_flags.py).
 """
 
@@ -37,6 +38,10 @@ def verdict(flag: str, value: str) -> tuple[str, str]:
     if flag in cfg.accepted_without_effect:
         kind, why = kinds.get(flag, ("a vLLM flag pdmesh lists", ""))
         return f"without effect: {kind}", why
+    said = next((w for w in cfg.flag_warnings if w.startswith(f"{flag}: without effect")),
+                None)
+    if said is not None:  # (a companion given alone: it acts with its switch)
+        return "without effect: read with its switch", said
     return "takes effect", ""
 
 

@@ -19,7 +19,6 @@ start-up as without effect, and a misspelt one gets a did-you-mean.
 
 from __future__ import annotations
 
-import json
 import logging
 
 log = logging.getLogger(__name__)
@@ -27,22 +26,12 @@ log = logging.getLogger(__name__)
 MODES = {"null": "serve", "prefill": "prefill", "decode": "decode"}
 BACKENDS = ("mooncake", "ascend")  # both run as pdmesh's Mooncake pool
 SGLANG_PORT = "30000"
-# SGLang's speculative flags, read together into vLLM's --speculative-config when
-# --speculative-algorithm is given (without it they stay flags without effect)
-SPECULATIVE = ("--speculative-algorithm", "--speculative-num-draft-tokens",
-               "--speculative-num-steps", "--speculative-eagle-topk",
-               "--speculative-draft-model-path", "--speculative-draft-model",
-               "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
-               "--speculative-attention-mode", "--speculative-ngram-min-match-window-size",
-               "--speculative-ngram-max-match-window-size")
 # SGLang's parser names -> vLLM's, which the gateway takes (others: named as refused)
 PARSER_NAMES = {
     "--reasoning-parser": {"deepseek-r1": "deepseek_r1", "deepseek-v3": "deepseek_v3",
                            "qwen3-thinking": "qwen3"},
     "--tool-call-parser": {"qwen": "hermes", "qwen25": "hermes", "llama3": "llama3_json",
                            "deepseekv3": "deepseek_v3", "deepseekv31": "deepseek_v31"}}
-SPECULATIVE_METHODS = {"NGRAM": "ngram", "NEXTN": "deepseek_mtp", "EAGLE": "eagle",
-                       "EAGLE3": "eagle3", "STANDALONE": "draft_model"}
 
 
 def translate(words: list[str]) -> tuple[list[str], list[str]]:
@@ -50,7 +39,6 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     flag for a value pdmesh cannot run."""
     rest: list[str] = []
     taken: dict[str, str] = {}
-    speculating = "--speculative-algorithm" in {w.partition("=")[0] for w in words}
     i = 0
     while i < len(words):
         word = words[i]
@@ -62,7 +50,7 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
             i += 1 if eq else 2
             continue
         if name in ("--disaggregation-mode", "--disaggregation-transfer-backend",
-                    "--disaggregation-bootstrap-port") or (speculating and name in SPECULATIVE):
+                    "--disaggregation-bootstrap-port"):
             if not eq:
                 if i + 1 >= len(words):
                     raise ValueError(f"{name}: needs a value")
@@ -91,53 +79,7 @@ def translate(words: list[str]) -> tuple[list[str], list[str]]:
     if command == "serve" and not any(w == "--port" or w.startswith("--port=")
                                       for w in rest):
         rest += ["--port", SGLANG_PORT]
-    if "--speculative-algorithm" in taken:
-        spec, note = speculative_config(taken)
-        rest += ["--speculative-config", json.dumps(spec)]
-        warnings += note
     return [command, *rest], warnings
-
-
-def speculative_config(taken: dict[str, str]) -> tuple[dict, list[str]]:
-    """vLLM's --speculative-config for SGLang's speculative flags: NGRAM drafts
-    --speculative-num-draft-tokens - 1 tokens (SGLang counts the verified token too)
-    within the match windows; NEXTN is DeepSeek's MTP (--speculative-num-steps drafts),
-    EAGLE / EAGLE3 / STANDALONE their vLLM methods."""
-    algorithm = taken["--speculative-algorithm"]
-    method = SPECULATIVE_METHODS.get(algorithm.upper())
-    if method is None:
-        raise ValueError(f"--speculative-algorithm: one of {', '.join(SPECULATIVE_METHODS)}, "
-                         f"got {algorithm!r}")
-
-    def number(flag: str) -> int | None:
-        if flag not in taken:
-            return None
-        try:
-            return int(taken[flag])
-        except ValueError:
-            raise ValueError(f"{flag}: expected an int, got {taken[flag]!r}") from None
-
-    notes: list[str] = []
-    if method == "ngram":
-        draft = number("--speculative-num-draft-tokens")
-        if draft is None:
-            notes.append("--speculative-num-draft-tokens: not given; 3 draft tokens a step")
-        elif draft < 2:
-            raise ValueError(f"--speculative-num-draft-tokens: at least 2 with NGRAM (SGLang "
-                             f"counts the verified token too), got {draft}")
-        spec = {"method": "ngram",
-                "num_speculative_tokens": 3 if draft is None else draft - 1}
-        windows = {"--speculative-ngram-min-match-window-size": "prompt_lookup_min",
-                   "--speculative-ngram-max-match-window-size": "prompt_lookup_max"}
-        spec.update({key: number(flag) for flag, key in windows.items() if flag in taken})
-        used = {"--speculative-num-draft-tokens", *windows}
-    else:
-        spec = {"method": method,
-                "num_speculative_tokens": number("--speculative-num-steps") or 1}
-        used = {"--speculative-num-steps"}
-    notes += [f"{f}: without effect" for f in sorted(taken) if f in SPECULATIVE
-              and f != "--speculative-algorithm" and f not in used]
-    return spec, notes
 
 
 # -- SGLang's router ---------------------------------------------------------------------

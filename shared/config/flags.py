@@ -224,6 +224,20 @@ FLAGS: list[Flag] = [
     Flag("--dist-init-addr", "str", ENGINE_LINE, None,
          "SGLang's: HOST:PORT where the nodes meet (--data-parallel-address, "
          "--data-parallel-rpc-port)", aliases=("--nccl-init-addr",)),
+    Flag("--speculative-algorithm", "str", ENGINE_LINE, None,
+         "SGLang's: NGRAM, NEXTN (DeepSeek's MTP), EAGLE, EAGLE3, STANDALONE; read with the "
+         "flags below into --speculative-config (shared/config/sglang_speculative.py)"),
+    Flag("--speculative-num-steps", "int", ENGINE_LINE, None,
+         "SGLang's: tokens drafted per step (NEXTN, EAGLE)"),
+    Flag("--speculative-num-draft-tokens", "int", ENGINE_LINE, None,
+         "SGLang's: NGRAM's tokens verified per step, the verified one counted"),
+    Flag("--speculative-draft-model-path", "str", ENGINE_LINE, None,
+         "SGLang's: the draft model (EAGLE, EAGLE3, STANDALONE)",
+         aliases=("--speculative-draft-model",)),
+    Flag("--speculative-ngram-min-match-window-size", "int", ENGINE_LINE, None,
+         "SGLang's: NGRAM's shortest match (prompt_lookup_min)"),
+    Flag("--speculative-ngram-max-match-window-size", "int", ENGINE_LINE, None,
+         "SGLang's: NGRAM's longest match (prompt_lookup_max)"),
     Flag("--runner", "str", ENGINES | {"serve"} | CHECK, ENGINE_DEFAULT["runner"],
          "generate, or pooling: the instance serves /v1/embeddings (a prompt's final "
          "hidden states pooled), not generation; auto: generate",

@@ -31,6 +31,7 @@ from pdmesh.shared.config.parse import parse_additional_config
 from pdmesh.shared.config.schema import AdditionalConfig
 from pdmesh.shared.config.sglang_flags import reasons as sglang_reasons
 from pdmesh.shared.config.sglang_parallel import read_sglang_parallel
+from pdmesh.shared.config.sglang_speculative import read_sglang_speculative
 from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.spec_decode import RUN_METHODS, SpeculativeConfig
 
@@ -112,6 +113,8 @@ def read_config(flags: Flags, *, device: str | None = None,
     said += [f"{f}: without effect ({why[f]})" for f in compat if f in why]
     flags, layout = read_sglang_parallel(flags)
     said += layout
+    flags, drafting = read_sglang_speculative(flags)
+    said += drafting
     if getattr(flags, "tokenizer_mode", None) == "slow":
         said.append("--tokenizer-mode slow: read as auto (pdmesh tokenizes with the "
                     "model's tokenizer.json, the fast tokenizer; a slow tokenizer that "

@@ -12,8 +12,7 @@ is said at start-up (and by `pdmesh config check`) to be without effect, with it
     OTHER      pdmesh does the same job its own way, named in the reason
     ABSENT     tied to hardware, a library or a model kind pdmesh does not have
     PLANNED    an open issue's
-    COMPANION  read only with its switch (`pdmesh sglang` reads the speculative flags
-               into --speculative-config when --speculative-algorithm is given)
+    COMPANION  read only with its switch
 
 ``scripts/sglang_flags.py`` counts them by why-kind (docs/serving.md).
 """
@@ -97,16 +96,8 @@ WITHOUT_EFFECT: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
      "every grammar is compiled with llguidance"),
     ("--mm-attention-backend", "str", (), ABSENT,
      "pdmesh serves text models"),
-    ("--speculative-algorithm", "str", (), COMPANION,
-     "`pdmesh sglang` reads it into --speculative-config"),
-    ("--speculative-draft-model-path", "str", ('--speculative-draft-model',), COMPANION,
-     "read with --speculative-algorithm (`pdmesh sglang`)"),
-    ("--speculative-num-steps", "int", (), COMPANION,
-     "read with --speculative-algorithm (`pdmesh sglang`)"),
     ("--speculative-eagle-topk", "int", (), OTHER,
      "drafts are chains (top-1), not trees"),
-    ("--speculative-num-draft-tokens", "int", (), COMPANION,
-     "read with --speculative-algorithm NGRAM (`pdmesh sglang`)"),
     ("--speculative-accept-threshold-single", "float", (), OTHER,
      "drafts are verified by rejection sampling (or vLLM-Ascend's rejection_sampler_config)"),
     ("--speculative-accept-threshold-acc", "float", (), OTHER,

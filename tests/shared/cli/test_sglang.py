@@ -4,7 +4,6 @@ rest are listed as without effect; the disaggregation mode picks the instance.""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from pdmesh.cli import _translated_line, parse_args
 from pdmesh.shared.cli.sglang import translate
+from pdmesh.shared.config.serve import serve_config
 from tests.mesh import stop_all
 
 FLAGS = Path(__file__).parents[1] / "config" / "data" / "sglang_ascend_flags.tsv"
@@ -38,9 +38,7 @@ def test_every_ascend_supported_flag_is_accepted(flag, value):
     assert line[0] == "serve"
     _, command, flags = parse_args(line, resolve=False)  # read by the one table
     assert command.name == "serve"
-    if flag == "--speculative-algorithm":  # read into vLLM's --speculative-config
-        assert "--speculative-config" in line and flag not in line
-    elif flag not in DISAGGREGATION:
+    if flag not in DISAGGREGATION:
         assert flag in line
 
 
@@ -91,29 +89,36 @@ def test_the_disaggregation_mode_picks_the_instance():
         translate(["--disaggregation-mode"])
 
 
+def check(*words: str):
+    return serve_config("config check", ["--role", "mixed", "--model", "/tmp/m", "--device",
+                                         "cpu", *words])
+
+
 def test_speculative_flags_become_vllms_speculative_config():
-    line, notes = translate(["--model-path", "m", "--speculative-algorithm", "NGRAM",
-                             "--speculative-num-draft-tokens", "4",
-                             "--speculative-accept-threshold-acc", "0.5"])
-    i = line.index("--speculative-config")
-    assert json.loads(line[i + 1]) == {"method": "ngram", "num_speculative_tokens": 3}
-    assert "--speculative-accept-threshold-acc" not in line
-    assert notes == ["--speculative-accept-threshold-acc: without effect"]
-    _, _, config = parse_args(["config", "check", *line[1:], "--role", "mixed",
-                               "--device", "cpu"])
-    assert config.engine.speculative_config.num_speculative_tokens == 3
-    line, _ = translate(["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"])
-    assert json.loads(line[line.index("--speculative-config") + 1]) == {
-        "method": "deepseek_mtp", "num_speculative_tokens": 2}
-    # without an algorithm the flags stay SGLang's, without effect
-    assert translate(["--speculative-num-steps", "2"])[0][1:3] == ["--speculative-num-steps",
-                                                                   "2"]
+    """Read by every command (here a service line, as `pdmesh mixed` reads it)."""
+    cfg = check("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
+                "--speculative-accept-threshold-acc", "0.5")
+    spec = cfg.engine.speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    assert "--speculative-accept-threshold-acc" in cfg.accepted_without_effect
+    assert "--speculative-algorithm" not in cfg.accepted_without_effect
+    spec = check("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"
+                 ).engine.speculative_config
+    assert (spec.is_mtp, spec.num_speculative_tokens) == (True, 2)
+    # without an algorithm the others do nothing, and say so
+    cfg = check("--speculative-num-steps", "2")
+    assert cfg.engine.speculative_config is None
+    assert any(w.startswith("--speculative-num-steps: without effect") for w in
+               cfg.flag_warnings)
+    # `pdmesh sglang` hands them on as they are
+    line, _ = translate(["--model-path", "m", "--speculative-algorithm", "NEXTN"])
+    assert "--speculative-algorithm" in line and "--speculative-config" not in line
     for words, flag in ((["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
                         (["--speculative-algorithm", "NGRAM",
                           "--speculative-num-draft-tokens", "1"],
                          "--speculative-num-draft-tokens")):
         with pytest.raises(ValueError, match=f"^{flag}: "):
-            translate(words)
+            check(*words)
 
 
 def run(*words: str) -> subprocess.CompletedProcess:
