@@ -42,7 +42,7 @@ def run(a: ServeConfig) -> int:
     in_reasoning = grammar_in_reasoning(a.structured_outputs_config)
     reasoning = reasoning_parser_named(a.structured_outputs_config, a.reasoning_parser)
     key = api_key(a)
-    cfg = ModelConfig.from_folder(a.model)
+    cfg = ModelConfig.from_folder(a.model, a.hf_overrides)
     name = a.model_name
     settings = HostSettings("gateway", a.host, a.port, a.advertise_host, a.redis_url,
                             a.registry_prefix, model_name=name,

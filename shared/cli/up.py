@@ -199,6 +199,7 @@ def run(cfg: ServeConfig) -> int:
         gw = Service("gateway", ["gateway", str(p.model), "--served-model-name", *p.names,
                                  "--host", cfg.host, *reg, *trace,
                                  *to_words(cfg.flags, ["--port", "--max-model-len",
+                                                       "--hf-overrides",
                                                        "--max-request-body-bytes",
                                                        "--request-body-timeout",
                                                        "--stall-timeout",

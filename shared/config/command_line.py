@@ -61,6 +61,14 @@ class Flags:
         return [self.shown[n] for n in self.given if not _FLAG[n].acts_in(self.command)]
 
 
+# values upstream takes that pdmesh refuses, with the reason the refusal gives
+REFUSED_VALUES = {
+    ("--reasoning-parser", "gpt-oss"): "gpt-oss writes its reasoning in OpenAI's harmony "
+    "channels, and pdmesh does not load gpt-oss checkpoints",
+    ("--reasoning-parser", "gpt_oss"): "gpt-oss writes its reasoning in OpenAI's harmony "
+    "channels, and pdmesh does not load gpt-oss checkpoints",
+}
+
 _FLAG = {f.name: f for f in FLAGS}
 
 
@@ -218,8 +226,10 @@ def _convert(flag: Flag, raw: list[str], written: str) -> Any:
         raise ValueError(f"{written}: expected {'an' if flag.kind == 'int' else 'a'} "
                          f"{flag.kind}, got {raw[0]!r}") from None
     if flag.choices and value not in flag.choices:
+        why = REFUSED_VALUES.get((flag.name, value))
         raise ValueError(f"{written}: must be one of "
-                         f"{', '.join(str(c) for c in flag.choices)}, got {value!r}")
+                         f"{', '.join(str(c) for c in flag.choices)}, got {value!r}"
+                         + (f" ({why})" if why else ""))
     return [value] if flag.kind == "list" else value
 
 

@@ -33,7 +33,8 @@ def engine_config(f: Any) -> EngineConfig:
                                                                     False),
         compilation_config=compilation_config(f),
         cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False),
-        runner=runner(f), pooler_config=getattr(f, "pooler_config", None))
+        runner=runner(f), pooler_config=getattr(f, "pooler_config", None),
+        hf_overrides=getattr(f, "hf_overrides", None))
 
 
 def stats_settings(f: Any) -> dict[str, Any]:

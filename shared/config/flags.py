@@ -94,7 +94,8 @@ AT_THE_GATEWAY = frozenset({"gateway", "up", "serve", "config check"})
 # the gateway's output parsers and chat encodings (services/gateway/parsers)
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31",
                      "deepseek_v4")
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "deepseek_v4")
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "deepseek_v4", "glm45", "kimi",
+                     "step3")
 TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v4")  # (hf, slow: as auto)
 MODEL_COMMANDS = ENGINES | {"gateway"} | LAUNCHERS | ENGINE_TOOLS | CHECK
 REGISTRY = SERVICES | LAUNCHERS
@@ -238,6 +239,10 @@ FLAGS: list[Flag] = [
          "SGLang's: NGRAM's shortest match (prompt_lookup_min)"),
     Flag("--speculative-ngram-max-match-window-size", "int", ENGINE_LINE, None,
          "SGLang's: NGRAM's longest match (prompt_lookup_max)"),
+    Flag("--hf-overrides", "json", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["hf_overrides"],
+         "config.json keys laid over the checkpoint's: rope_scaling, rope_parameters, "
+         "rope_theta, max_position_embeddings (e.g. YaRN for a longer context); another "
+         "key is refused", aliases=("--json-model-override-args",)),
     Flag("--runner", "str", ENGINES | {"serve"} | CHECK, ENGINE_DEFAULT["runner"],
          "generate, or pooling: the instance serves /v1/embeddings (a prompt's final "
          "hidden states pooled), not generation; auto: generate",
@@ -496,7 +501,7 @@ FLAGS: list[Flag] = [
              ("--enable-chunked-prefill", "bool"), ("--distributed-executor-backend", "str"),
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--uvicorn-log-level", "str"),
-             ("--hf-overrides", "json"), ("--load-format", "str"), ("--download-dir", "str"),
+ ("--load-format", "str"), ("--download-dir", "str"),
              ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),
              ("--limit-mm-per-prompt", "json")),
 ]

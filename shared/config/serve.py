@@ -263,7 +263,8 @@ def _context_length(f: Flags) -> None:
         return
     from pdmesh.shared.models.config import ModelConfig
 
-    limit = ModelConfig.from_folder(model).max_position_embeddings
+    limit = ModelConfig.from_folder(model, getattr(f, "hf_overrides", None)
+                                    ).max_position_embeddings
     if asked > limit:
         raise ValueError(f"--max-model-len: {asked} exceeds the model's "
                          f"max_position_embeddings ({limit})")

@@ -75,8 +75,6 @@ WITHOUT_EFFECT: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
      "(decode)"),
     ("--prefill-round-robin-balance", "bool", (), OTHER,
      "the gateway routes prompts by estimated TTFT, cached prefixes counted"),
-    ("--json-model-override-args", "str", (), PLANNED,
-     "the checkpoint's config.json is read as it is"),
     ("--enable-lora", "bool", (), PLANNED,
      "LoRA adapters: issue 44"),
     ("--max-lora-rank", "int", (), PLANNED,

@@ -13,6 +13,7 @@ need each other.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 import weakref
@@ -87,7 +88,7 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     backend = get_backend(device)
-    model_cfg = ModelConfig.from_folder(config.model)
+    model_cfg = ModelConfig.from_folder(config.model, config.hf_overrides)
     dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
     max_model_len = _max_model_len(config, model_cfg)  # (before ranks start)
     batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
@@ -321,8 +322,11 @@ def _fingerprint(config: EngineConfig, pool_spec: KVCacheSpec, dtype: torch.dtyp
     layers, tensors, heads, sizes), the dtype and the block size. The root of every
     block hash, and the prefix of every pool key."""
     layout = hashlib.blake2b(pool_spec.layout().encode(), digest_size=8).hexdigest()
-    return (f"{model_fingerprint(config.model)}:{layout}:"
-            f"{str(dtype).removeprefix('torch.')}:{config.block_size}")
+    model = model_fingerprint(config.model)
+    if config.hf_overrides:  # (another rope: other KV)
+        model += "+" + hashlib.blake2b(json.dumps(config.hf_overrides, sort_keys=True)
+                                       .encode(), digest_size=8).hexdigest()
+    return f"{model}:{layout}:{str(dtype).removeprefix('torch.')}:{config.block_size}"
 
 
 def _log_ready(engine: EngineCore, caches: _Caches, seconds: float) -> None:

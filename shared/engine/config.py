@@ -135,6 +135,9 @@ class EngineConfig:
     # SGLang's every so many decoding steps (--decode-log-interval; 0: none)
     log_stats_interval_s: float = 0.0
     decode_log_interval: int = 0
+    # vLLM's --hf-overrides (SGLang's --json-model-override-args): config.json keys laid
+    # over the checkpoint's (shared.models.config.OVERRIDABLE: rope and positions)
+    hf_overrides: dict[str, Any] | None = None
 
     @property
     def pools(self) -> bool:
@@ -182,6 +185,9 @@ class EngineConfig:
                              f"dtype (auto) or in int8, not {self.kv_cache_dtype!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner: must be auto, generate or pooling, got {self.runner!r}")
+        from pdmesh.shared.models.config import check_overrides
+
+        check_overrides(self.hf_overrides)
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ValueError(f"pooler_config: must be a JSON object, got "
                              f"{self.pooler_config!r}")

@@ -74,7 +74,7 @@ class TensorParallelWorker:
         set_rank_device(device, rank)
         self.backend = backend = get_backend(device)
         torch.manual_seed(config.seed)
-        model_cfg = ModelConfig.from_folder(config.model)
+        model_cfg = ModelConfig.from_folder(config.model, config.hf_overrides)
         self.dtype = dtype = parse_dtype(config.dtype, default=model_cfg.dtype)
         _, model = load_model(config.model, backend, dtype, model_cfg, config.quantization,
                               shard=tensor_shard(config, rank))

@@ -227,18 +227,42 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> ModelConfig:
+    def from_folder(cls, path: str | Path, overrides: dict[str, Any] | None = None
+                    ) -> ModelConfig:
+        """``overrides``: vLLM's --hf-overrides (SGLang's --json-model-override-args),
+        laid over config.json (``check_overrides`` says which keys may be)."""
         p = Path(path) / "config.json"
         if not p.is_file():
             raise FileNotFoundError(f"model: {p} not found (a model folder needs config.json)")
         with open(p) as f:
-            cfg = cls.from_dict(json.load(f))
+            cfg = cls.from_dict({**json.load(f), **check_overrides(overrides)})
         extra = _generation_eos(Path(path) / "generation_config.json")
         ids = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
         own = _tokenizer_eos(Path(path) / "tokenizer_config.json")
         if own in ids:  # first: the model's own end of sequence (Llama 3's <|eot_id|>)
             ids = (own, *(t for t in ids if t != own))
         return dataclasses.replace(cfg, eos_token_ids=ids) if ids != cfg.eos_token_ids else cfg
+
+
+# config.json keys --hf-overrides may set: the positions the model takes and how it
+# rotates them. Any other key would change what the checkpoint's weights mean (their
+# shapes, their kernels): refused, never half-applied.
+OVERRIDABLE = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+
+
+def check_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``overrides`` if each key may be overridden; ValueError naming one that may
+    not."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--hf-overrides: must be a JSON object, got {overrides!r}")
+    for key in overrides:
+        if key not in OVERRIDABLE:
+            raise ValueError(f"--hf-overrides: {key}: pdmesh overrides only "
+                             f"{', '.join(OVERRIDABLE)} (another key would change what "
+                             f"the checkpoint's weights mean)")
+    return overrides
 
 
 def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:

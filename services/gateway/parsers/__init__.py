@@ -22,8 +22,11 @@ from pdmesh.services.gateway.parsers.reasoning import (
     DeepSeekR1ReasoningParser,
     DeepSeekV3ReasoningParser,
     DeepSeekV4ReasoningParser,
+    Glm45ReasoningParser,
+    KimiReasoningParser,
     Qwen3ReasoningParser,
     ReasoningParser,
+    Step3ReasoningParser,
 )
 from pdmesh.services.gateway.parsers.tools import (
     CanonicalJSON,
@@ -41,12 +44,13 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
 TOOL_PARSERS["llama3"] = Llama3JsonToolParser  # SGLang's name for llama3_json
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
     DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser,
-    DeepSeekV4ReasoningParser)}
+    DeepSeekV4ReasoningParser, Glm45ReasoningParser, KimiReasoningParser,
+    Step3ReasoningParser)}
 
 # Whether thinking is on when chat_template_kwargs say nothing, as vLLM 0.32 takes it:
 # Qwen3 and DeepSeek-V4 think unless told not to (V4's encoding defaults to it too).
 _THINKING_DEFAULT = {"deepseek_r1": True, "qwen3": True, "deepseek_v3": False,
-                     "deepseek_v4": True}
+                     "deepseek_v4": True, "glm45": True, "kimi": True, "step3": True}
 
 
 def _known(kind: str, name: str, registry: dict[str, Any]) -> None:

@@ -10,7 +10,9 @@ One state machine serves both shapes (``extract`` runs a fresh one over the whol
 
 Text that may still grow into a marker is held back; at the end it is what it was read
 as. No ``</think>`` at all means the whole output was reasoning (the generation was cut
-off while thinking), as in vLLM. With thinking switched off everything is content.
+off while thinking), as in vLLM. With thinking switched off everything is content. A
+parser that is not ``forced`` (GLM-4.5's, Kimi's) reads reasoning only when the output
+opens with its start marker; otherwise all of it is content.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ReasoningParser:
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
     implicit_end: ClassVar[str | None] = None
+    forced: ClassVar[bool] = True  # reasoning first, the start marker or not
 
     def __init__(self, thinking: bool = True):
         self.thinking = thinking
@@ -84,6 +87,9 @@ class ReasoningParser:
             self._buf = head[len(self.start):]
             self._explicit_start()
         elif not final and self.start.startswith(head):
+            return
+        elif not self.forced:  # no start marker: no reasoning
+            self._phase = Phase.CONTENT
             return
         self._phase = Phase.REASONING
 
@@ -181,3 +187,28 @@ class DeepSeekV4ReasoningParser(ReasoningParser):
 
     def _explicit_start(self) -> None:
         self._implicit = False
+
+
+class Glm45ReasoningParser(ReasoningParser):
+    """GLM-4.5 / 4.6 (vLLM's and SGLang's glm45): reasoning only between a ``<think>``
+    the output opens with and ``</think>``; an output without it is all content."""
+
+    name = "glm45"
+    forced = False
+
+
+class KimiReasoningParser(ReasoningParser):
+    """Kimi's thinking models (SGLang's kimi): ``◁think▷`` ... ``◁/think▷``, reasoning
+    only when the output opens with the start marker."""
+
+    name = "kimi"
+    start = "◁think▷"
+    end = "◁/think▷"
+    forced = False
+
+
+class Step3ReasoningParser(ReasoningParser):
+    """StepFun's Step-3 (vLLM's and SGLang's step3): everything before ``</think>`` is
+    reasoning (its template opens the thinking; the model writes no start marker)."""
+
+    name = "step3"

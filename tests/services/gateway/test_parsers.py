@@ -154,7 +154,8 @@ def test_registries_and_special_tokens() -> None:
     assert set(TOOL_PARSERS) == {"hermes", "qwen3_coder", "deepseek_v3", "deepseek_v31",
                                  "deepseek_v4", "llama3_json", "llama3"}
     assert TOOL_PARSERS["llama3"] is TOOL_PARSERS["llama3_json"]  # SGLang's name for it
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "deepseek_v3", "qwen3", "deepseek_v4"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "deepseek_v3", "qwen3", "deepseek_v4",
+                                      "glm45", "kimi", "step3"}
     assert {n for n, p in TOOL_PARSERS.items() if p.needs_special_tokens} == \
         {"hermes", "deepseek_v4"}
 
