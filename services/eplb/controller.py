@@ -35,11 +35,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pdmesh.shared.parallel.rebalance import balancedness, rebalance_experts
+from pdmesh.shared.parallel.swift_balance import swap_test, swift_balance
 
 log = logging.getLogger(__name__)
 
 # The fields every rank of a group must agree on, in the order they are checked.
 SHAPE_FIELDS = ("dp_size", "num_layers", "num_experts", "num_slots")
+# vLLM-Ascend's eplb_policy_type: 0 its test swap, 1 DeepSeek's, 2 SwiftBalance, 3 FlashLB
+# (not ported: DeepSeek's places instead); None: upstream vLLM's EPLB, DeepSeek's
+POLICIES = (None, 0, 1, 2, 3)
 
 
 class NoLoadError(LookupError):
@@ -60,10 +64,13 @@ class LoadSample:
     counts: torch.Tensor  # [num_layers, num_experts] int64, tokens per (layer, expert)
     step: int = 0
     placement_version: int = 0
+    policy: int | None = None  # eplb_policy_type (None: DeepSeek's)
 
     def __post_init__(self) -> None:
         if not self.group:
             raise ValueError("group: required")
+        if self.policy not in POLICIES:
+            raise ValueError(f"eplb_policy_type: must be one of 0, 1, 2, 3, got {self.policy}")
         for name in SHAPE_FIELDS:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -91,7 +98,7 @@ class LoadSample:
     @classmethod
     def from_flat(cls, group: str, dp_rank: int, dp_size: int, num_layers: int,
                   num_experts: int, num_slots: int, counts: Sequence[int], step: int = 0,
-                  placement_version: int = 0) -> LoadSample:
+                  placement_version: int = 0, policy: int | None = None) -> LoadSample:
         """``counts`` row-major, as the proto carries them."""
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if value <= 0:
@@ -101,7 +108,7 @@ class LoadSample:
                              f"{num_layers * num_experts} values (row-major), got {len(counts)}")
         flat = torch.tensor(counts, dtype=torch.int64)  # [L * E]
         return cls(group, dp_rank, dp_size, num_layers, num_experts, num_slots,
-                   flat.view(num_layers, num_experts), step, placement_version)
+                   flat.view(num_layers, num_experts), step, placement_version, policy)
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ class GroupStatus:
 @dataclass
 class _Group:
     shape: dict[str, int]  # SHAPE_FIELDS of the group's first report
+    policy: int | None = None  # its first report's eplb_policy_type
     samples: dict[int, LoadSample] = field(default_factory=dict)  # dp_rank -> latest
     reports: int = 0
     version: int = 0  # published or reported, whichever is higher
@@ -225,7 +233,10 @@ class EplbController:
             group = self._groups.get(sample.group)
             if group is None:
                 self._check_splittable(sample)
-                group = self._groups[sample.group] = _Group(shape)
+                group = self._groups[sample.group] = _Group(shape, policy=sample.policy)
+            if sample.policy != group.policy:
+                raise ValueError(f"eplb_policy_type: group {sample.group!r} runs "
+                                 f"{group.policy} (its first report), got {sample.policy}")
             for name in SHAPE_FIELDS:
                 if shape[name] != group.shape[name]:
                     raise ValueError(f"{name}: group {sample.group!r} has {name}="
@@ -271,12 +282,12 @@ class EplbController:
                 if g is None:
                     raise NoLoadError(f"group: no load reported for {group!r} yet")
                 load, current_phy2log, shape = g.load(), g.phy2log(), dict(g.shape)
+                policy = g.policy
                 known = g.knows_placement()
             num_ranks = shape["dp_size"]
-            proposal = rebalance_experts(load, shape["num_slots"], self.num_groups,
-                                         self.num_nodes, num_ranks)
+            proposal = self._propose(shape, policy, load, current_phy2log)
             current = placement_balancedness(load, current_phy2log, num_ranks)
-            proposed = placement_balancedness(load, proposal.phy2log, num_ranks)
+            proposed = placement_balancedness(load, proposal, num_ranks)
             improvement = _mean(proposed) - _mean(current)
             publish = force or not known or improvement > self.improvement_threshold
             with self._lock:
@@ -285,9 +296,9 @@ class EplbController:
                 if publish:
                     g.version += 1
                     published = g.placement = PublishedPlacement(
-                        group, g.version, proposal.phy2log, current, proposed)
+                        group, g.version, proposal, current, proposed)
                 decision = Decision(group, publish, g.version,
-                                    proposal.phy2log if publish else current_phy2log,
+                                    proposal if publish else current_phy2log,
                                     current, proposed)
             if publish:
                 log.info("group %s: placement %d published, balancedness %.3f -> %.3f%s",
@@ -296,6 +307,17 @@ class EplbController:
                 for listener in self._listeners:
                     listener(published)
             return decision
+
+    def _propose(self, shape: dict, policy: int | None, load: torch.Tensor,
+                 current: torch.Tensor) -> torch.Tensor:
+        """The group's policy's placement (``phy2log``) for ``load``."""
+        ranks = shape["dp_size"]
+        if policy == 2:
+            return swift_balance(current, load, ranks)
+        if policy == 0:
+            return swap_test(current, ranks) if ranks >= 4 else current
+        return rebalance_experts(load, shape["num_slots"], self.num_groups, self.num_nodes,
+                                 ranks).phy2log
 
     def decide_all(self) -> list[Decision]:
         """``decide`` every group (the timer's work); a group that fails is logged."""

@@ -202,6 +202,9 @@ def parallel_settings(cfg: Any) -> dict[str, Any]:
             "expert_map_path": eplb.expert_map_path if ep else None,
             "expert_map_record_path": eplb.expert_map_record_path if ep else None,
             "expert_load_window": max(window, 1) if dynamic else 0,
+            # (upstream --enable-eplb: vLLM's own, DeepSeek's policy)
+            "eplb_policy_type": None if cfg.engine_args.enable_eplb or not ep
+            else eplb.eplb_policy_type,
             "expert_load_phase": phase}
 
 

@@ -98,7 +98,7 @@ UNIMPLEMENTED = ("rejection_sampler_config", "dynamic_spec_config",
                  "SLO_limits_for_dynamic_batch", "scheduler_config.enable_balance_scheduling",
                  "scheduler_config.profiling_chunk_config",
                  "scheduler_config.batch_job_sched_config",
-                 "eplb_config.algorithm_execution_interval", "eplb_config.eplb_policy_type")
+                 "eplb_config.algorithm_execution_interval")
 
 
 def unimplemented_keys(explicit: set[str] | frozenset[str]) -> list[str]:

@@ -102,6 +102,9 @@ class EngineConfig:
     num_redundant_experts: int = 0
     expert_map_path: str | None = None
     expert_map_record_path: str | None = None  # rank 0 writes each applied placement here
+    # the EPLB controller's policy for this instance: vLLM-Ascend's eplb_policy_type (0
+    # its test swap, 1 DeepSeek's, 2 SwiftBalance, 3 FlashLB); None: DeepSeek's (vLLM's)
+    eplb_policy_type: int | None = None
     # Expert load kept over this many steps (0: not recorded), for EPLB
     expert_load_window: int = 0
     expert_load_phase: str = "all"

@@ -55,7 +55,8 @@ class EplbClient:
     """
 
     def __init__(self, address: str, group: str, dp_rank: int, dp_size: int, *,
-                 num_slots: int | None = None, rpc_timeout_s: float = 2.0,
+                 num_slots: int | None = None, policy: int | None = None,
+                 rpc_timeout_s: float = 2.0,
                  min_backoff_s: float = 0.1, max_backoff_s: float = 5.0):
         if not group:
             raise ValueError("group: required")
@@ -66,6 +67,7 @@ class EplbClient:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.num_slots = num_slots
+        self.policy = policy  # eplb_config.eplb_policy_type (None: DeepSeek's)
         self._rpc_timeout_s = rpc_timeout_s
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
@@ -145,7 +147,8 @@ class EplbClient:
             group=self.group, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_layers=num_layers, num_experts=num_experts,
             num_slots=self.num_slots if self.num_slots is not None else num_experts,
-            counts=counts.flatten().tolist(), step=step, placement_version=placement_version)
+            counts=counts.flatten().tolist(), step=step, placement_version=placement_version,
+            eplb_policy_type=self.policy)
 
     def _send_loop(self) -> None:
         backoff = self._min_backoff_s

@@ -95,10 +95,11 @@ class ControllerFinder:
     started before its controller picks it up at the next report."""
 
     def __init__(self, registry, group: str, dp_rank: int, dp_size: int, num_slots: int,
-                 address: str | None = None):
+                 address: str | None = None, policy: int | None = None):
         self.registry = registry
         self.args = (group, dp_rank, dp_size)
         self.num_slots = num_slots
+        self.policy = policy
         self.address = address
         self.client = None
         self._connect()
@@ -116,7 +117,8 @@ class ControllerFinder:
             if not found:
                 return
             address = found[0].address
-        self.client = EplbClient(address, *self.args, num_slots=self.num_slots)
+        self.client = EplbClient(address, *self.args, num_slots=self.num_slots,
+                                 policy=self.policy)
         log.info("eplb: reporting to the controller at %s", address)
 
     def report(self, counts: torch.Tensor, step: int, placement_version: int) -> None:

@@ -186,7 +186,7 @@ def _rank_eplb(a: ServeConfig, role: str, engine, instance: str):
     group = config.data_parallel_address if config.data_parallel_size > 1 else instance
     finder = ControllerFinder(Registry(a.redis_url, a.registry_prefix), f"{role}@{group}",
                               engine.ep.rank, engine.ep.world, engine.ep.num_slots,
-                              a.eplb_address)
+                              a.eplb_address, policy=config.eplb_policy_type)
     return RankEplb(engine.ep, engine.model.load_recorder, finder,
                     record_path=config.expert_map_record_path)
 

@@ -57,7 +57,7 @@ def eplb_needs_expert_parallel(ctx: RuleContext, out: Findings) -> None:
 # the fields pdmesh acts on once experts are spread over several ranks
 _MOVES_EXPERTS = ("dynamic_eplb", "num_redundant_experts", "expert_map_path",
                   "expert_map_record_path", "expert_heat_collection_interval",
-                  "eplb_heat_collection_stage", "load_collection_phase")
+                  "eplb_heat_collection_stage", "load_collection_phase", "eplb_policy_type")
 
 
 def expert_parallel_over_one_rank(ctx: RuleContext, out: Findings) -> None:
@@ -95,7 +95,29 @@ def force_eplb_vs_dynamic(ctx: RuleContext, out: Findings) -> None:
                   f"cannot be combined with {ctx.name(_EPLB + '.dynamic_eplb')}")
 
 
+def eplb_policy(ctx: RuleContext, out: Findings) -> None:
+    """The EPLB controller places by the instance's eplb_policy_type (shared/parallel/
+    swift_balance.py): FlashLB (3) is not ported, and the test policy (0) swaps ranks 3
+    and 1, which a smaller expert-parallel world lacks."""
+    path = f"{_EPLB}.eplb_policy_type"
+    e = ctx.engine
+    if not ctx.is_set(path) or not e.enable_expert_parallel:
+        return
+    policy = ctx.config.eplb_config.eplb_policy_type
+    world = e.data_parallel_size * e.tensor_parallel_size
+    if e.enable_eplb:
+        out.warn(ctx.name(path), "without effect: upstream --enable-eplb places by "
+                 "DeepSeek's policy, as vLLM does")
+    elif policy == 3:
+        out.warn(ctx.name(path), "3 (FlashLB) is not in pdmesh yet: DeepSeek's policy (1) "
+                 "places the experts instead")
+    elif policy == 0 and 1 < world < 4:
+        out.warn(ctx.name(path), f"without effect: 0 swaps the last experts of ranks 3 and "
+                 f"1, and the instance has {world} expert-parallel ranks")
+
+
 RULES = (
+    eplb_policy,
     eplb_runner_schema,
     eplb_needs_expert_parallel,
     expert_parallel_over_one_rank,

@@ -223,3 +223,33 @@ def test_concurrent_reports_and_decisions():
     assert errors == []
     assert published == list(range(1, len(published) + 1))  # in order, none skipped
     assert c.status("g").decisions == 60 and c.status("g").reports == 60
+
+
+def test_each_group_places_by_its_own_eplb_policy():
+    """vLLM-Ascend's eplb_policy_type, from the group's reports: 2 SwiftBalance from the
+    placement in force, 0 the test swap (4 ranks or more), None or 1 DeepSeek's; a rank
+    naming another policy than its group's is refused."""
+    from pdmesh.shared.parallel.swift_balance import swap_test, swift_balance
+
+    c = EplbController(improvement_threshold=0.0)
+    for group, policy in (("swift", 2), ("deepseek", None), ("one", 1)):
+        for rank in range(RANKS):
+            c.report(sample(skewed(), dp_rank=rank, group=group, policy=policy))
+    start = start_placement(LAYERS, EXPERTS, SLOTS)
+    load = c.load("swift")
+    swift = c.decide("swift", force=True)
+    assert torch.equal(swift.phy2log, swift_balance(start, load, RANKS))
+    assert not torch.equal(swift.phy2log, start)
+    deepseek = rebalance_experts(load, SLOTS, 1, 1, RANKS).phy2log
+    for group in ("deepseek", "one"):
+        assert torch.equal(c.decide(group, force=True).phy2log, deepseek)
+    # SwiftBalance goes on from the placement it published
+    again = c.decide("swift", force=True)
+    assert torch.equal(again.phy2log, swift_balance(swift.phy2log, load, RANKS))
+    for rank in range(4):
+        c.report(sample(skewed(), dp_rank=rank, group="test", policy=0, dp_size=4))
+    assert torch.equal(c.decide("test", force=True).phy2log, swap_test(start, 4))
+    with pytest.raises(ValueError, match="eplb_policy_type: group 'swift' runs 2"):
+        c.report(sample(skewed(), group="swift", policy=1))
+    with pytest.raises(ValueError, match="eplb_policy_type: must be one of"):
+        sample(skewed(), policy=7)

@@ -28,8 +28,9 @@ from tests.prometheus_text import sample
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
 MODEL = "skewed-moe"
+# DeepSeek's policy: a whole new placement, weights moved onto every rank
 EPLB = {"eplb_config": {"dynamic_eplb": True, "expert_heat_collection_interval": 64,
-                        "num_redundant_experts": 2}}
+                        "num_redundant_experts": 2, "eplb_policy_type": 1}}
 PROMPTS = [list(range(60 + 13 * i, 100 + 17 * i)) for i in range(6)]
 NEW = 24
 
