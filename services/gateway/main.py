@@ -50,6 +50,7 @@ def run(a: ServeConfig) -> int:
     with ServiceHost(settings) as host:
         router = _router(a, name)
         router.start()
+        host.at_close(router.stop)
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered
         output = OutputSettings(tool_call_parser=a.tool_call_parser,

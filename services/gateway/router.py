@@ -152,6 +152,7 @@ class Router:
         self._lock = threading.Lock()
         self._rng = random.Random()
         self._refresh_now = threading.Event()
+        self._stopped = threading.Event()
         self._background = False
         self._estimates: dict[str, PrefixEstimate] = {}  # prefill instance id -> its cache
         # instance id -> prompt tokens sent and not yet answered (prefill instances, and
@@ -184,10 +185,17 @@ class Router:
                 beats[i.id] = (i.heartbeat, now if stamp != i.heartbeat else seen)
             self._beats = beats
 
+    def stop(self) -> None:
+        """End the background refresh (``start``'s thread), at its next wake-up."""
+        self._stopped.set()
+        self._refresh_now.set()
+
     def _refresh_loop(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             self._refresh_now.wait(self.refresh_s)
             self._refresh_now.clear()
+            if self._stopped.is_set():
+                return
             try:
                 self._refresh()
             except redis.RedisError as e:  # keep routing on the last copy

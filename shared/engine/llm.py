@@ -7,16 +7,20 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdmesh.shared.engine.build import build_engine
 from pdmesh.shared.engine.config import EngineConfig
+from pdmesh.shared.engine.generation_defaults import default_sampling
 from pdmesh.shared.engine.pooling import PoolingParams
 from pdmesh.shared.engine.request import Logprob, Request
 from pdmesh.shared.engine.sampling_params import SamplingParams
 from pdmesh.shared.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -59,16 +63,31 @@ class EmbeddingRequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer: str | None = None, **engine_args: Any):
+    def __init__(self, model: str, *, tokenizer: str | None = None,
+                 generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None,
+                 **engine_args: Any):
         """``engine_args``: EngineConfig's fields (``device``, ``dtype``, ``seed``,
         ``block_size``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``enable_prefix_caching``, ``gpu_memory_utilization``, ``speculative_config``,
         ...), each defaulting as EngineConfig does: its fields are the one home of the
         engine's defaults (the flag table reads them too). A TypeError names an unknown
-        one, as vLLM's LLM passes its extra keyword arguments to the engine."""
+        one, as vLLM's LLM passes its extra keyword arguments to the engine.
+        ``generation_config`` / ``override_generation_config``: where ``generate``'s
+        default sampling parameters come from, as vLLM's (auto: the model's
+        generation_config.json; vllm: none; a folder's)."""
+        self._defaults, said = default_sampling(model, generation_config,
+                                                override_generation_config)
+        for warning in said:
+            log.warning("%s", warning)
         self.engine = build_engine(EngineConfig(model=model, tokenizer=tokenizer,
                                                 **engine_args))
         self.tokenizer = Tokenizer(tokenizer or model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams: the generation
+        config's fields over SamplingParams' own defaults, as vLLM's LLM."""
+        return SamplingParams(**self._defaults)
 
     def close(self) -> None:
         """Stop the processes the engine started beside this one (tensor-parallel ranks);
@@ -85,7 +104,7 @@ class LLM:
         runs, so a bad one raises ValueError and nothing is left half-done."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompt_list)
         else:

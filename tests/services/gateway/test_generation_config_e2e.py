@@ -77,3 +77,28 @@ def test_a_bad_default_is_refused_naming_the_flag(qwen3_path, tmp_path):
     with pytest.raises(ValueError, match="--generation-config: .* not found"):
         default_sampling(qwen3_path, str(tmp_path))
     assert default_sampling(qwen3_path, "vllm", None, {"top_k": 20}) == ({"top_k": 20}, [])
+
+
+def test_the_offline_llm_takes_the_same_defaults(qwen3_path, tmp_path):
+    """vLLM's LLM.generate without SamplingParams samples with the generation config's
+    fields; given SamplingParams are used as they are."""
+    from pdmesh.shared.engine import LLM, SamplingParams
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in qwen3_path.iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    gen = json.loads((qwen3_path / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**gen, "temperature": 0.0, "max_new_tokens": 3}))
+    llm = LLM(str(model), device="cpu", dtype="float32", block_size=16)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 3)
+    [out] = llm.generate([[5, 6, 7, 8]])
+    assert len(out.outputs[0].token_ids) <= 3
+    [own] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(own.outputs[0].token_ids) == 6
+    plain = LLM(str(model), device="cpu", dtype="float32", block_size=16,
+                generation_config="vllm")
+    assert plain.get_default_sampling_params().max_tokens == SamplingParams().max_tokens

@@ -267,6 +267,7 @@ def test_a_restarted_redis_does_not_empty_the_routes(tmp_path):
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     procs = [start_redis(tmp_path, port)]
+    r = None
     try:
         reg = Registry(url, prefix="grace", ttl_s=1.5)
         for inst in (Instance("d1", "decode", "c:1"), Instance("p1", "prefill", "a:1")):
@@ -289,6 +290,8 @@ def test_a_restarted_redis_does_not_empty_the_routes(tmp_path):
             time.sleep(0.1)
         assert r.pick("prefill").id == "p1"
     finally:
+        if r is not None:
+            r.stop()  # (no refreshes against a redis that is gone)
         for proc in procs:
             proc.kill()
             proc.wait()
