@@ -71,6 +71,7 @@ class Answer:
         self._head: TokenDelta | None = None
         # one per prompt token (the first: None), when prompt_logprobs asked for them
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
+        self.hidden_states: list[float] = []  # the last delta's, when asked
 
     async def start(self, journey: AsyncIterator[TokenDelta]) -> None:
         """Wait for the first token before answering anything: a MeshError raised here
@@ -105,6 +106,8 @@ class Answer:
                  else "text_completion", "created": self.created, "model": self.model,
                  "system_fingerprint": None, "service_tier": None, "choices": [choice],
                  "usage": self.usage(), **_VLLM_EXTRAS}
+        if self.params.return_hidden_states:  # (SGLang's: the last fed token's)
+            choice["hidden_states"] = self.hidden_states
         if self.output is not None:  # (vLLM's places: the chat's at the top)
             choice["message"] = self.output.message(content)
             choice["finish_reason"] = self.output.finish_reason(self.finish_reason)
@@ -130,6 +133,8 @@ class Answer:
             async for event in (self._chat_events() if self.output is not None
                                 else self._text_events()):
                 yield event
+            if self.params.return_hidden_states and self.hidden_states:
+                yield self._hidden_states_event()
             if include_usage:
                 yield self._event([], usage=self.usage(streamed=True))
         except MeshError as e:
@@ -186,6 +191,15 @@ class Answer:
         end["finish_reason"] = output.finish_reason(self.finish_reason)
         yield self._event([end])
 
+    def _hidden_states_event(self) -> str:
+        """SGLang's chunk after the finish: the choice's hidden states alone."""
+        if self.chat:
+            return self._event([{"index": self.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": None,
+                                 "hidden_states": self.hidden_states}])
+        return self._event([{"index": self.index, "text": "", "logprobs": None,
+                             "finish_reason": None, "hidden_states": self.hidden_states}])
+
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         if choices and self.shape.continuous_usage and "usage" not in extra:
             extra["usage"] = self.usage(streamed=True)  # (continuous_usage_stats: so far)
@@ -238,6 +252,8 @@ class Answer:
     def _take(self, delta: TokenDelta) -> str:
         """The text ``delta`` makes final; sets ``done`` at a stop string or the end."""
         self.completion_tokens += len(delta.token_ids)
+        if delta.hidden_states:
+            self.hidden_states = delta.hidden_states
         if self.shape.token_ids:
             self.token_ids += delta.token_ids
         if self.output is not None and self.output.counting:  # (its reasoning tokens)

@@ -103,6 +103,7 @@ class GatewayState:
     eos_token_ids: tuple[int, ...] = ()  # the model's (config and generation config)
     force_include_usage: bool = False  # --enable-force-include-usage: every stream's usage
     stream_interval: int = 1  # --stream-interval: tokens a streamed chunk holds (the last: fewer)
+    return_hidden_states: bool = False  # --enable-return-hidden-states: the request field
 
 
 class Gateway:
@@ -264,6 +265,9 @@ class Gateway:
         rendered text is ``prompt_text``): each prompt's choices (n, or best_of's
         candidates) in the order vLLM numbers them."""
         field = "messages" if chat else "prompt"
+        if body.return_hidden_states and not self.state.return_hidden_states:
+            return error(400, "return_hidden_states: this server was not started with "
+                              "--enable-return-hidden-states", "return_hidden_states")
         if self._pools_only():
             return error(400, "model: runs the pooling runner (--runner pooling, "
                               "--is-embedding): it serves /v1/embeddings, not "

@@ -77,7 +77,8 @@ def run(a: ServeConfig) -> int:
                              metrics_names=a.metrics_names,
                              eos_token_ids=cfg.eos_token_ids,
                              force_include_usage=a.enable_force_include_usage,
-                             stream_interval=a.stream_interval)
+                             stream_interval=a.stream_interval,
+                             return_hidden_states=a.enable_return_hidden_states)
         sock = host.http_socket()
         server = _Uvicorn(uvicorn.Config(create_app(state), log_level="warning",
                                          lifespan="on", http=HTTP_IMPL))

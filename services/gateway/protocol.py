@@ -130,6 +130,9 @@ class _Base(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     # None: the engine's --default-priority-value (0 unless set); int32 on the wire
     priority: Int32 | None = None
+    # SGLang's: the last token fed's final hidden state in the answer (a server started
+    # with --enable-return-hidden-states)
+    return_hidden_states: bool = False
 
     # structured output (constraints.py makes the grammar), and the bias on the logits
     response_format: ResponseFormat | None = None
@@ -224,7 +227,8 @@ class _Base(BaseModel):
                                        d.get("max_tokens")) if v is not None),
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=self.top_logprobs_n(), skip_special_tokens=self.skip_special_tokens,
-            prompt_logprobs=self.prompt_logprobs_n())
+            prompt_logprobs=self.prompt_logprobs_n(),
+            return_hidden_states=self.return_hidden_states)
 
     def effective_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -53,7 +53,7 @@ SERVING_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning
                  "--enable-log-requests", "--log-requests-level", "--generation-config",
                  "--override-generation-config", "--preferred-sampling-params",
                  "--enable-force-include-usage", "--enable-prompt-tokens-details",
-                 "--stream-interval")
+                 "--stream-interval", "--enable-return-hidden-states")
 
 
 def _listening(host: str, port: int) -> bool:

@@ -372,6 +372,9 @@ FLAGS: list[Flag] = [
     Flag("--decode-log-interval", "int", ENGINE_LINE, ENGINE_DEFAULT["decode_log_interval"],
          "SGLang's: its decode stats line every this many decoding steps, in place of "
          "vLLM's periodic one (0: vLLM's)"),
+    Flag("--enable-return-hidden-states", "bool", ENGINE_LINE | {"gateway", "up"}, False,
+         "SGLang's: a request may set return_hidden_states: its answer carries the final "
+         "hidden state of the last token the model was fed", effect=AT_THE_GATEWAY),
     Flag("--stream-interval", "int", ENGINE_LINE | {"gateway", "up"}, 1,
          "tokens a streamed chunk holds: after the first token, the gateway sends once "
          "this many are in (or the answer ends), as vLLM and SGLang buffer them",

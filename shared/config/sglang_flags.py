@@ -148,8 +148,6 @@ WITHOUT_EFFECT: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
      "no torch.compile (see --enable-torch-compile)"),
     ("--piecewise-cuda-graph-max-tokens", "int", (), OTHER,
      "decode graphs capture decode steps only (--compilation-config's sizes)"),
-    ("--enable-return-hidden-states", "bool", (), PLANNED,
-     "hidden states are not returned (the pooling runner returns pooled ones: --runner pooling)"),
     ("--enable-dynamic-batch-tokenizer", "bool", (), OTHER,
      "the gateway tokenizes each prompt on its thread pool"),
     ("--dynamic-batch-tokenizer-batch-size", "int", (), OTHER,

@@ -29,6 +29,7 @@ from pdmesh.shared.engine.decode_graphs import decode_graphs_for
 from pdmesh.shared.engine.dyntralb import DyntraLB
 from pdmesh.shared.engine.engine import EngineCore
 from pdmesh.shared.engine.expert_load_step import ExpertLoadStep
+from pdmesh.shared.engine.hidden_states import HiddenStates
 from pdmesh.shared.engine.kv_cache_spec import (
     KVCacheSpec,
     allocate_caches,
@@ -117,6 +118,7 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     stats = _stats_log(config, scheduler, caches.kv)
     hooks: list[StepHook] = [h for h in (load_step, saves, step_costs, speculation, pooler,
                                          stats) if h is not None]
+    hooks.append(HiddenStates(caches.runner, loaded.model.final_hidden))
     engine = EngineCore(
         config=config, device=device, backend=backend, dtype=dtype,
         model_config=loaded.model_config, model=loaded.model, max_model_len=max_model_len,

@@ -24,6 +24,7 @@ from pdmesh.shared.engine.block_manager import KVCacheManager
 from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.draft_length import DraftLength
 from pdmesh.shared.engine.dyntralb import DyntraLB
+from pdmesh.shared.engine.hidden_states import HiddenStates
 from pdmesh.shared.engine.kv_cache_spec import KVCacheSpec
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.model_runner import ModelRunner
@@ -226,6 +227,9 @@ class EngineCore:
         """validate_request but for the grammar (add_request's compile reports its faults
         without parsing it twice)."""
         params.validate()
+        if params.return_hidden_states and self.speculative is not None:
+            raise ValueError("return_hidden_states: not with speculative decoding (its "
+                             "verify steps feed drafts the answer may not keep)")
         output = output or []
         if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
                for t in output):
@@ -344,8 +348,9 @@ class EngineCore:
     def _execute(self, step: StepRecord) -> torch.Tensor:
         """The forward pass: the logits of the rows to sample (``step.sample_idx``)."""
         try:
-            hidden = self._needs_hidden or (self.pooling is not None
-                                            and Pooler.wants_hidden(step.sched.requests))
+            reqs = step.sched.requests
+            hidden = self._needs_hidden or HiddenStates.wants_hidden(reqs) or (
+                self.pooling is not None and Pooler.wants_hidden(reqs))
             logits, step.sample_idx = self.runner.execute(step.sched, hidden=hidden)
             for hook in self.hooks:
                 hook.executed(step)

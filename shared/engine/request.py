@@ -102,6 +102,10 @@ class Request:
     pooled: Any = None
     pooled_upto: int = 0
     embedding: list[float] | None = None
+    # return_hidden_states: the final hidden state of the last row it was fed, and how
+    # many forwards fed it here
+    last_hidden: list[float] | None = None
+    forwards: int = 0
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""

@@ -37,6 +37,9 @@ class SamplingParams:
     # top-n logprobs per prompt token (plus the prompt's own), computed where the prompt
     # is: such a prompt takes no prefix-cache or pool hits
     prompt_logprobs: int | None = None
+    # SGLang's: the answer carries the final (normed) hidden state of the last token fed
+    # to the model, once it has been fed more than its prompt (engine/hidden_states.py)
+    return_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])

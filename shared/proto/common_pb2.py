@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdmesh/shared/proto/common.proto\x12\tpdmesh.v1\"\xdb\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nmax_tokens\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x14\n\x07grammar\x18\x0e \x01(\tH\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x30\n\x13\x62\x61\x64_words_token_ids\x18\x10 \x03(\x0b\x32\x13.pdmesh.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\rgrammar_after\x18\x12 \x01(\tH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\n\n\x08_grammarB\x12\n\x10_prompt_logprobsB\x10\n\x0e_grammar_after\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"9\n\rTokenLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\"\x92\x01\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x03\x12\x12\n\nstalled_ms\x18\x06 \x01(\x03\"\x0f\n\rHealthRequest\"\x87\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x04load\x18\x04 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\x0e\n\x06runner\x18\x06 \x01(\t\"\xae\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\ndimensions\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x0b\n\t_priority\"X\n\rEmbedResponse\x12\x11\n\tembedding\x18\x01 \x03(\x02\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdmesh/shared/proto/common.proto\x12\tpdmesh.v1\"\xf9\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nmax_tokens\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x14\n\x07grammar\x18\x0e \x01(\tH\x02\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.pdmesh.v1.SamplingParams.LogitBiasEntry\x12\x30\n\x13\x62\x61\x64_words_token_ids\x18\x10 \x03(\x0b\x32\x13.pdmesh.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x03\x88\x01\x01\x12\x1a\n\rgrammar_after\x18\x12 \x01(\tH\x04\x88\x01\x01\x12\x1c\n\x14return_hidden_states\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\n\n\x08_grammarB\x12\n\x10_prompt_logprobsB\x10\n\x0e_grammar_after\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"9\n\rTokenLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.pdmesh.v1.TokenLogprob\"\x92\x01\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x03\x12\x12\n\nstalled_ms\x18\x06 \x01(\x03\"\x0f\n\rHealthRequest\"\x87\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x04load\x18\x04 \x01(\x0b\x32\x15.pdmesh.v1.WorkerLoad\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\x0e\n\x06runner\x18\x06 \x01(\t\"\xae\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\ndimensions\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x0b\n\t_priority\"X\n\rEmbedResponse\x12\x11\n\tembedding\x18\x01 \x03(\x02\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=48
-  _globals['_SAMPLINGPARAMS']._serialized_end=651
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=531
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=579
-  _globals['_TOKENIDS']._serialized_start=653
-  _globals['_TOKENIDS']._serialized_end=682
-  _globals['_TOKENLOGPROB']._serialized_start=684
-  _globals['_TOKENLOGPROB']._serialized_end=747
-  _globals['_TOKENLOGPROBS']._serialized_start=749
-  _globals['_TOKENLOGPROBS']._serialized_end=806
-  _globals['_WORKERLOAD']._serialized_start=809
-  _globals['_WORKERLOAD']._serialized_end=955
-  _globals['_HEALTHREQUEST']._serialized_start=957
-  _globals['_HEALTHREQUEST']._serialized_end=972
-  _globals['_HEALTHRESPONSE']._serialized_start=975
-  _globals['_HEALTHRESPONSE']._serialized_end=1110
-  _globals['_EMBEDREQUEST']._serialized_start=1113
-  _globals['_EMBEDREQUEST']._serialized_end=1287
-  _globals['_EMBEDRESPONSE']._serialized_start=1289
-  _globals['_EMBEDRESPONSE']._serialized_end=1377
+  _globals['_SAMPLINGPARAMS']._serialized_end=681
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=561
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=609
+  _globals['_TOKENIDS']._serialized_start=683
+  _globals['_TOKENIDS']._serialized_end=712
+  _globals['_TOKENLOGPROB']._serialized_start=714
+  _globals['_TOKENLOGPROB']._serialized_end=777
+  _globals['_TOKENLOGPROBS']._serialized_start=779
+  _globals['_TOKENLOGPROBS']._serialized_end=836
+  _globals['_WORKERLOAD']._serialized_start=839
+  _globals['_WORKERLOAD']._serialized_end=985
+  _globals['_HEALTHREQUEST']._serialized_start=987
+  _globals['_HEALTHREQUEST']._serialized_end=1002
+  _globals['_HEALTHRESPONSE']._serialized_start=1005
+  _globals['_HEALTHRESPONSE']._serialized_end=1140
+  _globals['_EMBEDREQUEST']._serialized_start=1143
+  _globals['_EMBEDREQUEST']._serialized_end=1317
+  _globals['_EMBEDRESPONSE']._serialized_start=1319
+  _globals['_EMBEDRESPONSE']._serialized_end=1407
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from pdmesh.shared.engine.hidden_states import answer_hidden_states
 from pdmesh.shared.engine.request import Request, RequestStatus
 from pdmesh.shared.runtime.protocol import (
     AbortRequest,
@@ -442,7 +443,9 @@ def _delta(req: Request, tokens: list[int], finished: bool) -> TokenDelta:
     if not finished:
         return TokenDelta(req.request_id, tokens, cached, lps, prompt_logprobs=prompt)
     return TokenDelta(req.request_id, tokens, cached, lps, req.finish_reason,
-                      req.stop_reason, list(req.kv_keys), req.timing(), prompt_logprobs=prompt)
+                      req.stop_reason, list(req.kv_keys), req.timing(), prompt_logprobs=prompt,
+                      hidden_states=answer_hidden_states(req)
+                      if req.sampling_params.return_hidden_states else [])
 
 
 def usable_cores() -> int:

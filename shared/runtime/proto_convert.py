@@ -26,7 +26,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams) -> SamplingParams:
         grammar=m.grammar if m.HasField("grammar") else None,
         grammar_after=m.grammar_after if m.HasField("grammar_after") else None,
         logit_bias=dict(m.logit_bias),
-        bad_words_token_ids=[list(w.token_ids) for w in m.bad_words_token_ids])
+        bad_words_token_ids=[list(w.token_ids) for w in m.bad_words_token_ids],
+        return_hidden_states=m.return_hidden_states)
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -36,7 +37,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=p.repetition_penalty, stop_token_ids=p.stop_token_ids,
         max_tokens=p.max_tokens or 0, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
         logit_bias=p.logit_bias,
-        bad_words_token_ids=[common_pb2.TokenIds(token_ids=w) for w in p.bad_words_token_ids])
+        bad_words_token_ids=[common_pb2.TokenIds(token_ids=w) for w in p.bad_words_token_ids],
+        return_hidden_states=p.return_hidden_states)
     if p.grammar is not None:
         m.grammar = p.grammar
     if p.grammar_after is not None:
@@ -110,6 +112,8 @@ def fill_chunk(chunk: decode_pb2.GenerateChunk, delta: TokenDelta) -> None:
         chunk.num_cached_tokens = delta.num_cached_tokens
     if delta.stop_reason is not None:
         chunk.stop_reason = delta.stop_reason
+    if delta.hidden_states:
+        chunk.hidden_states.extend(delta.hidden_states)
 
 
 def delta_from_chunk(request_id: str, chunk: decode_pb2.GenerateChunk) -> TokenDelta:
@@ -117,4 +121,5 @@ def delta_from_chunk(request_id: str, chunk: decode_pb2.GenerateChunk) -> TokenD
                       [logprobs_from_proto(m) for m in chunk.logprobs],
                       chunk.finish_reason or None,
                       chunk.stop_reason if chunk.HasField("stop_reason") else None,
-                      prompt_logprobs=prompt_logprobs_from_proto(chunk.prompt_logprobs))
+                      prompt_logprobs=prompt_logprobs_from_proto(chunk.prompt_logprobs),
+                      hidden_states=list(chunk.hidden_states))

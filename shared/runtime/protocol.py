@@ -103,6 +103,8 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[dict[int, Logprob] | None] = msgspec.field(default_factory=list)
     # a pooling request's last delta: its prompt's embedding (no tokens)
     embedding: list[float] = msgspec.field(default_factory=list)
+    # the last delta, when return_hidden_states asked (sampling_params.py)
+    hidden_states: list[float] = msgspec.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -116,7 +118,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
                           self.logprobs + more.logprobs, more.finish_reason,
                           more.stop_reason, more.kv_keys or self.kv_keys, more.timing,
                           more.error, self.prompt_logprobs or more.prompt_logprobs,
-                          more.embedding)
+                          more.embedding, more.hidden_states)
 
 
 def refused(request_id: str, error: Exception) -> TokenDelta:

@@ -42,7 +42,8 @@ def test_the_model_s_generation_config_sets_a_request_s_defaults(qwen3_path, tmp
         for name, extra in (("auto", []),
                             ("vllm", ["--generation-config", "vllm",
                                       "--override-generation-config",
-                                      '{"max_new_tokens": 5, "do_sample": true}'])):
+                                      '{"max_new_tokens": 5, "do_sample": true}',
+                                      "--enable-return-hidden-states"])):
             gw = Service("gateway", ["gateway", str(model), "--port", "0",
                                      "--served-model-name", "tiny", *extra, *reg], tmp_path)
             started.append(gw)
@@ -65,8 +66,41 @@ def test_the_model_s_generation_config_sets_a_request_s_defaults(qwen3_path, tmp
         assert _complete(urls["vllm"], seed=9)["usage"]["completion_tokens"] == 5
         assert "--override-generation-config: without effect: do_sample" in \
             started[2].log_path.read_text()
+        check_hidden_states(urls, model)
     finally:
         stop_all(started)
+
+
+def check_hidden_states(urls: dict, model) -> None:
+    """SGLang's return_hidden_states on the gateway started with
+    --enable-return-hidden-states: the last fed token's hidden state, streamed (a chunk
+    after the finish) or not, as the offline engine has it; refused by the other."""
+    import torch
+
+    from pdmesh.shared.engine import LLM, SamplingParams
+    from pdmesh.shared.engine.hidden_states import answer_hidden_states
+
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "return_hidden_states": True}
+    refused = httpx.post(urls["auto"] + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and "return_hidden_states" in refused.text
+    whole = _complete(urls["vllm"], **{k: v for k, v in body.items() if k != "model"})
+    got = whole["choices"][0]["hidden_states"]
+    with httpx.stream("POST", urls["vllm"] + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    streamed = [c["choices"][0]["hidden_states"] for c in chunks
+                if c["choices"] and "hidden_states" in c["choices"][0]]
+    assert streamed == [got]
+    engine = LLM(str(model), device="cpu", block_size=16).engine
+    req = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=3,
+                                                          ignore_eos=True,
+                                                          return_hidden_states=True))
+    while engine.has_unfinished():
+        engine.step()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(answer_hidden_states(req)),
+                               rtol=1e-3, atol=1e-3)
 
 
 def test_a_bad_default_is_refused_naming_the_flag(qwen3_path, tmp_path):

@@ -69,7 +69,10 @@ def test_llm_defines_no_engine_default():
                 for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     args = init.args
     assert [a.arg for a in args.args] == ["self", "model"]
-    assert [a.arg for a in args.kwonlyargs] == ["tokenizer"]
+    # (the LLM's own: the tokenizer, and where generate's default sampling comes from)
+    own = ["tokenizer", "generation_config", "override_generation_config"]
+    assert [a.arg for a in args.kwonlyargs] == own
+    assert not set(own[1:]) & set(FIELDS)
     assert args.kwarg is not None and args.kwarg.arg == "engine_args"
 
 

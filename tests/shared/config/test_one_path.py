@@ -70,13 +70,23 @@ def test_every_seed_line_runs_on_cpu_or_names_the_one_flag_it_cannot(case, qwen3
     words = [str(qwen3_path), *seed_words(case)[1:]]
     role = engine_role(parse_command_line("config check", words))
     try:
+        check = serve_config("config check", ["--role", role, *words, "--device", "cpu"])
+    except ValueError as e:
+        check = e
+    try:
         config = serve_config(role, [*words, "--device", "cpu"])
     except ValueError as e:
         flag, _, why = str(e).partition(": ")
         # (the flag in its canonical spelling; the line may write vLLM's underscores)
         assert flag.startswith("--") and why and "\n" not in why
         assert flag in case.command.replace("_", "-")
+        assert str(check) == str(e)  # config check refuses it with the same words
         return
+    # config check's verdict is the instance's: the same engine, the same said
+    assert not isinstance(check, Exception), check
+    assert check.engine == config.engine
+    assert check.accepted_without_effect == config.accepted_without_effect
+    assert (check.flag_warnings, check.warnings) == (config.flag_warnings, config.warnings)
     engine = build_engine(config.engine)
     request = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4,
                                                               ignore_eos=True))
