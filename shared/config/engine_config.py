@@ -34,7 +34,8 @@ def engine_config(f: Any) -> EngineConfig:
         compilation_config=compilation_config(f),
         cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False),
         runner=runner(f), pooler_config=getattr(f, "pooler_config", None),
-        hf_overrides=getattr(f, "hf_overrides", None))
+        hf_overrides=getattr(f, "hf_overrides", None),
+        cpu_offload_gb=getattr(f, "cpu_offload_gb", 0.0) or 0.0)
 
 
 def stats_settings(f: Any) -> dict[str, Any]:

@@ -239,6 +239,10 @@ FLAGS: list[Flag] = [
          "SGLang's: NGRAM's shortest match (prompt_lookup_min)"),
     Flag("--speculative-ngram-max-match-window-size", "int", ENGINE_LINE, None,
          "SGLang's: NGRAM's longest match (prompt_lookup_max)"),
+    Flag("--cpu-offload-gb", "float", ENGINE_LINE, ENGINE_DEFAULT["cpu_offload_gb"],
+         "GiB of the decoder layers' weights kept in host memory, copied to the device layer "
+         "by layer each forward (the KV cache gets the room; decode graphs off); without "
+         "effect on cpu"),
     Flag("--hf-overrides", "json", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["hf_overrides"],
          "config.json keys laid over the checkpoint's: rope_scaling, rope_parameters, "
          "rope_theta, max_position_embeddings (e.g. YaRN for a longer context); another "
@@ -505,7 +509,7 @@ FLAGS: list[Flag] = [
              ("--max-logprobs", "int"), ("--disable-log-requests", "bool"),
              ("--uvicorn-log-level", "str"),
  ("--load-format", "str"), ("--download-dir", "str"),
-             ("--revision", "str"), ("--swap-space", "float"), ("--cpu-offload-gb", "float"),
+             ("--revision", "str"), ("--swap-space", "float"),
              ("--limit-mm-per-prompt", "json")),
 ]
 

@@ -209,6 +209,10 @@ def resolve(config: ServeConfig) -> ServeConfig:
     if config.device == "cpu" and (engine.compilation_config or not engine.cuda_graph_padding):
         graphs = ("decode graphs: without effect on cpu (a CPU launches no kernels to "
                   "capture; every step runs eagerly): --compilation-config, --cuda-graph-*",)
+    if engine.cpu_offload_gb:
+        graphs += ("--cpu-offload-gb: without effect on cpu (the weights are in host memory "
+                   "already)" if config.device == "cpu" else "--cpu-offload-gb: decode "
+                   "graphs off (each forward copies the offloaded layers over)",)
     return dataclasses.replace(config, engine=engine,
                                flag_warnings=(*config.flag_warnings, *graphs,
                                               *_pooling(config, engine)))

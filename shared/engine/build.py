@@ -63,6 +63,7 @@ from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.engine.step_hooks import StepHook
 from pdmesh.shared.engine.structured import GrammarCompiler
 from pdmesh.shared.engine.tp_kv import ShardedPoolConnector
+from pdmesh.shared.engine.weight_offload import GIB, offload_layers
 from pdmesh.shared.infra.launcher import ready_timeout_s
 from pdmesh.shared.kernels import KernelBackend, get_backend, resolve_device
 from pdmesh.shared.kvpool.base import CacheRegions, KVPool
@@ -116,9 +117,9 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     step_costs, load_step = StepCosts(), ExpertLoadStep.of(loaded.model.load_recorder)
     pooler = None if pooling is None else Pooler(caches.runner, loaded.model.final_hidden)
     stats = _stats_log(config, scheduler, caches.kv)
-    hooks: list[StepHook] = [h for h in (load_step, saves, step_costs, speculation, pooler,
-                                         stats) if h is not None]
-    hooks.append(HiddenStates(caches.runner, loaded.model.final_hidden))
+    hooks: list[StepHook] = [h for h in (
+        load_step, saves, step_costs, speculation, pooler, stats,
+        HiddenStates(caches.runner, loaded.model.final_hidden)) if h is not None]
     engine = EngineCore(
         config=config, device=device, backend=backend, dtype=dtype,
         model_config=loaded.model_config, model=loaded.model, max_model_len=max_model_len,
@@ -215,6 +216,8 @@ class _Loaded:
             model.load_recorder = ExpertLoadRecorder(
                 len(model.moe_layers), model_config.moe.num_experts,
                 config.expert_load_window, config.expert_load_phase, backend.device)
+        if config.cpu_offload_gb and device != "cpu":  # (before the KV cache takes the room)
+            offload_layers(model, int(config.cpu_offload_gb * GIB), device)
         return loaded
 
 

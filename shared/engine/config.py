@@ -141,6 +141,9 @@ class EngineConfig:
     # vLLM's --hf-overrides (SGLang's --json-model-override-args): config.json keys laid
     # over the checkpoint's (shared.models.config.OVERRIDABLE: rope and positions)
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's --cpu-offload-gb: GiB of decoder-layer weights kept in host memory, copied
+    # to the device layer by layer each forward (engine/weight_offload.py); 0: none
+    cpu_offload_gb: float = 0.0
 
     @property
     def pools(self) -> bool:
@@ -156,7 +159,8 @@ class EngineConfig:
                                                                   dict):
             raise ValueError(f"compilation_config: must be a JSON object, got "
                              f"{self.compilation_config!r}")
-        return GraphConfig.from_flags(self.max_num_seqs, self.enforce_eager,
+        return GraphConfig.from_flags(self.max_num_seqs,
+                                      self.enforce_eager or bool(self.cpu_offload_gb),
                                       self.compilation_config,
                                       disable_padding=not self.cuda_graph_padding)
 
@@ -199,8 +203,10 @@ class EngineConfig:
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
 
     def _validate_parallel(self) -> None:
+        from pdmesh.shared.engine.weight_offload import check_offload
         from pdmesh.shared.parallel.finegrained_tp import FineGrainedLayout
 
+        check_offload(self)
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank: must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_rank}")
