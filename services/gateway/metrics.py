@@ -99,6 +99,7 @@ class InstancesUp:
         g = GaugeMetricFamily("pdmesh_instance_up", "Instances the gateway routes to",
                               labels=["model_name", "instance", "role", "address"])
         for role in ("prefill", "decode", "mixed"):
-            for inst in self.router.instances(role):
-                g.add_metric([self.model, inst.id, role, inst.address], 1)
+            for runner in ("generate", "pooling"):  # (embedding instances are routed to too)
+                for inst in self.router.instances(role, runner):
+                    g.add_metric([self.model, inst.id, role, inst.address], 1)
         yield g
