@@ -12,6 +12,7 @@ import httpx
 from pdmesh.shared.engine.generation_defaults import default_sampling
 from pdmesh.shared.infra.launcher import Service
 from tests.mesh import stop_all
+from tests.model_folders import linked_model
 
 
 def _complete(url: str, **fields) -> dict:
@@ -24,14 +25,8 @@ def _complete(url: str, **fields) -> dict:
 
 def test_the_model_s_generation_config_sets_a_request_s_defaults(qwen3_path, tmp_path,
                                                                  registry_prefix):
-    model = tmp_path / "model"
-    model.mkdir()
-    for f in qwen3_path.iterdir():
-        if f.name != "generation_config.json":
-            (model / f.name).symlink_to(f)
-    gen = json.loads((qwen3_path / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps(
-        {**gen, "temperature": 0.0, "max_new_tokens": 3}))
+    model = linked_model(qwen3_path, tmp_path / "model",
+                         generation_config={"temperature": 0.0, "max_new_tokens": 3})
     reg = ["--registry-prefix", registry_prefix + "-gencfg"]
     started: list[Service] = []
     try:
@@ -118,14 +113,8 @@ def test_the_offline_llm_takes_the_same_defaults(qwen3_path, tmp_path):
     fields; given SamplingParams are used as they are."""
     from pdmesh.shared.engine import LLM, SamplingParams
 
-    model = tmp_path / "model"
-    model.mkdir()
-    for f in qwen3_path.iterdir():
-        if f.name != "generation_config.json":
-            (model / f.name).symlink_to(f)
-    gen = json.loads((qwen3_path / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps(
-        {**gen, "temperature": 0.0, "max_new_tokens": 3}))
+    model = linked_model(qwen3_path, tmp_path / "model",
+                         generation_config={"temperature": 0.0, "max_new_tokens": 3})
     llm = LLM(str(model), device="cpu", dtype="float32", block_size=16)
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.max_tokens) == (0.0, 3)

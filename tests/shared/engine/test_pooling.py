@@ -13,6 +13,7 @@ import torch
 
 from pdmesh.shared.engine import LLM, SamplingParams
 from pdmesh.shared.engine.pooling import PoolingParams, model_pooling
+from tests.model_folders import linked_model
 
 _g = torch.Generator().manual_seed(99)
 _base = torch.randint(10, 4000, (40,), generator=_g).tolist()
@@ -76,10 +77,7 @@ def test_deepseek_v4_s_embedding_is_what_its_head_reads(tiny_models):
 
 
 def test_the_checkpoint_s_sentence_transformers_files_set_the_defaults(qwen3_path, tmp_path):
-    model = tmp_path / "st"
-    model.mkdir()
-    for f in qwen3_path.iterdir():
-        (model / f.name).symlink_to(f)
+    model = linked_model(qwen3_path, tmp_path / "st")
     assert model_pooling(model)[0].type == "LAST"
     (model / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -101,13 +99,8 @@ def test_the_checkpoint_s_sentence_transformers_files_set_the_defaults(qwen3_pat
 
 
 def test_dimensions_cut_a_matryoshka_model_s_embedding(qwen3_path, tmp_path):
-    model = tmp_path / "mrl"
-    model.mkdir()
-    for f in qwen3_path.iterdir():
-        if f.name != "config.json":
-            (model / f.name).symlink_to(f)
-    cfg = json.loads((qwen3_path / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [8, 16]}))
+    model = linked_model(qwen3_path, tmp_path / "mrl",
+                         config={"matryoshka_dimensions": [8, 16]})
     llm = LLM(str(model), device="cpu", dtype="float32", block_size=16, runner="pooling")
     full = llm.embed([PROMPTS[1]], PoolingParams(normalize=False))[0].outputs.embedding
     cut = llm.embed([PROMPTS[1]], PoolingParams(dimensions=8))[0].outputs.embedding
