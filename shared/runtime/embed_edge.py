@@ -23,7 +23,7 @@ async def embed(engine: EngineClient, request: common_pb2.EmbedRequest, context,
     rid = request.request_id or f"embed-{uuid.uuid4().hex}"
     params = PoolingParams(
         dimensions=request.dimensions if request.HasField("dimensions") else None,
-        normalize=request.normalize if request.HasField("normalize") else None)
+        use_activation=request.normalize if request.HasField("normalize") else None)
     stream = RequestStream()
     engine.submit(SubmitRequest(rid, list(request.prompt_token_ids),
                                 SamplingParams(max_tokens=1),

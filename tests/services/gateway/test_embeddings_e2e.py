@@ -66,6 +66,16 @@ def test_embeddings_from_pooling_instances(qwen3_path, tmp_path, registry_prefix
         raw = base64.b64decode(r.json()["data"][0]["embedding"])
         assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(
             expected[1], abs=1e-5)
+        # vLLM 0.32's use_activation (off: the mean itself), its embed_dtype and endianness
+        raw_mean = httpx.post(url, json={"input": tokens[1], "use_activation": False},
+                              timeout=60).json()["data"][0]["embedding"]
+        norm = sum(x * x for x in raw_mean) ** 0.5
+        assert [x / norm for x in raw_mean] == pytest.approx(expected[1], abs=1e-5)
+        r = httpx.post(url, json={"input": tokens[1], "encoding_format": "base64",
+                                  "embed_dtype": "float16", "endianness": "big"}, timeout=60)
+        raw = base64.b64decode(r.json()["data"][0]["embedding"])
+        assert list(struct.unpack(f">{len(raw) // 2}e", raw)) == pytest.approx(
+            expected[1], abs=1e-3)
         # the mixed instance answers the same call (the gateway picked the prefill one)
         with grpc.insecure_channel(engines[1].address) as ch:
             got = decode_pb2_grpc.DecodeStub(ch).Embed(
@@ -74,6 +84,7 @@ def test_embeddings_from_pooling_instances(qwen3_path, tmp_path, registry_prefix
         assert list(got.embedding) == pytest.approx(expected[0], abs=1e-5)
 
         for bad, field in (({"input": []}, "input"), ({"input": [[1, 2], [10**7]]}, "input"),
+                           ({"input": "x", "normalize": True}, "normalize"),
                            ({"input": "x", "dimensions": 8}, "dimensions"),
                            ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                            ({"input": "x", "model": "other"}, "model")):

@@ -47,7 +47,7 @@ def test_embeddings_equal_transformers_pooled_hidden_states(tiny_models, arch):
                                    ("MEAN", False, {"max_num_batched_tokens": 24}),
                                    ("CLS", True, {"max_num_batched_tokens": 24})):
         llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, runner="pooling",
-                  pooler_config={"pooling_type": kind, "normalize": normalize}, **extra)
+                  pooler_config={"pooling_type": kind, "use_activation": normalize}, **extra)
         for _ in range(2):  # the second pass: the shared prefix is in the prefix cache
             outs = llm.embed(PROMPTS)
             for out, hidden in zip(outs, reference, strict=True):
@@ -102,7 +102,7 @@ def test_dimensions_cut_a_matryoshka_model_s_embedding(qwen3_path, tmp_path):
     model = linked_model(qwen3_path, tmp_path / "mrl",
                          config={"matryoshka_dimensions": [8, 16]})
     llm = LLM(str(model), device="cpu", dtype="float32", block_size=16, runner="pooling")
-    full = llm.embed([PROMPTS[1]], PoolingParams(normalize=False))[0].outputs.embedding
+    full = llm.embed([PROMPTS[1]], PoolingParams(use_activation=False))[0].outputs.embedding
     cut = llm.embed([PROMPTS[1]], PoolingParams(dimensions=8))[0].outputs.embedding
     expected = torch.nn.functional.normalize(torch.tensor(full[:8]), dim=-1)
     torch.testing.assert_close(torch.tensor(cut), expected, rtol=1e-5, atol=1e-5)
