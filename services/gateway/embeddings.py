@@ -83,12 +83,16 @@ def add_route(app: Any, gw: Any) -> None:
         refused = _refuse_generating(gw.state.router)
         if refused is not None:
             return refused
-        try:
-            answers = await asyncio.gather(*(_embed(gw, body, p) for p in prompts))
-        except MeshError as e:  # (a refusal's message names its field first)
-            return error(e.status, str(e), str(e).split(":", 1)[0] if e.status == 400
-                         else None)
-        return _response(gw, body, answers)
+        failed: MeshError | None = None
+        try:  # (one input failing cancels the others' calls: their instances abort them)
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(_embed(gw, body, p)) for p in prompts]
+        except* MeshError as e:
+            failed = e.exceptions[0]  # type: ignore[assignment]
+        if failed is not None:  # (a refusal's message names its field first)
+            return error(failed.status, str(failed), str(failed).split(":", 1)[0]
+                         if failed.status == 400 else None)
+        return _response(gw, body, [t.result() for t in tasks])
 
     app.post("/v1/embeddings")(embeddings)
 
