@@ -34,15 +34,17 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=512)
     p.add_argument("--cache-prefixes", type=int, default=3)
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--policies", nargs="+", default=["fcfs", "lpm", "lof", "random"])
     a = p.parse_args()
     prompts = workload(a.groups, a.per_group, a.prefix)
-    block = 16
+    block = a.block_size
     blocks = (a.cache_prefixes * a.prefix + a.max_num_seqs * (a.prefix + 32)) // block
     total = sum(len(x) for x in prompts)
     ideal = a.groups * (a.per_group - 1) * (a.prefix // block * block) / total
     print(f"{len(prompts)} prompts, {total} prompt tokens, {blocks} KV blocks; "
           f"ideal hit rate {ideal:.3f}")
-    for policy in ("fcfs", "lpm", "lof", "random"):
+    for policy in a.policies:
         llm = LLM(a.model, device="cpu", dtype="bfloat16", block_size=block,
                   num_kv_blocks=blocks, max_num_seqs=a.max_num_seqs,
                   scheduling_policy=policy)
