@@ -24,11 +24,9 @@ from pdmesh.shared.engine.block_manager import KVCacheManager
 from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.draft_length import DraftLength
 from pdmesh.shared.engine.dyntralb import DyntraLB
-from pdmesh.shared.engine.hidden_states import HiddenStates
 from pdmesh.shared.engine.kv_cache_spec import KVCacheSpec
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.model_runner import ModelRunner
-from pdmesh.shared.engine.pooler import Pooler
 from pdmesh.shared.engine.pooling import Pooling, PoolingParams
 from pdmesh.shared.engine.prompt_saves import PromptSaves
 from pdmesh.shared.engine.request import Request, RequestStatus
@@ -349,8 +347,7 @@ class EngineCore:
         """The forward pass: the logits of the rows to sample (``step.sample_idx``)."""
         try:
             reqs = step.sched.requests
-            hidden = self._needs_hidden or HiddenStates.wants_hidden(reqs) or (
-                self.pooling is not None and Pooler.wants_hidden(reqs))
+            hidden = self._needs_hidden or any(h.wants_hidden(reqs) for h in self.hooks)
             logits, step.sample_idx = self.runner.execute(step.sched, hidden=hidden)
             for hook in self.hooks:
                 hook.executed(step)

@@ -16,8 +16,7 @@ class HiddenStates(StepHook):
         self.runner = runner  # model_runner.ModelRunner: its last_rows
         self.final_hidden = final_hidden  # rows of hidden_out -> final normed states
 
-    @staticmethod
-    def wants_hidden(requests: list[Request]) -> bool:
+    def wants_hidden(self, requests: list[Request]) -> bool:
         return any(r.sampling_params.return_hidden_states for r in requests)
 
     def executed(self, step: StepRecord) -> None:

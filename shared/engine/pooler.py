@@ -33,8 +33,7 @@ class Pooler(StepHook):
         self.runner = runner  # model_runner.ModelRunner: its last_rows
         self.final_hidden = final_hidden  # rows of hidden_out -> final normed states
 
-    @staticmethod
-    def wants_hidden(requests: list[Request]) -> bool:
+    def wants_hidden(self, requests: list[Request]) -> bool:
         return any(r.pooling is not None and r.embedding is None for r in requests)
 
     def executed(self, step: StepRecord) -> None:

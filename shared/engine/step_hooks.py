@@ -74,6 +74,11 @@ class StepHook:
     """A feature that hooks into the step. Each method runs on the step thread, in the
     order the engine was handed its hooks; the defaults do nothing."""
 
+    def wants_hidden(self, requests: list[Request]) -> bool:
+        """Before the forward: whether this step's final hidden states must be kept
+        (``ModelRunner.last_rows``) for this hook's ``executed``."""
+        return False
+
     def executed(self, step: StepRecord) -> None:
         """After the forward pass, before sampling (a raise here fails the step as the
         forward's would: the prefix cache is forgotten)."""
