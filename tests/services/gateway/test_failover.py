@@ -24,16 +24,22 @@ def mesh(qwen3_path, tmp_path, registry_prefix):
         yield services
 
 
-def busy_decode(decodes: list[Service]) -> Service:
-    """The decode instance serving the one running request."""
+def busy_decode(decodes: list[Service], within_s: float = 30.0) -> Service:
+    """The decode instance serving the one running request, asked for as soon as the
+    stream is open (the request may still be in prefill) and until one says so: a decode
+    instance can finish a few hundred tokens before a busy client reads twenty."""
     import grpc
 
     from pdmesh.shared.proto import common_pb2, decode_pb2_grpc
 
-    for svc in decodes:
-        stub = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(svc.address))
-        if stub.Health(common_pb2.HealthRequest(), timeout=5).load.running == 1:
-            return svc
+    stubs = [(svc, decode_pb2_grpc.DecodeStub(grpc.insecure_channel(svc.address)))
+             for svc in decodes]
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for svc, stub in stubs:
+            if stub.Health(common_pb2.HealthRequest(), timeout=5).load.running == 1:
+                return svc
+        time.sleep(0.02)
     raise AssertionError("no decode instance is serving the request")
 
 
@@ -52,14 +58,12 @@ def test_decode_killed_mid_stream(mesh, qwen3_path, seed):
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=300,
                                        temperature=temperature, seed=seed, stream=True,
                                        extra_body={"ignore_eos": True})
-    parts, killed, reason = [], False, None
+    os.killpg(busy_decode(mesh["decodes"]).proc.pid, signal.SIGKILL)
+    parts, reason = [], None
     for chunk in stream:
         parts.append(chunk.choices[0].text)
         reason = chunk.choices[0].finish_reason or reason
-        if not killed and len(parts) > 20:
-            os.killpg(busy_decode(mesh["decodes"]).proc.pid, signal.SIGKILL)
-            killed = True
-    assert killed and reason == "length"
+    assert reason == "length"
     assert "".join(parts) == expected
 
 
@@ -134,22 +138,20 @@ def test_decode_stopped_mid_stream(mesh, qwen3_path):
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=200,
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
-    stopped, parts, last, gap = None, [], 0.0, 0.0
+    stopped = busy_decode(mesh["decodes"])
+    os.killpg(stopped.proc.pid, signal.SIGSTOP)
+    parts, last, gap = [], 0.0, 0.0
     try:
         for chunk in stream:
             now = time.monotonic()
-            if stopped is not None:
+            if parts:
                 gap = max(gap, now - last)  # the wait for the migration
             last = now
             parts.append(chunk.choices[0].text)
-            if stopped is None and len(parts) > 20:
-                stopped = busy_decode(mesh["decodes"])
-                os.killpg(stopped.proc.pid, signal.SIGSTOP)
-        assert stopped is not None and "".join(parts) == expected
+        assert "".join(parts) == expected
         # past the registry's TTL, well before the 600 s idle timeout; the new decode
         # instance may then wait on a pool read from the stopped one's segment (Mooncake's
         # own transfer timeout) before it recomputes
         assert 5 < gap < 120, gap
     finally:
-        if stopped is not None:
-            os.killpg(stopped.proc.pid, signal.SIGCONT)
+        os.killpg(stopped.proc.pid, signal.SIGCONT)
