@@ -14,6 +14,9 @@ mean balancedness by more than the threshold::
                                                         ▼
                                   version + 1, published to the listeners (the watchers)
 
+A FlashLB group (eplb_policy_type 3) is judged as FlashLB aims, step by step: the
+balancedness of each stage of the ranks' load series, averaged over the stages.
+
 Before its first publication a group runs its start placement (version 0): slot ``s``
 holds expert ``s % num_experts``, the identity with the redundant slots wrapping round.
 Versions start above every ``placement_version`` a rank has reported, so a restarted
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdmesh.shared.parallel.flash_lb import FlashLB
 from pdmesh.shared.parallel.rebalance import balancedness, rebalance_experts
 from pdmesh.shared.parallel.swift_balance import swap_test, swift_balance
 
@@ -42,7 +46,7 @@ log = logging.getLogger(__name__)
 # The fields every rank of a group must agree on, in the order they are checked.
 SHAPE_FIELDS = ("dp_size", "num_layers", "num_experts", "num_slots")
 # vLLM-Ascend's eplb_policy_type: 0 its test swap, 1 DeepSeek's, 2 SwiftBalance, 3 FlashLB
-# (not ported: DeepSeek's places instead); None: upstream vLLM's EPLB, DeepSeek's
+# (on the ranks' load series); None: upstream vLLM's EPLB, DeepSeek's
 POLICIES = (None, 0, 1, 2, 3)
 
 
@@ -65,6 +69,8 @@ class LoadSample:
     step: int = 0
     placement_version: int = 0
     policy: int | None = None  # eplb_policy_type (None: DeepSeek's)
+    stages: torch.Tensor | None = None  # [stages, num_layers, num_experts] int64 (FlashLB)
+    stage_steps: int = 0  # steps summed per stage
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -94,12 +100,19 @@ class LoadSample:
         if self.placement_version < 0:
             raise ValueError(f"placement_version: must be non-negative, "
                              f"got {self.placement_version}")
+        if self.stages is not None:
+            if self.stage_steps <= 0:
+                raise ValueError(f"stage_steps: must be positive with stage_counts, "
+                                 f"got {self.stage_steps}")
+            if (self.stages < 0).any():
+                raise ValueError("stage_counts: must be non-negative")
 
     @classmethod
     def from_flat(cls, group: str, dp_rank: int, dp_size: int, num_layers: int,
                   num_experts: int, num_slots: int, counts: Sequence[int], step: int = 0,
-                  placement_version: int = 0, policy: int | None = None) -> LoadSample:
-        """``counts`` row-major, as the proto carries them."""
+                  placement_version: int = 0, policy: int | None = None,
+                  stage_counts: Sequence[int] = (), stage_steps: int = 0) -> LoadSample:
+        """``counts`` and ``stage_counts`` row-major, as the proto carries them."""
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if value <= 0:
                 raise ValueError(f"{name}: must be positive, got {value}")
@@ -107,8 +120,19 @@ class LoadSample:
             raise ValueError(f"counts: must hold num_layers * num_experts = "
                              f"{num_layers * num_experts} values (row-major), got {len(counts)}")
         flat = torch.tensor(counts, dtype=torch.int64)  # [L * E]
+        stages = None
+        if len(stage_counts):
+            if len(stage_counts) % (num_layers * num_experts):
+                raise ValueError(f"stage_counts: must hold a multiple of num_layers * "
+                                 f"num_experts = {num_layers * num_experts} values, got "
+                                 f"{len(stage_counts)}")
+            stages = torch.tensor(stage_counts, dtype=torch.int64).view(
+                -1, num_layers, num_experts)
+        elif stage_steps:
+            raise ValueError("stage_steps: set without stage_counts")
         return cls(group, dp_rank, dp_size, num_layers, num_experts, num_slots,
-                   flat.view(num_layers, num_experts), step, placement_version, policy)
+                   flat.view(num_layers, num_experts), step, placement_version, policy,
+                   stages, stage_steps)
 
 
 @dataclass(frozen=True)
@@ -160,10 +184,23 @@ class _Group:
     placement: PublishedPlacement | None = None
     decisions: int = 0
     last_proposed: tuple[float, ...] = ()
+    series: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # FlashLB's
+    flash: FlashLB = field(default_factory=FlashLB)  # its memory of the layers' ratios
 
     def load(self) -> torch.Tensor:
         """[num_layers, num_experts] int64: the ranks' latest counts summed."""
         return torch.stack([s.counts for s in self.samples.values()]).sum(0)
+
+    def hotness(self) -> torch.Tensor | None:
+        """[stages, num_layers, num_experts]: the ranks' latest series summed (those cut
+        as the newest one, the newest stages they share) plus one per step, as FlashLB
+        counts; None before any rank sent one."""
+        if not self.series:
+            return None
+        width = max(w for _, w in self.series.values())
+        kept = [s for s, w in self.series.values() if w == width]
+        stages = min(s.shape[0] for s in kept)
+        return torch.stack([s[s.shape[0] - stages:] for s in kept]).sum(0) + width
 
     def knows_placement(self) -> bool:
         """False when ranks run a version this controller did not publish (a restart)."""
@@ -193,6 +230,16 @@ def placement_balancedness(load: torch.Tensor, phy2log: torch.Tensor,
     """Per layer mean/max tokens per rank for ``load`` [L, E] under ``phy2log`` [L, S]."""
     logcnt = replica_counts(phy2log, load.shape[1])
     return tuple(balancedness(load, phy2log, logcnt, num_ranks).tolist())
+
+
+def stage_balancedness(stages: torch.Tensor, phy2log: torch.Tensor,
+                       num_ranks: int) -> tuple[float, ...]:
+    """Per layer, the mean over ``stages`` [T, L, E] of each stage's balancedness."""
+    t, num_layers, num_experts = stages.shape
+    logcnt = replica_counts(phy2log, num_experts).repeat(t, 1)
+    per = balancedness(stages.reshape(t * num_layers, num_experts),
+                       phy2log.repeat(t, 1), logcnt, num_ranks)
+    return tuple(per.view(t, num_layers).mean(0).tolist())
 
 
 class EplbController:
@@ -242,6 +289,8 @@ class EplbController:
                     raise ValueError(f"{name}: group {sample.group!r} has {name}="
                                      f"{group.shape[name]} (its first report), got {shape[name]}")
             group.samples[sample.dp_rank] = sample
+            if sample.stages is not None:
+                group.series[sample.dp_rank] = (sample.stages, sample.stage_steps)
             group.reports += 1
             group.version = max(group.version, sample.placement_version)
             return group.version
@@ -282,12 +331,19 @@ class EplbController:
                 if g is None:
                     raise NoLoadError(f"group: no load reported for {group!r} yet")
                 load, current_phy2log, shape = g.load(), g.phy2log(), dict(g.shape)
-                policy = g.policy
+                policy, hotness = g.policy, g.hotness()
                 known = g.knows_placement()
             num_ranks = shape["dp_size"]
-            proposal = self._propose(shape, policy, load, current_phy2log)
-            current = placement_balancedness(load, current_phy2log, num_ranks)
-            proposed = placement_balancedness(load, proposal, num_ranks)
+            if policy == 3:
+                proposal = flash_lb(g.flash, current_phy2log, hotness, num_ranks)
+            else:
+                proposal = self._propose(shape, policy, load, current_phy2log)
+            if policy == 3 and hotness is not None:  # judged as FlashLB aims: step by step
+                current = stage_balancedness(hotness, current_phy2log, num_ranks)
+                proposed = stage_balancedness(hotness, proposal, num_ranks)
+            else:
+                current = placement_balancedness(load, current_phy2log, num_ranks)
+                proposed = placement_balancedness(load, proposal, num_ranks)
             improvement = _mean(proposed) - _mean(current)
             publish = force or not known or improvement > self.improvement_threshold
             with self._lock:
@@ -341,6 +397,18 @@ class EplbController:
         version, reports, ranks, shape, decisions, proposed = fixed
         current = placement_balancedness(load, phy2log, shape["dp_size"])
         return GroupStatus(version, current, reports, ranks, shape, decisions, proposed)
+
+
+def flash_lb(policy: FlashLB, phy2log: torch.Tensor, hotness: torch.Tensor | None,
+             num_ranks: int) -> torch.Tensor:
+    """FlashLB's placement; the current one until a rank has sent a full window."""
+    if hotness is None:
+        log.info("eplb: FlashLB waits for a full window of load (expert_heat_collection_"
+                 "interval steps) before it places")
+        return phy2log
+    table = phy2log.view(phy2log.shape[0], num_ranks, -1).numpy()
+    new, _ = policy.rebalance(table, hotness.numpy())
+    return torch.from_numpy(new).reshape(phy2log.shape).to(torch.int64)
 
 
 def _mean(values: tuple[float, ...]) -> float:

@@ -41,7 +41,7 @@ def sample_from_proto(r: eplb_pb2.LoadReport) -> LoadSample:
     return LoadSample.from_flat(r.group, r.dp_rank, r.dp_size, r.num_layers, r.num_experts,
                                 r.num_slots, r.counts, r.step, r.placement_version,
                                 r.eplb_policy_type if r.HasField("eplb_policy_type")
-                                else None)
+                                else None, r.stage_counts, r.stage_steps)
 
 
 def placement_to_proto(p: PublishedPlacement) -> eplb_pb2.Placement:

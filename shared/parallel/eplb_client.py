@@ -85,7 +85,8 @@ class EplbClient:
         self._stub = eplb_pb2_grpc.EplbStub(self._channel)
         self._closed = threading.Event()
         self._lock = threading.Condition()  # guards everything below
-        self._pending: tuple[torch.Tensor, int, int] | None = None  # (counts, step, version)
+        # (counts, step, version, (stages, steps per stage) or None)
+        self._pending: tuple[torch.Tensor, int, int, tuple | None] | None = None
         self._latest: Placement | None = None
         self._watch_call: grpc.Future | None = None
         self._failing: set[str] = set()  # "report" / "watch" while the controller is down
@@ -97,18 +98,27 @@ class EplbClient:
         for t in self._threads:
             t.start()
 
-    def report(self, counts: torch.Tensor, step: int, placement_version: int) -> None:
+    def report(self, counts: torch.Tensor, step: int, placement_version: int,
+               series: tuple[torch.Tensor, int] | None = None) -> None:
         """Queue this rank's window ``counts`` [num_layers, num_experts] (tokens per
-        layer and logical expert) for sending; returns at once.
+        layer and logical expert) for sending, with the window in ``series`` stages
+        ([stages, num_layers, num_experts], steps per stage) when given; returns at once.
 
-        ValueError when ``counts`` is not 2-D; the controller's own rejections are logged.
+        ValueError when ``counts`` is not 2-D or ``series`` not 3-D of the same layers
+        and experts; the controller's own rejections are logged.
         """
         if counts.dim() != 2:
             raise ValueError(f"counts: must be [num_layers, num_experts], "
                              f"got shape {list(counts.shape)}")
         counts = counts.detach().to("cpu", torch.int64, copy=True)  # [L, E]
+        if series is not None:
+            stages, width = series
+            if stages.dim() != 3 or tuple(stages.shape[1:]) != tuple(counts.shape):
+                raise ValueError(f"series: must be [stages, {counts.shape[0]}, "
+                                 f"{counts.shape[1]}], got {list(stages.shape)}")
+            series = (stages.detach().to("cpu", torch.int64, copy=True), width)
         with self._lock:
-            self._pending = (counts, step, placement_version)
+            self._pending = (counts, step, placement_version, series)
             self._lock.notify_all()
 
     def latest(self) -> Placement | None:
@@ -140,15 +150,19 @@ class EplbClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _to_proto(self, counts: torch.Tensor, step: int,
-                  placement_version: int) -> eplb_pb2.LoadReport:
+    def _to_proto(self, counts: torch.Tensor, step: int, placement_version: int,
+                  series: tuple[torch.Tensor, int] | None) -> eplb_pb2.LoadReport:
         num_layers, num_experts = counts.shape
-        return eplb_pb2.LoadReport(
+        report = eplb_pb2.LoadReport(
             group=self.group, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_layers=num_layers, num_experts=num_experts,
             num_slots=self.num_slots if self.num_slots is not None else num_experts,
             counts=counts.flatten().tolist(), step=step, placement_version=placement_version,
             eplb_policy_type=self.policy)
+        if series is not None:
+            report.stage_counts.extend(series[0].flatten().tolist())
+            report.stage_steps = series[1]
+        return report
 
     def _send_loop(self) -> None:
         backoff = self._min_backoff_s

@@ -25,11 +25,15 @@ log = logging.getLogger(__name__)
 
 class RankEplb:
     def __init__(self, ep: ExpertParallel, recorder: ExpertLoadRecorder, client,
-                 report_every_s: float = 1.0, record_path: str | None = None):
+                 report_every_s: float = 1.0, record_path: str | None = None,
+                 series: bool = False):
         """``client``: an EplbClient (or anything with ``report`` and ``latest``);
         ``record_path``: rank 0 writes every applied placement there (vLLM-Ascend's
-        ``expert_map_record_path``; ``expert_map_path`` loads it at the next start)."""
+        ``expert_map_record_path``; ``expert_map_path`` loads it at the next start);
+        ``series``: reports carry the window stage by stage (FlashLB decides on it)."""
         self.ep = ep
+        self.series = series
+        self._series_due = 0  # the recorder's step count at which the next series is sent
         self.record_path = record_path
         self.recorder = recorder
         self.client = client
@@ -76,7 +80,12 @@ class RankEplb:
         now = time.monotonic()
         if now - self._last_report >= self.report_every_s and self.recorder.steps:
             self._last_report = now
-            self.client.report(self.recorder.load(), self.steps, self.ep.version)
+            series = None
+            if self.series and self.recorder.steps >= self._series_due:
+                series = self.recorder.series()  # a fresh window each time: once per window
+                if series is not None:
+                    self._series_due = self.recorder.steps + self.recorder.window
+            self.client.report(self.recorder.load(), self.steps, self.ep.version, series)
 
 
 def save_expert_map(path: str, phy2log: torch.Tensor, version: int) -> None:
@@ -121,11 +130,12 @@ class ControllerFinder:
                                  policy=self.policy)
         log.info("eplb: reporting to the controller at %s", address)
 
-    def report(self, counts: torch.Tensor, step: int, placement_version: int) -> None:
+    def report(self, counts: torch.Tensor, step: int, placement_version: int,
+               series: tuple[torch.Tensor, int] | None = None) -> None:
         if self.client is None:
             self._connect()
         if self.client is not None:
-            self.client.report(counts, step, placement_version)
+            self.client.report(counts, step, placement_version, series)
 
     def latest(self):
         return self.client.latest() if self.client is not None else None

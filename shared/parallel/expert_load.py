@@ -28,6 +28,7 @@ class ExpertLoadRecorder:
         self._window = torch.zeros(window, num_moe_layers, num_experts, dtype=torch.int64,
                                    device=device)
         self._pos = 0
+        self.window = window
         self.steps = 0  # steps recorded into the window so far
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -46,3 +47,17 @@ class ExpertLoadRecorder:
     def load(self) -> torch.Tensor:
         """[num_moe_layers, num_experts] tokens over the window, on the host."""
         return self._window.sum(0).cpu()
+
+    def series(self, max_stages: int = 64) -> tuple[torch.Tensor, int] | None:
+        """The window step by step, oldest first, cut into at most ``max_stages`` stages
+        of equal steps (the oldest steps that do not fill one dropped), as FlashLB
+        samples it: ([stages, num_moe_layers, num_experts] on the host, steps per
+        stage). None until the window is full."""
+        size = self._window.shape[0]
+        if self.steps < size:
+            return None
+        ordered = torch.roll(self._window, -self._pos, dims=0)  # oldest first
+        stages = min(size, max_stages)
+        width = size // stages
+        kept = ordered[size - width * stages:]
+        return kept.view(stages, width, *kept.shape[1:]).sum(1).cpu(), width

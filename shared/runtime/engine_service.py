@@ -188,7 +188,8 @@ def _rank_eplb(a: ServeConfig, role: str, engine, instance: str):
                               engine.ep.rank, engine.ep.world, engine.ep.num_slots,
                               a.eplb_address, policy=config.eplb_policy_type)
     return RankEplb(engine.ep, engine.model.load_recorder, finder,
-                    record_path=config.expert_map_record_path)
+                    record_path=config.expert_map_record_path,
+                    series=config.eplb_policy_type == 3)  # FlashLB decides on the steps
 
 
 def connect_pool(cfg: ServeConfig, host: str, stop: SignalStop) -> KVPool | None:

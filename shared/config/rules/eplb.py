@@ -97,8 +97,8 @@ def force_eplb_vs_dynamic(ctx: RuleContext, out: Findings) -> None:
 
 def eplb_policy(ctx: RuleContext, out: Findings) -> None:
     """The EPLB controller places by the instance's eplb_policy_type (shared/parallel/
-    swift_balance.py): FlashLB (3) is not ported, and the test policy (0) swaps ranks 3
-    and 1, which a smaller expert-parallel world lacks."""
+    swift_balance.py, flash_lb.py): the test policy (0) swaps ranks 3 and 1, which a
+    smaller expert-parallel world lacks."""
     path = f"{_EPLB}.eplb_policy_type"
     e = ctx.engine
     if not ctx.is_set(path) or not e.enable_expert_parallel:
@@ -108,9 +108,6 @@ def eplb_policy(ctx: RuleContext, out: Findings) -> None:
     if e.enable_eplb:
         out.warn(ctx.name(path), "without effect: upstream --enable-eplb places by "
                  "DeepSeek's policy, as vLLM does")
-    elif policy == 3:
-        out.warn(ctx.name(path), "3 (FlashLB) is not in pdmesh yet: DeepSeek's policy (1) "
-                 "places the experts instead")
     elif policy == 0 and 1 < world < 4:
         out.warn(ctx.name(path), f"without effect: 0 swaps the last experts of ranks 3 and "
                  f"1, and the instance has {world} expert-parallel ranks")

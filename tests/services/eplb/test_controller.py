@@ -13,6 +13,7 @@ from pdmesh.services.eplb.controller import (
     NoLoadError,
     placement_balancedness,
     replica_counts,
+    stage_balancedness,
     start_placement,
 )
 from pdmesh.shared.parallel.rebalance import balancedness, rebalance_experts
@@ -253,3 +254,41 @@ def test_each_group_places_by_its_own_eplb_policy():
         c.report(sample(skewed(), group="swift", policy=1))
     with pytest.raises(ValueError, match="eplb_policy_type: must be one of"):
         sample(skewed(), policy=7)
+
+
+def test_flash_lb_places_on_the_ranks_series():
+    """Policy 3: nothing moves until a rank sends its window stage by stage; then the
+    ranks' series, summed (the newest stages they share) plus one per step, go to
+    FlashLB, which remembers the layers' ratios between decisions."""
+    from pdmesh.shared.parallel.flash_lb import FlashLB
+
+    c = EplbController(improvement_threshold=0.0)
+    for rank in range(RANKS):
+        c.report(sample(skewed(), dp_rank=rank, policy=3))
+    start = start_placement(LAYERS, EXPERTS, SLOTS)
+    assert torch.equal(c.decide("g", force=True).phy2log, start)  # no series yet
+    gen = torch.Generator().manual_seed(3)
+    series = [torch.randint(0, 50, (6, LAYERS, EXPERTS), generator=gen) for _ in range(2)]
+    series[0][::2, 0, 7] += 400  # expert 7 hot every other stage on rank 0's share
+    c.report(sample(skewed(), dp_rank=0, policy=3, stages=series[0], stage_steps=4))
+    c.report(sample(skewed(), dp_rank=1, policy=3, stages=series[1][1:], stage_steps=4))
+    c.report(sample(skewed(), dp_rank=1, policy=3))  # no series: rank 1's last one stands
+    hotness = series[0][1:] + series[1][1:] + 4
+    reference = FlashLB()
+    table = start.view(LAYERS, RANKS, -1).numpy()
+    expected, _ = reference.rebalance(table, hotness.numpy())
+    d = c.decide("g", force=True)
+    assert d.phy2log.tolist() == expected.reshape(LAYERS, SLOTS).tolist()
+    assert not torch.equal(d.phy2log, start)
+    # judged stage by stage, as FlashLB aims
+    assert d.proposed == stage_balancedness(hotness, d.phy2log, RANKS)
+    assert d.current == stage_balancedness(hotness, start, RANKS)
+    assert mean(d.proposed) > mean(d.current)
+    expected, _ = reference.rebalance(expected, hotness.numpy())  # its memory goes on
+    assert c.decide("g", force=True).phy2log.tolist() == expected.reshape(
+        LAYERS, SLOTS).tolist()
+    with pytest.raises(ValueError, match="stage_steps: must be positive"):
+        sample(skewed(), policy=3, stages=series[0])
+    with pytest.raises(ValueError, match="stage_counts: must hold a multiple"):
+        LoadSample.from_flat("g", 0, RANKS, LAYERS, EXPERTS, SLOTS, [0] * LAYERS * EXPERTS,
+                             stage_counts=[1, 2, 3], stage_steps=1)

@@ -101,6 +101,31 @@ def test_both_ranks_get_the_same_better_placement(start_controller, registry_pre
         assert same(r0.wait_for(2, 10), r1.wait_for(2, 10)) and r0.latest().version == 2
 
 
+def test_flash_lb_ranks_send_their_series_and_get_its_placement(start_controller):
+    """eplb_policy_type 3 over the wire: each rank's window in stages reaches the
+    controller, which places by FlashLB on their sum, and both ranks get it."""
+    import numpy as np
+
+    from pdmesh.services.eplb.controller import start_placement
+    from pdmesh.shared.parallel.flash_lb import FlashLB
+
+    eplb = start_controller()
+    gen = torch.Generator().manual_seed(11)
+    series = [torch.randint(0, 30, (8, LAYERS, EXPERTS), generator=gen) for _ in range(RANKS)]
+    series[0][1::2, 1, 3] += 500  # layer 1: expert 3 hot in every other stage
+    series[1][1::2, 1, 4] += 500  # ... together with expert 4, on the same rank at start
+    with (EplbClient(eplb.address, "g4", 0, RANKS, policy=3, **FAST) as r0,
+          EplbClient(eplb.address, "g4", 1, RANKS, policy=3, **FAST) as r1):
+        for r, own in zip((r0, r1), series, strict=True):
+            r.report(own.sum(0), step=8, placement_version=0, series=(own, 2))
+        p0, p1 = r0.wait_for(1, 10), r1.wait_for(1, 10)
+    assert p0 is not None and same(p0, p1)
+    start = start_placement(LAYERS, EXPERTS, SLOTS).view(LAYERS, RANKS, -1).numpy()
+    expected, _ = FlashLB().rebalance(start, (series[0] + series[1] + 2).numpy())
+    assert p0.phy2log.tolist() == np.asarray(expected).reshape(LAYERS, SLOTS).tolist()
+    assert mean(p0.balancedness_after) > mean(p0.balancedness_before)
+
+
 def test_bad_reports_are_invalid_argument_naming_the_field(start_controller, caplog):
     eplb = start_controller()
     s = stub(eplb)
@@ -109,7 +134,11 @@ def test_bad_reports_are_invalid_argument_naming_the_field(start_controller, cap
     assert s.ReportLoad(eplb_pb2.LoadReport(**good), timeout=5).placement_version == 0
     for field, change in [("counts", {"counts": [1] * 15}), ("dp_rank", {"dp_rank": 2}),
                           ("num_slots", {"num_slots": 16}), ("group", {"group": ""}),
-                          ("counts", {"counts": [-1] * 16})]:
+                          ("counts", {"counts": [-1] * 16}),
+                          ("stage_counts", {"stage_counts": [1, 2, 3], "stage_steps": 1}),
+                          ("stage_counts", {"stage_counts": [-1] * 16, "stage_steps": 1}),
+                          ("stage_steps", {"stage_counts": [1] * 16}),
+                          ("stage_steps", {"stage_steps": 2})]:
         with pytest.raises(grpc.RpcError) as e:
             s.ReportLoad(eplb_pb2.LoadReport(**{**good, **change}), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -38,3 +38,18 @@ def test_bad_arguments_name_themselves():
         ExpertLoadRecorder(1, 2, window=0)
     with pytest.raises(ValueError, match="phase"):
         ExpertLoadRecorder(1, 2, window=1, phase="both")
+
+
+def test_series_is_the_window_oldest_first_in_equal_stages():
+    """None until the window is full; then the steps in order, summed in stages of
+    window // stages steps, the oldest leftover steps dropped."""
+    r = ExpertLoadRecorder(1, 2, window=5)
+    for step in range(7):  # step s routes s tokens to expert 0 and one to expert 1
+        if step == 4:
+            assert r.series() is None
+        r.record(0, torch.tensor([[0]] * step + [[1]]))
+        r.end_step(is_prefill=False)
+    stages, width = r.series(max_stages=64)  # the window holds steps 2..6
+    assert width == 1 and stages[:, 0].tolist() == [[s, 1] for s in range(2, 7)]
+    stages, width = r.series(max_stages=2)  # two stages of two steps; step 2 dropped
+    assert width == 2 and stages[:, 0].tolist() == [[3 + 4, 2], [5 + 6, 2]]
