@@ -71,6 +71,7 @@ class LoadSample:
     policy: int | None = None  # eplb_policy_type (None: DeepSeek's)
     stages: torch.Tensor | None = None  # [stages, num_layers, num_experts] int64 (FlashLB)
     stage_steps: int = 0  # steps summed per stage
+    decide_round: int = 0  # step-driven rounds the rank has closed (0: timer-driven)
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -100,6 +101,8 @@ class LoadSample:
         if self.placement_version < 0:
             raise ValueError(f"placement_version: must be non-negative, "
                              f"got {self.placement_version}")
+        if self.decide_round < 0:
+            raise ValueError(f"decide_round: must be non-negative, got {self.decide_round}")
         if self.stages is not None:
             if self.stage_steps <= 0:
                 raise ValueError(f"stage_steps: must be positive with stage_counts, "
@@ -111,7 +114,8 @@ class LoadSample:
     def from_flat(cls, group: str, dp_rank: int, dp_size: int, num_layers: int,
                   num_experts: int, num_slots: int, counts: Sequence[int], step: int = 0,
                   placement_version: int = 0, policy: int | None = None,
-                  stage_counts: Sequence[int] = (), stage_steps: int = 0) -> LoadSample:
+                  stage_counts: Sequence[int] = (), stage_steps: int = 0,
+                  decide_round: int = 0) -> LoadSample:
         """``counts`` and ``stage_counts`` row-major, as the proto carries them."""
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if value <= 0:
@@ -132,7 +136,7 @@ class LoadSample:
             raise ValueError("stage_steps: set without stage_counts")
         return cls(group, dp_rank, dp_size, num_layers, num_experts, num_slots,
                    flat.view(num_layers, num_experts), step, placement_version, policy,
-                   stages, stage_steps)
+                   stages, stage_steps, decide_round)
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,14 @@ class _Group:
     last_proposed: tuple[float, ...] = ()
     series: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # FlashLB's
     flash: FlashLB = field(default_factory=FlashLB)  # its memory of the layers' ratios
+    rounds: dict[int, int] = field(default_factory=dict)  # dp_rank -> rounds it closed
+    decided_round: int = 0  # the last step-driven round decided
+
+    def round_due(self) -> bool:
+        """Every rank has closed a round not yet decided (step-driven groups)."""
+        if len(self.rounds) < self.shape["dp_size"]:
+            return False
+        return min(self.rounds.values()) > self.decided_round
 
     def load(self) -> torch.Tensor:
         """[num_layers, num_experts] int64: the ranks' latest counts summed."""
@@ -291,6 +303,9 @@ class EplbController:
             group.samples[sample.dp_rank] = sample
             if sample.stages is not None:
                 group.series[sample.dp_rank] = (sample.stages, sample.stage_steps)
+            if sample.decide_round:
+                group.rounds[sample.dp_rank] = max(sample.decide_round,
+                                                   group.rounds.get(sample.dp_rank, 0))
             group.reports += 1
             group.version = max(group.version, sample.placement_version)
             return group.version
@@ -302,6 +317,16 @@ class EplbController:
         if sample.dp_size % self.num_nodes != 0:
             raise ValueError(f"dp_size: must be a multiple of the controller's "
                              f"--num-nodes ({self.num_nodes}), got {sample.dp_size}")
+
+    def take_due_round(self, group: str) -> bool:
+        """True once per step-driven round that every rank of ``group`` has closed: the
+        caller decides it then."""
+        with self._lock:
+            g = self._groups.get(group)
+            if g is None or not g.round_due():
+                return False
+            g.decided_round = min(g.rounds.values())
+            return True
 
     def groups(self) -> list[str]:
         with self._lock:
@@ -376,9 +401,12 @@ class EplbController:
                                  ranks).phy2log
 
     def decide_all(self) -> list[Decision]:
-        """``decide`` every group (the timer's work); a group that fails is logged."""
+        """``decide`` every timer-driven group (the timer's work; step-driven groups
+        decide when their ranks close a round); a group that fails is logged."""
         decisions = []
-        for group in self.groups():
+        with self._lock:
+            timed = sorted(name for name, g in self._groups.items() if not g.rounds)
+        for group in timed:
             try:
                 decisions.append(self.decide(group))
             except ValueError as e:

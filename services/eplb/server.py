@@ -41,7 +41,7 @@ def sample_from_proto(r: eplb_pb2.LoadReport) -> LoadSample:
     return LoadSample.from_flat(r.group, r.dp_rank, r.dp_size, r.num_layers, r.num_experts,
                                 r.num_slots, r.counts, r.step, r.placement_version,
                                 r.eplb_policy_type if r.HasField("eplb_policy_type")
-                                else None, r.stage_counts, r.stage_steps)
+                                else None, r.stage_counts, r.stage_steps, r.decide_round)
 
 
 def placement_to_proto(p: PublishedPlacement) -> eplb_pb2.Placement:
@@ -66,6 +66,7 @@ class EplbServicer(eplb_pb2_grpc.EplbServicer):
         self.controller = controller
         self._loop = loop
         self._watchers: dict[str, set[asyncio.Queue[PublishedPlacement]]] = {}
+        self._rounds: set[asyncio.Task] = set()  # step-driven decisions under way
         controller.add_listener(self._announce)
 
     def _announce(self, p: PublishedPlacement) -> None:
@@ -81,7 +82,17 @@ class EplbServicer(eplb_pb2_grpc.EplbServicer):
             version = self.controller.report(sample_from_proto(request))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.controller.take_due_round(request.group):  # every rank closed the round
+            task = asyncio.create_task(self._decide_round(request.group))
+            self._rounds.add(task)
+            task.add_done_callback(self._rounds.discard)
         return eplb_pb2.ReportAck(placement_version=version)
+
+    async def _decide_round(self, group: str) -> None:
+        try:
+            await asyncio.to_thread(self.controller.decide, group)
+        except ValueError as e:
+            log.error("group %s: no decision for its round: %s", group, e)
 
     async def WatchPlacement(self, request, context):  # noqa: N802
         if not request.group:
@@ -129,8 +140,7 @@ class EplbServicer(eplb_pb2_grpc.EplbServicer):
 
 async def decide_periodically(controller: EplbController, interval_s: float,
                               stop: asyncio.Event) -> None:
-    """Every ``interval_s`` (vLLM-Ascend's algorithm_execution_interval), decide every
-    group, until ``stop`` is set."""
+    """Every ``interval_s``, decide every timer-driven group, until ``stop`` is set."""
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), interval_s)

@@ -206,6 +206,10 @@ def parallel_settings(cfg: Any) -> dict[str, Any]:
             # (upstream --enable-eplb: vLLM's own, DeepSeek's policy)
             "eplb_policy_type": None if cfg.engine_args.enable_eplb or not ep
             else eplb.eplb_policy_type,
+            "eplb_rounds": None if not (dynamic and ep)
+            else "vllm" if cfg.engine_args.enable_eplb else "vllm-ascend",
+            "eplb_step_interval": int(upstream.get("step_interval", 3000)),
+            "eplb_algorithm_steps": eplb.algorithm_execution_interval,
             "expert_load_phase": phase}
 
 

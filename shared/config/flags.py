@@ -451,7 +451,8 @@ FLAGS: list[Flag] = [
             ("--eviction-ratio", "float", 0.05, "share of the pool one eviction frees")),
     # -- the EPLB controller ------------------------------------------------------------
     *_flags({"eplb"},
-            ("--interval-s", "float", 10.0, "decide every group this often"),
+            ("--interval-s", "float", 10.0, "decide every timer-driven group this often "
+             "(ranks that count EPLB rounds in steps are decided when they close one)"),
             ("--improvement-threshold", "float", 0.05, "publish a placement only when it "
              "raises mean balancedness by more than this"),
             ("--num-groups", "int", 1, "expert groups of the model (group-limited routing)"),

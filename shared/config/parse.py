@@ -91,14 +91,13 @@ def parse_additional_config(
 # vLLM-Ascend keys for any device that pdmesh validates but does not act on (yet): the
 # speculative-decoding sections act once drafts run (rejection_sampler_config with any
 # method, dynamic_spec_config with MTP drafts); the rest have no counterpart in pdmesh's
-# scheduler or EPLB controller (`pdmesh eplb --interval-s` sets the controller's interval)
+# scheduler or EPLB controller
 UNIMPLEMENTED = ("rejection_sampler_config", "dynamic_spec_config",
                  "enable_force_eplb", "mix_placement",
                  "enable_context_parallel", "enable_reduce_sample", "draft_window_size",
                  "SLO_limits_for_dynamic_batch", "scheduler_config.enable_balance_scheduling",
                  "scheduler_config.profiling_chunk_config",
-                 "scheduler_config.batch_job_sched_config",
-                 "eplb_config.algorithm_execution_interval")
+                 "scheduler_config.batch_job_sched_config")
 
 
 def unimplemented_keys(explicit: set[str] | frozenset[str]) -> list[str]:

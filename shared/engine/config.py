@@ -105,6 +105,12 @@ class EngineConfig:
     # the EPLB controller's policy for this instance: vLLM-Ascend's eplb_policy_type (0
     # its test swap, 1 DeepSeek's, 2 SwiftBalance, 3 FlashLB); None: DeepSeek's (vLLM's)
     eplb_policy_type: int | None = None
+    # step-driven EPLB rounds (shared.parallel.eplb_rank.Cadence): "vllm-ascend" (its
+    # expert_heat_collection_interval, then algorithm_execution_interval, then a step per
+    # MoE layer), "vllm" (--eplb-config's step_interval); None: the controller's timer
+    eplb_rounds: str | None = None
+    eplb_step_interval: int = 3000  # vLLM's eplb_config.step_interval
+    eplb_algorithm_steps: int = 50  # vLLM-Ascend's eplb_config.algorithm_execution_interval
     # Expert load kept over this many steps (0: not recorded), for EPLB
     expert_load_window: int = 0
     expert_load_phase: str = "all"

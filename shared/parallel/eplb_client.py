@@ -85,8 +85,8 @@ class EplbClient:
         self._stub = eplb_pb2_grpc.EplbStub(self._channel)
         self._closed = threading.Event()
         self._lock = threading.Condition()  # guards everything below
-        # (counts, step, version, (stages, steps per stage) or None)
-        self._pending: tuple[torch.Tensor, int, int, tuple | None] | None = None
+        # (counts, step, version, (stages, steps per stage) or None, round)
+        self._pending: tuple[torch.Tensor, int, int, tuple | None, int] | None = None
         self._latest: Placement | None = None
         self._watch_call: grpc.Future | None = None
         self._failing: set[str] = set()  # "report" / "watch" while the controller is down
@@ -99,10 +99,12 @@ class EplbClient:
             t.start()
 
     def report(self, counts: torch.Tensor, step: int, placement_version: int,
-               series: tuple[torch.Tensor, int] | None = None) -> None:
+               series: tuple[torch.Tensor, int] | None = None, round_: int = 0) -> None:
         """Queue this rank's window ``counts`` [num_layers, num_experts] (tokens per
         layer and logical expert) for sending, with the window in ``series`` stages
-        ([stages, num_layers, num_experts], steps per stage) when given; returns at once.
+        ([stages, num_layers, num_experts], steps per stage) when given and the number
+        of step-driven rounds the rank has closed; returns at once. A report that
+        replaces one not yet sent keeps that one's series when it has none.
 
         ValueError when ``counts`` is not 2-D or ``series`` not 3-D of the same layers
         and experts; the controller's own rejections are logged.
@@ -118,7 +120,9 @@ class EplbClient:
                                  f"{counts.shape[1]}], got {list(stages.shape)}")
             series = (stages.detach().to("cpu", torch.int64, copy=True), width)
         with self._lock:
-            self._pending = (counts, step, placement_version, series)
+            if series is None and self._pending is not None:
+                series = self._pending[3]
+            self._pending = (counts, step, placement_version, series, round_)
             self._lock.notify_all()
 
     def latest(self) -> Placement | None:
@@ -151,14 +155,15 @@ class EplbClient:
         self.close()
 
     def _to_proto(self, counts: torch.Tensor, step: int, placement_version: int,
-                  series: tuple[torch.Tensor, int] | None) -> eplb_pb2.LoadReport:
+                  series: tuple[torch.Tensor, int] | None,
+                  round_: int) -> eplb_pb2.LoadReport:
         num_layers, num_experts = counts.shape
         report = eplb_pb2.LoadReport(
             group=self.group, dp_rank=self.dp_rank, dp_size=self.dp_size,
             num_layers=num_layers, num_experts=num_experts,
             num_slots=self.num_slots if self.num_slots is not None else num_experts,
             counts=counts.flatten().tolist(), step=step, placement_version=placement_version,
-            eplb_policy_type=self.policy)
+            eplb_policy_type=self.policy, decide_round=round_)
         if series is not None:
             report.stage_counts.extend(series[0].flatten().tolist())
             report.stage_steps = series[1]

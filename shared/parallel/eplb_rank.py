@@ -6,6 +6,13 @@
                  the ranks), the layer's maps switching at the step boundary
     every ~1 s   the windowed expert load goes to the controller (off the hot path)
 
+With a ``Cadence`` the rounds are counted in steps, as vLLM and vLLM-Ascend count them
+(the lockstep steps in which any rank has work, dummy steps included): a round collects
+its load, its report (numbered) goes out at once, the controller decides when every rank
+of the group has sent that round, and a placement heard before ``hold`` steps have passed
+waits for them; ``move`` more steps, and the next round starts. Without one the
+controller decides on its timer.
+
 Without a reachable controller nothing changes: the rank keeps its placement and keeps
 serving. Moves are counted (bytes, seconds) for metrics.
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,15 +31,45 @@ from pdmesh.shared.parallel.expert_parallel import ExpertParallel
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """Step-driven EPLB rounds.
+
+    vLLM-Ascend (Model Runner V1): ``collect`` = expert_heat_collection_interval steps of
+    its phase (``recorded``), ``hold`` = algorithm_execution_interval, ``move`` = one step
+    per MoE layer. vLLM (``--enable-eplb``): ``collect`` = step_interval steps, the first
+    round a quarter of them (its counter starts three quarters in), no hold, no move.
+    """
+
+    collect: int
+    hold: int = 0
+    move: int = 0
+    first: int | None = None  # the first round's collect, when it differs
+    recorded: bool = False  # collect counts the load recorder's steps (its phase's)
+
+    def __post_init__(self) -> None:
+        for name in ("collect", "hold", "move"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be non-negative, got {getattr(self, name)}")
+
+
+
 class RankEplb:
     def __init__(self, ep: ExpertParallel, recorder: ExpertLoadRecorder, client,
                  report_every_s: float = 1.0, record_path: str | None = None,
-                 series: bool = False):
+                 series: bool = False, cadence: Cadence | None = None):
         """``client``: an EplbClient (or anything with ``report`` and ``latest``);
         ``record_path``: rank 0 writes every applied placement there (vLLM-Ascend's
         ``expert_map_record_path``; ``expert_map_path`` loads it at the next start);
-        ``series``: reports carry the window stage by stage (FlashLB decides on it)."""
+        ``series``: reports carry the window stage by stage (FlashLB decides on it);
+        ``cadence``: step-driven rounds (see the module docstring)."""
         self.ep = ep
+        self.cadence = cadence
+        self.round = 0  # rounds this rank has closed (its reports carry the number)
+        self.work_steps = 0  # lockstep steps in which some rank had work
+        self._round_from = (0, 0)  # (work_steps, recorder.steps) at the round's start
+        self._next_round_at: int | None = None  # work_steps; None while collecting
+        self._hold_until = 0  # work_steps before which a new placement waits
         self.series = series
         self._series_due = 0  # the recorder's step count at which the next series is sent
         self.record_path = record_path
@@ -45,14 +83,22 @@ class RankEplb:
         self.move_seconds = 0.0
 
     def known_version(self) -> int:
-        """The newest placement this rank has received (0: none)."""
+        """The newest placement this rank has received (0: none); during a round's hold
+        the one it runs, so that no rank starts before every rank's hold is over."""
         p = self.client.latest()
-        return p.version if p is not None else 0
+        if p is None:
+            return 0
+        return self.ep.version if self.work_steps < self._hold_until else p.version
 
-    def at_step_boundary(self, newest: int, oldest: int) -> None:
+    def at_step_boundary(self, newest: int, oldest: int, stepping: bool = True) -> None:
         """Called by every rank between two steps with the max and min of the ranks'
-        ``known_version``: starts or continues applying a placement, one layer a step."""
+        ``known_version`` and whether they step (some rank has work): starts or
+        continues applying a placement, one layer a step, and counts the rounds."""
         self.steps += 1
+        closed = False
+        if stepping:
+            self.work_steps += 1
+            closed = self._count_round()
         if self._pending is None and newest == oldest and newest > self.ep.version:
             p = self.client.latest()
             if p is not None and p.version == newest:
@@ -78,14 +124,36 @@ class RankEplb:
                 log.info("eplb: placement %d applied (%d bytes moved so far)", version,
                          self.ep.bytes_moved)
         now = time.monotonic()
-        if now - self._last_report >= self.report_every_s and self.recorder.steps:
+        if closed or (now - self._last_report >= self.report_every_s and self.recorder.steps):
             self._last_report = now
             series = None
-            if self.series and self.recorder.steps >= self._series_due:
+            if self.series and (closed or self.cadence is None
+                                and self.recorder.steps >= self._series_due):
                 series = self.recorder.series()  # a fresh window each time: once per window
                 if series is not None:
                     self._series_due = self.recorder.steps + self.recorder.window
-            self.client.report(self.recorder.load(), self.steps, self.ep.version, series)
+            self.client.report(self.recorder.load(), self.steps, self.ep.version, series,
+                               self.round)
+
+    def _count_round(self) -> bool:
+        """Advance the round by one working step; True when this step closes one."""
+        c = self.cadence
+        if c is None:
+            return False
+        if self._next_round_at is not None:  # holding, then moving
+            if self.work_steps < self._next_round_at:
+                return False
+            self._round_from = (self._next_round_at, self.recorder.steps)
+            self._next_round_at = None
+        target = c.first if self.round == 0 and c.first is not None else c.collect
+        done = (self.recorder.steps - self._round_from[1] if c.recorded
+                else self.work_steps - self._round_from[0])
+        if done < target:
+            return False
+        self.round += 1
+        self._hold_until = self.work_steps + c.hold
+        self._next_round_at = self.work_steps + c.hold + c.move
+        return True
 
 
 def save_expert_map(path: str, phy2log: torch.Tensor, version: int) -> None:
@@ -131,11 +199,11 @@ class ControllerFinder:
         log.info("eplb: reporting to the controller at %s", address)
 
     def report(self, counts: torch.Tensor, step: int, placement_version: int,
-               series: tuple[torch.Tensor, int] | None = None) -> None:
+               series: tuple[torch.Tensor, int] | None = None, round_: int = 0) -> None:
         if self.client is None:
             self._connect()
         if self.client is not None:
-            self.client.report(counts, step, placement_version, series)
+            self.client.report(counts, step, placement_version, series, round_)
 
     def latest(self):
         return self.client.latest() if self.client is not None else None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdmesh/shared/proto/eplb.proto\x12\tpdmesh.v1\x1a pdmesh/shared/proto/common.proto\"\x91\x02\n\nLoadReport\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x05 \x01(\x05\x12\x11\n\tnum_slots\x18\x06 \x01(\x05\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\x03\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x19\n\x11placement_version\x18\t \x01(\x03\x12\x1d\n\x10\x65plb_policy_type\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0cstage_counts\x18\x0b \x03(\x03\x12\x13\n\x0bstage_steps\x18\x0c \x01(\x05\x42\x13\n\x11_eplb_policy_type\"&\n\tReportAck\x12\x19\n\x11placement_version\x18\x01 \x01(\x03\"\x1d\n\x0cWatchRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x9c\x01\n\tPlacement\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x0f\n\x07phy2log\x18\x05 \x03(\x05\x12\x1b\n\x13\x62\x61lancedness_before\x18\x06 \x03(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x07 \x03(\x01\"0\n\x10RebalanceRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xe0\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61lancedness\x18\x02 \x03(\x01\x12\x0f\n\x07reports\x18\x03 \x01(\x03\x12\x17\n\x0franks_reporting\x18\x04 \x03(\x05\x12\x0f\n\x07\x64p_size\x18\x05 \x01(\x05\x12\x12\n\nnum_layers\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x11\n\tnum_slots\x18\x08 \x01(\x05\x12\x11\n\tdecisions\x18\t \x01(\x03\x12\x1d\n\x15proposed_balancedness\x18\n \x03(\x01\x32\xc2\x02\n\x04\x45plb\x12\x39\n\nReportLoad\x12\x15.pdmesh.v1.LoadReport\x1a\x14.pdmesh.v1.ReportAck\x12\x41\n\x0eWatchPlacement\x12\x17.pdmesh.v1.WatchRequest\x1a\x14.pdmesh.v1.Placement0\x01\x12>\n\tRebalance\x12\x1b.pdmesh.v1.RebalanceRequest\x1a\x14.pdmesh.v1.Placement\x12=\n\x06Status\x12\x18.pdmesh.v1.StatusRequest\x1a\x19.pdmesh.v1.StatusResponse\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdmesh/shared/proto/eplb.proto\x12\tpdmesh.v1\x1a pdmesh/shared/proto/common.proto\"\xa7\x02\n\nLoadReport\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x05 \x01(\x05\x12\x11\n\tnum_slots\x18\x06 \x01(\x05\x12\x0e\n\x06\x63ounts\x18\x07 \x03(\x03\x12\x0c\n\x04step\x18\x08 \x01(\x03\x12\x19\n\x11placement_version\x18\t \x01(\x03\x12\x1d\n\x10\x65plb_policy_type\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0cstage_counts\x18\x0b \x03(\x03\x12\x13\n\x0bstage_steps\x18\x0c \x01(\x05\x12\x14\n\x0c\x64\x65\x63ide_round\x18\r \x01(\x03\x42\x13\n\x11_eplb_policy_type\"&\n\tReportAck\x12\x19\n\x11placement_version\x18\x01 \x01(\x03\"\x1d\n\x0cWatchRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\x9c\x01\n\tPlacement\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x0f\n\x07phy2log\x18\x05 \x03(\x05\x12\x1b\n\x13\x62\x61lancedness_before\x18\x06 \x03(\x01\x12\x1a\n\x12\x62\x61lancedness_after\x18\x07 \x03(\x01\"0\n\x10RebalanceRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x1e\n\rStatusRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xe0\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61lancedness\x18\x02 \x03(\x01\x12\x0f\n\x07reports\x18\x03 \x01(\x03\x12\x17\n\x0franks_reporting\x18\x04 \x03(\x05\x12\x0f\n\x07\x64p_size\x18\x05 \x01(\x05\x12\x12\n\nnum_layers\x18\x06 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x07 \x01(\x05\x12\x11\n\tnum_slots\x18\x08 \x01(\x05\x12\x11\n\tdecisions\x18\t \x01(\x03\x12\x1d\n\x15proposed_balancedness\x18\n \x03(\x01\x32\xc2\x02\n\x04\x45plb\x12\x39\n\nReportLoad\x12\x15.pdmesh.v1.LoadReport\x1a\x14.pdmesh.v1.ReportAck\x12\x41\n\x0eWatchPlacement\x12\x17.pdmesh.v1.WatchRequest\x1a\x14.pdmesh.v1.Placement0\x01\x12>\n\tRebalance\x12\x1b.pdmesh.v1.RebalanceRequest\x1a\x14.pdmesh.v1.Placement\x12=\n\x06Status\x12\x18.pdmesh.v1.StatusRequest\x1a\x19.pdmesh.v1.StatusResponse\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.shared.proto.eplb_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADREPORT']._serialized_start=80
-  _globals['_LOADREPORT']._serialized_end=353
-  _globals['_REPORTACK']._serialized_start=355
-  _globals['_REPORTACK']._serialized_end=393
-  _globals['_WATCHREQUEST']._serialized_start=395
-  _globals['_WATCHREQUEST']._serialized_end=424
-  _globals['_PLACEMENT']._serialized_start=427
-  _globals['_PLACEMENT']._serialized_end=583
-  _globals['_REBALANCEREQUEST']._serialized_start=585
-  _globals['_REBALANCEREQUEST']._serialized_end=633
-  _globals['_STATUSREQUEST']._serialized_start=635
-  _globals['_STATUSREQUEST']._serialized_end=665
-  _globals['_STATUSRESPONSE']._serialized_start=668
-  _globals['_STATUSRESPONSE']._serialized_end=892
-  _globals['_EPLB']._serialized_start=895
-  _globals['_EPLB']._serialized_end=1217
+  _globals['_LOADREPORT']._serialized_end=375
+  _globals['_REPORTACK']._serialized_start=377
+  _globals['_REPORTACK']._serialized_end=415
+  _globals['_WATCHREQUEST']._serialized_start=417
+  _globals['_WATCHREQUEST']._serialized_end=446
+  _globals['_PLACEMENT']._serialized_start=449
+  _globals['_PLACEMENT']._serialized_end=605
+  _globals['_REBALANCEREQUEST']._serialized_start=607
+  _globals['_REBALANCEREQUEST']._serialized_end=655
+  _globals['_STATUSREQUEST']._serialized_start=657
+  _globals['_STATUSREQUEST']._serialized_end=687
+  _globals['_STATUSRESPONSE']._serialized_start=690
+  _globals['_STATUSRESPONSE']._serialized_end=914
+  _globals['_EPLB']._serialized_start=917
+  _globals['_EPLB']._serialized_end=1239
 # @@protoc_insertion_point(module_scope)

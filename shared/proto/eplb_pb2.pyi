@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadReport(_message.Message):
-    __slots__ = ("group", "dp_rank", "dp_size", "num_layers", "num_experts", "num_slots", "counts", "step", "placement_version", "eplb_policy_type", "stage_counts", "stage_steps")
+    __slots__ = ("group", "dp_rank", "dp_size", "num_layers", "num_experts", "num_slots", "counts", "step", "placement_version", "eplb_policy_type", "stage_counts", "stage_steps", "decide_round")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class LoadReport(_message.Message):
     EPLB_POLICY_TYPE_FIELD_NUMBER: _ClassVar[int]
     STAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     STAGE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECIDE_ROUND_FIELD_NUMBER: _ClassVar[int]
     group: str
     dp_rank: int
     dp_size: int
@@ -33,7 +34,8 @@ class LoadReport(_message.Message):
     eplb_policy_type: int
     stage_counts: _containers.RepeatedScalarFieldContainer[int]
     stage_steps: int
-    def __init__(self, group: _Optional[str] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_slots: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., placement_version: _Optional[int] = ..., eplb_policy_type: _Optional[int] = ..., stage_counts: _Optional[_Iterable[int]] = ..., stage_steps: _Optional[int] = ...) -> None: ...
+    decide_round: int
+    def __init__(self, group: _Optional[str] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_slots: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., placement_version: _Optional[int] = ..., eplb_policy_type: _Optional[int] = ..., stage_counts: _Optional[_Iterable[int]] = ..., stage_steps: _Optional[int] = ..., decide_round: _Optional[int] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("placement_version",)

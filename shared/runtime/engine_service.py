@@ -189,7 +189,21 @@ def _rank_eplb(a: ServeConfig, role: str, engine, instance: str):
                               a.eplb_address, policy=config.eplb_policy_type)
     return RankEplb(engine.ep, engine.model.load_recorder, finder,
                     record_path=config.expert_map_record_path,
-                    series=config.eplb_policy_type == 3)  # FlashLB decides on the steps
+                    series=config.eplb_policy_type == 3,  # FlashLB decides on the steps
+                    cadence=eplb_cadence(config, len(engine.ep.placements)))
+
+
+def eplb_cadence(config, num_moe_layers: int):
+    """The step-driven rounds the instance's EPLB flags ask for (None: the timer's)."""
+    from pdmesh.shared.parallel.eplb_rank import Cadence
+
+    if config.eplb_rounds == "vllm-ascend":
+        return Cadence(config.expert_load_window, hold=config.eplb_algorithm_steps,
+                       move=num_moe_layers, recorded=True)
+    if config.eplb_rounds == "vllm":  # (its counter starts three quarters in)
+        every = config.eplb_step_interval
+        return Cadence(every, first=max(1, every // 4))
+    return None
 
 
 def connect_pool(cfg: ServeConfig, host: str, stop: SignalStop) -> KVPool | None:

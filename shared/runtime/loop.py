@@ -282,7 +282,7 @@ class EngineLoop:
             if flags[4] and self._drain_deadline is None:  # another rank drains
                 self.peer_drain(int(flags[4]) / 1000)
             if self.eplb is not None:
-                self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]))
+                self.eplb.at_step_boundary(int(flags[2]), -int(flags[3]), bool(flags[0]))
             if not flags[0]:
                 if lb is not None and lb.wave_steps:
                     # (vLLM's DP engine core steps on, dummy steps counted and planned,

@@ -57,7 +57,57 @@ def eplb_needs_expert_parallel(ctx: RuleContext, out: Findings) -> None:
 # the fields pdmesh acts on once experts are spread over several ranks
 _MOVES_EXPERTS = ("dynamic_eplb", "num_redundant_experts", "expert_map_path",
                   "expert_map_record_path", "expert_heat_collection_interval",
-                  "eplb_heat_collection_stage", "load_collection_phase", "eplb_policy_type")
+                  "algorithm_execution_interval", "eplb_heat_collection_stage",
+                  "load_collection_phase", "eplb_policy_type")
+
+# upstream vLLM's EPLBConfig (vllm/config/parallel.py, 0.32): each key's type or values
+# and its lower bound; pdmesh acts on the first three and on policy "default"
+_UPSTREAM_KEYS: dict[str, tuple[object, int | None]] = {
+    "window_size": (int, 1), "step_interval": (int, 1), "num_redundant_experts": (int, 0),
+    "log_balancedness": (bool, None), "log_balancedness_interval": (int, 1),
+    "use_async": (bool, None), "policy": (("default",), None),
+    "communicator": (("torch_nccl", "torch_gloo", "torch_xccl", "nixl", "pynccl"), None),
+    "enable_migration_batching": (bool, None)}
+_UPSTREAM_WITHOUT_EFFECT = {
+    "log_balancedness": "the EPLB controller logs each decision's balancedness, and "
+                        "`pdmesh status` and its metrics show it",
+    "log_balancedness_interval": "the EPLB controller logs each decision's balancedness",
+    "communicator": "pdmesh moves expert weights over the DP group's own collectives",
+    "enable_migration_batching": "pdmesh moves one MoE layer's experts per step, "
+                                 "between steps"}
+
+
+def upstream_eplb_config(ctx: RuleContext, out: Findings) -> None:
+    """--eplb-config as vLLM's EPLBConfig takes it: unknown keys and bad values refused
+    (vLLM's config forbids extra keys), its two cross-checks, and what pdmesh does not
+    act on said."""
+    given = ctx.engine.eplb_config
+    for key, value in given.items():
+        name = f"--eplb-config.{key}"
+        if key not in _UPSTREAM_KEYS:
+            out.error(name, f"not a vLLM EPLB field (one of {', '.join(_UPSTREAM_KEYS)})")
+            continue
+        kind, low = _UPSTREAM_KEYS[key]
+        if isinstance(kind, tuple):
+            if value not in kind:
+                out.error(name, f"must be one of {', '.join(kind)}, got {value!r}")
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            out.error(name, f"must be {'a boolean' if kind is bool else 'an integer'}, "
+                            f"got {value!r}")
+        elif low is not None and value < low:
+            out.error(name, f"must be >= {low}, got {value}")
+        elif key in _UPSTREAM_WITHOUT_EFFECT:
+            out.warn(name, f"without effect: {_UPSTREAM_WITHOUT_EFFECT[key]}")
+    use_async = given.get("use_async", True)
+    if use_async and given.get("policy", "default") != "default":
+        out.error("--eplb-config.policy", "async EPLB is only supported with the default "
+                                          "policy")
+    if use_async and given.get("communicator") in ("torch_nccl", "pynccl"):
+        out.error("--eplb-config.communicator", f"{given['communicator']} is incompatible "
+                  "with async EPLB; use torch_gloo or nixl, or leave it unset")
+    if use_async is False:
+        out.warn("--eplb-config.use_async", "without effect: pdmesh always moves experts "
+                 "between steps, one MoE layer a step, while serving (vLLM's async mode)")
 
 
 def expert_parallel_over_one_rank(ctx: RuleContext, out: Findings) -> None:
@@ -114,6 +164,7 @@ def eplb_policy(ctx: RuleContext, out: Findings) -> None:
 
 
 RULES = (
+    upstream_eplb_config,
     eplb_policy,
     eplb_runner_schema,
     eplb_needs_expert_parallel,

@@ -292,3 +292,25 @@ def test_flash_lb_places_on_the_ranks_series():
     with pytest.raises(ValueError, match="stage_counts: must hold a multiple"):
         LoadSample.from_flat("g", 0, RANKS, LAYERS, EXPERTS, SLOTS, [0] * LAYERS * EXPERTS,
                              stage_counts=[1, 2, 3], stage_steps=1)
+
+
+def test_step_driven_groups_decide_when_every_rank_closes_a_round():
+    """Reports numbered by round: due once every rank has sent the round (each round
+    once), and the timer passes such a group by."""
+    c = EplbController(improvement_threshold=0.0)
+    c.report(sample(skewed(), dp_rank=0, decide_round=1))
+    assert not c.take_due_round("g")  # rank 1 has not closed it
+    c.report(sample(skewed(), dp_rank=1))  # an unnumbered report: still not
+    assert not c.take_due_round("g")
+    c.report(sample(skewed(), dp_rank=1, decide_round=1))
+    assert c.take_due_round("g") and not c.take_due_round("g")
+    c.report(sample(skewed(), dp_rank=0, decide_round=2))
+    c.report(sample(skewed(), dp_rank=0, decide_round=1))  # an older one keeps round 2
+    c.report(sample(skewed(), dp_rank=1, decide_round=2))
+    assert c.take_due_round("g")
+    for rank in range(RANKS):
+        c.report(sample(skewed(), dp_rank=rank, group="timed"))
+    assert [d.group for d in c.decide_all()] == ["timed"]
+    assert not c.take_due_round("timed") and not c.take_due_round("nobody")
+    with pytest.raises(ValueError, match="decide_round: must be non-negative"):
+        sample(skewed(), decide_round=-1)

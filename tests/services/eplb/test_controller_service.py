@@ -126,6 +126,26 @@ def test_flash_lb_ranks_send_their_series_and_get_its_placement(start_controller
     assert mean(p0.balancedness_after) > mean(p0.balancedness_before)
 
 
+def test_a_step_driven_round_is_decided_once_every_rank_has_sent_it(start_controller):
+    """Numbered reports: no decision (the timer passes the group by) until both ranks
+    have closed round 1; then one, published to both."""
+    eplb = start_controller()
+    s = stub(eplb)
+    with (EplbClient(eplb.address, "g5", 0, RANKS, **FAST) as r0,
+          EplbClient(eplb.address, "g5", 1, RANKS, **FAST) as r1):
+        r0.report(hot(7, 6), step=5, placement_version=0, round_=1)
+        r1.report(hot(7, 6), step=5, placement_version=0)  # not yet round 1
+        wait_until(lambda: s.Status(eplb_pb2.StatusRequest(group="g5"), timeout=5)
+                   .reports == 2)
+        time.sleep(1.0)  # five timer ticks
+        assert s.Status(eplb_pb2.StatusRequest(group="g5"), timeout=5).decisions == 0
+        assert r0.latest() is None
+        r1.report(hot(7, 6), step=6, placement_version=0, round_=1)
+        p0, p1 = r0.wait_for(1, 10), r1.wait_for(1, 10)
+        assert p0 is not None and same(p0, p1)
+        assert s.Status(eplb_pb2.StatusRequest(group="g5"), timeout=5).decisions == 1
+
+
 def test_bad_reports_are_invalid_argument_naming_the_field(start_controller, caplog):
     eplb = start_controller()
     s = stub(eplb)
