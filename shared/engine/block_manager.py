@@ -4,6 +4,7 @@
     block hashes    |  h0        |  h1          |  (not full: no hash)
     h0 = H(root, tokens of block 0), h1 = H(h0, tokens of block 1), ...
     root = H(model fingerprint)   -> the same prefix gives the same keys in any process
+                                     (a LoRA adapter's request: H(root, the adapter's digest))
 
 A freed block keeps its hash and stays findable until it is reused: the free list is
 in LRU order, so the least recently freed block is evicted first, and a request frees
@@ -33,6 +34,14 @@ class BlockHasher:
         self.block_size = block_size
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
 
+    def root_for(self, identity: str) -> bytes:
+        """The chain root of requests whose KV depends on more than the tokens (a LoRA
+        adapter's ``identity``): the model's root hashed with it."""
+        return hashlib.blake2b(self.root + identity.encode(), digest_size=16).digest()
+
+    def root_of(self, request: Request) -> bytes:
+        return request.hash_root if request.hash_root is not None else self.root
+
     def hash_block(self, parent: bytes, tokens: list[int]) -> bytes:
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(np.asarray(tokens, dtype=np.int64).tobytes())
@@ -43,7 +52,7 @@ class BlockHasher:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.token_ids
-        parent = hashes[-1] if hashes else self.root
+        parent = hashes[-1] if hashes else self.root_of(request)
         for i in range(len(hashes), len(tokens) // bs):
             parent = self.hash_block(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)

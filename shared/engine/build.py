@@ -135,11 +135,28 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
         step_costs=step_costs, spec_stats=spec_stats, hooks=hooks,
         tp_ranks=loaded.tp_ranks, tp_weight_bytes=loaded.tp_weight_bytes,
         dp_group=loaded.dp_group, ep=loaded.ep, lockstep=loaded.lockstep, pooling=pooling,
-        matryoshka=pooling is not None and is_matryoshka(config.model), stats_log=stats)
-    if engine.tp_ranks is not None:
-        weakref.finalize(engine, engine.tp_ranks.close)
+        matryoshka=pooling is not None and is_matryoshka(config.model), stats_log=stats,
+        lora=_lora(config, loaded, backend, scheduler, caches.runner))
     _log_ready(engine, caches, time.perf_counter() - t0)
     return engine
+
+
+def _lora(config: EngineConfig, loaded: _Loaded, backend: KernelBackend,
+          scheduler: Scheduler, runner: ModelRunner):
+    """The LoRA adapters' manager (--enable-lora), wired to the scheduler (its slots
+    bound a step's adapters) and the runner (each row runs its request's)."""
+    if not config.enable_lora:
+        return None
+    from pdmesh.shared.engine.lora import LoraManager
+
+    if type(loaded.model) is not CausalLM:
+        raise ValueError(f"enable_lora: not yet for {loaded.model_config.architecture} "
+                         "(LoRA runs on Llama, Qwen, Qwen-MoE and DeepSeek-V2/V3 models)")
+    manager = LoraManager(loaded.model, backend, config.max_loras, config.max_lora_rank,
+                          config.max_cpu_loras or config.max_loras)
+    scheduler.max_loras = config.max_loras
+    runner.lora = manager
+    return manager
 
 
 def _stats_log(config: EngineConfig, scheduler: Scheduler, kv: KVCacheManager
@@ -335,6 +352,9 @@ def _fingerprint(config: EngineConfig, pool_spec: KVCacheSpec, dtype: torch.dtyp
 
 
 def _log_ready(engine: EngineCore, caches: _Caches, seconds: float) -> None:
+    """Say the engine is ready (and close its tensor-parallel ranks with it)."""
+    if engine.tp_ranks is not None:
+        weakref.finalize(engine, engine.tp_ranks.close)
     window = caches.spec.window_bytes(engine.dtype)
     log.info("engine ready in %.2fs: %s on %s, %s, %d KV blocks of %d tokens, "
              "%d KV bytes per token%s", seconds, engine.model_config.architecture,

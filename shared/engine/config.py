@@ -150,6 +150,13 @@ class EngineConfig:
     # vLLM's --cpu-offload-gb: GiB of decoder-layer weights kept in host memory, copied
     # to the device layer by layer each forward (engine/weight_offload.py); 0: none
     cpu_offload_gb: float = 0.0
+    # LoRA adapters (engine/lora.py): vLLM's --enable-lora, --max-loras (device slots, the
+    # adapters one step runs at most), --max-lora-rank, --max-cpu-loras (held in host
+    # memory; None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @property
     def pools(self) -> bool:
@@ -166,7 +173,8 @@ class EngineConfig:
             raise ValueError(f"compilation_config: must be a JSON object, got "
                              f"{self.compilation_config!r}")
         return GraphConfig.from_flags(self.max_num_seqs,
-                                      self.enforce_eager or bool(self.cpu_offload_gb),
+                                      self.enforce_eager or bool(self.cpu_offload_gb)
+                                      or self.enable_lora,  # (adapters run eagerly)
                                       self.compilation_config,
                                       disable_padding=not self.cuda_graph_padding)
 
@@ -186,7 +194,27 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         self._validate_choices()
         self._validate_parallel()
+        self._validate_lora()
         self.graph_config()
+
+    def _validate_lora(self) -> None:
+        if not self.enable_lora:
+            return
+        for name, least in (("max_loras", 1), ("max_lora_rank", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name}: must be >= {least}, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras}")
+        for name, why in (("tensor_parallel_size", "adapters are not sharded over tensor-"
+                           "parallel ranks yet"),
+                          ("speculative_config", "the drafts would run without the adapter"),
+                          ("finegrained_tp_config", "adapters are not split over DP ranks"),
+                          ("cpu_offload_gb", "adapters are not streamed with offloaded "
+                           "layers")):
+            value = getattr(self, name)
+            if value and value != 1:
+                raise ValueError(f"enable_lora: not with {name} ({why})")
 
     def _validate_choices(self) -> None:
         if self.quantization not in QUANTIZATIONS:

@@ -108,9 +108,13 @@ class EngineCore:
     pooling: Pooling | None = None
     matryoshka: bool = False
     stats_log: Any = None  # stats_log.StatsLog: the periodic stats line (None: none)
+    lora: Any = None  # lora.LoraManager: the LoRA adapters (None: --enable-lora not given)
 
     def __post_init__(self) -> None:
         self._requests: dict[str, Request] = {}
+        if self.lora is not None:
+            self.lora.in_use = lambda: {r.lora.lora_name for r in self._requests.values()
+                                        if r.lora is not None}
         self._ids = itertools.count()
         self._needs_hidden = self.proposer is not None and self.proposer.needs_hidden
         self._all_threads = 0  # (read at the first step that sets its threads)
@@ -150,14 +154,17 @@ class EngineCore:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int | None = None,
                     output_token_ids: list[int] | None = None,
-                    pooling: PoolingParams | None = None) -> Request:
+                    pooling: PoolingParams | None = None,
+                    lora_request: Any = None) -> Request:
         """``output_token_ids``: tokens already generated elsewhere (a decode instance
         continuing a prefill); they count towards ``max_tokens``. ``priority`` None: the
         config's ``default_priority``. ``pooling``: an embedding request (a pooling
         engine's only kind; ``params`` are then unused), its own fields over the model's
-        pooling: it ends with its ``embedding``."""
+        pooling: it ends with its ``embedding``. ``lora_request``: the LoRA adapter it
+        runs (models.lora.LoRARequest; read now unless held)."""
         done = list(output_token_ids or [])
         self.check_runner(pooling)
+        hash_root = self.lora_root(lora_request)
         resolved = None
         if pooling is not None:
             assert self.pooling is not None  # (check_runner)
@@ -176,11 +183,22 @@ class EngineCore:
         req.token_ids.extend(done)
         req.num_carried_outputs = len(done)
         req.pooling = resolved
+        req.lora, req.hash_root = lora_request, hash_root
         self._requests[rid] = req
         self.scheduler.add(req)
         if self.dyntralb is not None:
             self.dyntralb.note_added(req.num_tokens)
         return req
+
+    def lora_root(self, lora_request: Any) -> bytes | None:
+        """The block-hash root of a request running ``lora_request`` (its adapter read
+        or found first); None for the base model. ValueError when it cannot run."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA adapters are not enabled (--enable-lora)")
+        adapter = self.lora.load(lora_request)
+        return self.kv.hasher.root_for(f"lora:{adapter.digest}")
 
     def check_runner(self, pooling: PoolingParams | None) -> None:
         """ValueError when the request is not of the kind this engine runs."""

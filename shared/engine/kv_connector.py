@@ -79,7 +79,7 @@ class PoolConnector:
         keys = [f"{self.prefix}/{h.hex()}" for h in hashes[:full]]
         tail = request.token_ids[full * bs:num_tokens]
         if tail:
-            parent = hashes[full - 1] if full else self.hasher.root
+            parent = hashes[full - 1] if full else self.hasher.root_of(request)
             keys.append(f"{self.prefix}/{self.hasher.hash_block(parent, tail).hex()}")
         return keys
 

@@ -15,6 +15,7 @@ from typing import Any
 from pdmesh.shared.engine.build import build_engine
 from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.generation_defaults import default_sampling
+from pdmesh.shared.engine.lora_request import LoRARequest
 from pdmesh.shared.engine.pooling import PoolingParams
 from pdmesh.shared.engine.request import Logprob, Request
 from pdmesh.shared.engine.sampling_params import SamplingParams
@@ -99,9 +100,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Every prompt is validated before any
-        runs, so a bad one raises ValueError and nothing is left half-done."""
+        runs, so a bad one raises ValueError and nothing is left half-done.
+        ``lora_request``: the LoRA adapter every prompt runs, or one per prompt (None:
+        the base model), as vLLM's (the engine needs ``enable_lora=True``)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -114,15 +118,19 @@ class LLM:
                                  f"{len(prompt_list)} prompts")
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: {len(priority)} given for {len(prompt_list)} prompts")
+        loras = _per_prompt(lora_request, len(prompt_list))
         token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
         for toks, sp in zip(token_lists, params, strict=True):
             self.engine.validate_request(toks, sp)
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            self.engine.lora_root(lora)  # (read now: a bad adapter fails before any runs)
 
         reqs: list[Request] = []
         try:
             for i, (toks, sp) in enumerate(zip(token_lists, params, strict=True)):
                 prio = priority[i] if priority is not None else None
-                reqs.append(self.engine.add_request(toks, sp, priority=prio))
+                reqs.append(self.engine.add_request(toks, sp, priority=prio,
+                                                    lora_request=loras[i]))
             while self.engine.has_unfinished():
                 self.engine.step()
         finally:
@@ -202,6 +210,16 @@ class LLM:
             for tid, lp in (step or {}).items():
                 lp.decoded_token = self.tokenizer.id_to_token(tid)
         return steps
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"lora_request: {len(loras)} given for {count} prompts")
+    return loras
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

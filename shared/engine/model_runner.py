@@ -130,6 +130,7 @@ class ModelRunner:
         self.prompt_logits: PromptLogits | None = None  # the last step's (execute)
         # decode steps from captured device graphs (None: every step eagerly)
         self.graphs: DecodeGraphs | None = None
+        self.lora = None  # engine.lora.LoraManager: requests' adapters (None: no LoRA)
 
     def execute(self, step: SchedulerOutput, every_row: bool = False, hidden: bool = False
                 ) -> tuple[torch.Tensor, list[int]]:
@@ -160,7 +161,14 @@ class ModelRunner:
         if self.tp_ranks is not None:  # every tensor-parallel rank runs the same step
             self.tp_ranks.broadcast(("step", arrays))
         hidden_out: list[torch.Tensor] | None = [] if hidden else None
-        logits = self.forward_arrays(*arrays, hidden_out=hidden_out)
+        if self.lora is not None:  # each row runs its request's adapter
+            rows = [name for r, n in zip(reqs, counts, strict=True)
+                    for name in [r.lora.lora_name if r.lora is not None else None] * n]
+            self.model.lora = self.lora.step(rows, self.device)
+        try:
+            logits = self.forward_arrays(*arrays, hidden_out=hidden_out)
+        finally:
+            self.model.lora = None
         self.prompt_logits = None
         if plan:
             k = len(scored)

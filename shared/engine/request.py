@@ -106,6 +106,10 @@ class Request:
     # many forwards fed it here
     last_hidden: list[float] | None = None
     forwards: int = 0
+    # a LoRA adapter (models.lora.LoRARequest; None: the base model), and the root its
+    # block hashes chain from (the adapter's own: its KV is never another's)
+    lora: Any = None
+    hash_root: bytes | None = None
 
     def timing(self) -> dict[str, object]:
         """When things happened to it here (time.monotonic), for traces."""

@@ -166,6 +166,9 @@ class Scheduler(LoadBalancing):
         self.recomputed = 0  # requests handed back, since start
         self.prefix_queries = 0  # prompt tokens looked up in the local prefix cache
         self.prefix_hits = 0  # ... and found there
+        # LoRA: the adapters a step may run at most (the device slots; 0: no LoRA). A
+        # waiting request whose adapter would be one too many waits, the others go by.
+        self.max_loras = 0
 
     @property
     def loading(self) -> dict[int, tuple[Request, Future, int, bool, float]]:
@@ -268,10 +271,27 @@ class Scheduler(LoadBalancing):
         plan is in force) while the budget lasts, up to the first that does not fit."""
         chosen = self._lb_admit
         step.picks = None if chosen is None else [r for r in self.waiting if id(r) in chosen]
+        set_aside: list[Request] = []  # adapters over max_loras: waiting, in their order
         while step.budget > 0:
             req = self._next_waiting(step)
+            if req is not None and step.picks is None and self._lora_full(req):
+                self.waiting.remove(req)
+                set_aside.append(req)
+                continue
             if req is None or not self._admit(req, step):
                 break
+        for req in reversed(set_aside):
+            self.waiting.readd(req)
+
+    def _lora_full(self, req: Request) -> bool:
+        """``req`` runs an adapter the running requests do not, and they run
+        ``max_loras`` already."""
+        if req.lora is None or not self.max_loras:
+            return False
+        active = {r.lora.lora_name for r in (*self.running, *self.paused,
+                                             *(e[0] for e in self.loading.values()))
+                  if r.lora is not None}
+        return req.lora.lora_name not in active and len(active) >= self.max_loras
 
     def _next_waiting(self, step: _Step) -> Request | None:
         """The next to admit: the policy's, or the balancer's next pick; None: no more."""

@@ -87,6 +87,19 @@ class Projections:
         acc = self.int_mm(q, qweight)  # [T, N] int32
         return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
 
+    def lora_shrink_expand(self, x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor,
+                           mask: torch.Tensor, out: torch.Tensor) -> None:
+        """Batched LoRA (shared/engine/lora.py): every row's adapter update added to
+        ``out`` [T, N] in one shrink and one expand, whatever the number of adapters.
+
+        x [T, K], a_cat [K, S * R] (slot s's A in columns s*R .. s*R + R), b_cat
+        [S * R, N], mask [T, S] (row t's slot one-hot; zero: no adapter). vLLM's bgmv
+        shrink / expand, as dense matmuls over the slots with the other slots' columns
+        masked out."""
+        t, slots = mask.shape
+        y = torch.mm(x, a_cat).view(t, slots, -1) * mask.unsqueeze(-1)
+        out.addmm_(y.view(t, -1), b_cat)
+
     def grouped_matmul(
         self, x: torch.Tensor, weight: torch.Tensor | QuantExperts, group_sizes: list[int]
     ) -> torch.Tensor:

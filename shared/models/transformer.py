@@ -192,6 +192,10 @@ class CausalLM(MoESteps):
         self.tp = None
         self.fg = None
         self.shared_expert_dp = False  # TP + EP: shared experts whole, on a token share
+        # LoRA adapters of the current forward (shared.engine.lora.LoraStep; None: the
+        # base model alone) and the decoder layer being run (an MTP layer's: None)
+        self.lora = None
+        self._layer: int | None = None
         cos, sin = rotary_tables(config.rotary_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         # [max_pos, D] float32, in the form the backend's rotary kernel takes
@@ -228,6 +232,7 @@ class CausalLM(MoESteps):
             h = self.w.embed.index_select(0, input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, (layer, kv) in enumerate(zip(self.w.layers, kv_caches, strict=True)):
+            self._layer = i
             if residual is None:
                 residual = h
                 x = be.rms_norm(h, layer.input_norm, eps)
@@ -244,6 +249,7 @@ class CausalLM(MoESteps):
             if tp is not None:
                 tp.all_reduce(h)
         assert residual is not None
+        self._layer = None
         if hidden_out is not None:
             every = be.rms_norm(h + residual, self.w.final_norm, eps)
             hidden_out.append(every)
@@ -266,7 +272,16 @@ class CausalLM(MoESteps):
         """The attention's output projection, o [T, heads x head dim] -> [T, hidden]."""
         if self.fg is not None and self.fg.layout.shard("oproj") is not None:
             return self.fg.o_proj(o, w.o, self.backend)
-        return self.backend.linear(o, w.o)
+        return self._lora_linear(o, w.o, "o")
+
+    def _lora_linear(self, x: torch.Tensor, w, site: str,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A projection of the current decoder layer, with the rows' LoRA updates of
+        ``site`` when the forward runs adapters."""
+        out = self.backend.linear(x, w, bias)
+        if self.lora is not None and self._layer is not None:
+            self.lora.apply(self._layer, site, x, out)
+        return out
 
     @torch.inference_mode()
     def mtp_forward(
@@ -336,7 +351,7 @@ class CausalLM(MoESteps):
             return self._latent_attention(w, x, cos, sin, kv, meta)
         be, cfg = self.backend, self.config
         t = x.shape[0]
-        qkv = be.linear(x, w.qkv, w.qkv_bias)  # [T, (H + 2*KVH) * D]
+        qkv = self._lora_linear(x, w.qkv, "qkv", w.qkv_bias)  # [T, (H + 2*KVH) * D]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)  # [T, H+KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         if w.qk_norm is not None:
@@ -377,11 +392,12 @@ class CausalLM(MoESteps):
         t, h = x.shape[0], cfg.num_heads
         nope, lat = m.qk_nope_head_dim, m.kv_lora_rank
         if w.q is not None:
-            q = be.linear(x, w.q)
+            q = self._lora_linear(x, w.q, "q")
         else:
-            q = be.linear(be.rms_norm(be.linear(x, w.q_a), w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+            q_a = be.rms_norm(self._lora_linear(x, w.q_a, "q_a"), w.q_a_norm, cfg.rms_norm_eps)
+            q = self._lora_linear(q_a, w.q_b, "q_b")
         q = q.view(t, h, nope + m.qk_rope_head_dim)
-        latent = be.linear(x, w.kv_a)  # [T, L + R]
+        latent = self._lora_linear(x, w.kv_a, "kv_a")  # [T, L + R]
         c = be.rms_norm(latent[:, :lat], w.kv_a_norm, cfg.rms_norm_eps)  # [T, L]
         # one rotary call for the query heads' rope dims and the shared key's
         rope = be.rotary_embedding(torch.cat((q[:, :, nope:], latent[:, None, lat:]), dim=1),
@@ -417,7 +433,10 @@ class CausalLM(MoESteps):
             if (fg is not None and layer is not None and fg.layout.shard("mlp") is not None
                     and w is self.w.layers[layer].mlp):  # (a dense layer's, not shared experts)
                 return fg.mlp(x, w.gate_up, w.down, be)
-            return be.linear(be.silu_and_mul(be.linear(x, w.gate_up)), w.down)
+            shared = layer is not None and w is not self.w.layers[layer].mlp
+            up, down = ("shared_gate_up", "shared_down") if shared else ("gate_up", "down")
+            return self._lora_linear(be.silu_and_mul(self._lora_linear(x, w.gate_up, up)),
+                                     w.down, down)
         weights, ids = self._route(w, x)
         if self.load_recorder is not None and layer is not None:
             self._record_load(layer, ids)

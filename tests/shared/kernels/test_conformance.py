@@ -91,6 +91,33 @@ def test_silu_and_mul(backend, dtype):
     close(backend.silu_and_mul(x.clone().to(backend.device)), expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_shrink_expand(backend, dtype):
+    """Batched LoRA: each row gains x @ A_slot @ B_slot of its own slot (none for a
+    base-model row), the reference a loop over the rows."""
+    g = torch.Generator().manual_seed(12)
+    t, k, n, slots, rank = 9, 48, 40, 3, 4
+    x = torch.randn(t, k, generator=g).to(dtype)
+    a_cat = (0.3 * torch.randn(k, slots * rank, generator=g)).to(dtype)
+    b_cat = (0.3 * torch.randn(slots * rank, n, generator=g)).to(dtype)
+    base = torch.randn(t, n, generator=g).to(dtype)
+    slot_of = [0, 2, -1, 1, 0, -1, 2, 2, 1]
+    mask = torch.zeros(t, slots)
+    for row, s in enumerate(slot_of):
+        if s >= 0:
+            mask[row, s] = 1.0
+    expected = base.double().clone()
+    for row, s in enumerate(slot_of):
+        if s >= 0:
+            cols = slice(s * rank, (s + 1) * rank)
+            expected[row] += x[row].double() @ a_cat[:, cols].double() @ b_cat[cols].double()
+    dev = backend.device
+    out = base.to(dev).clone()
+    backend.lora_shrink_expand(x.to(dev), a_cat.to(dev), b_cat.to(dev),
+                               mask.to(dev, dtype), out)
+    close(out, expected.to(dtype), dtype)
+
+
 def _paged_batch(ctx_lens, q_lens, block_size, kvh=2, h=8, d=32, dtype=torch.float32, seed=3,
                  consecutive=False):
     """ref.paged_batch, seeded."""

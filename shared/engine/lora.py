@@ -1,0 +1,217 @@
+"""Many LoRA adapters on one base model, in one batch.
+
+    host      adapters read from their folders, least recently used dropped past
+              ``max_cpu_loras`` (one a running request uses is kept)
+    device    ``max_loras`` slots: per site (a projection of a layer), every slot's A
+              side by side, A_cat [in, slots * R], and every slot's B stacked, B_cat
+              [slots * R, out], R = max_lora_rank per part of the site (q, k, v ...),
+              zero where an adapter has less
+    a step    rows are marked with their request's slot (a base-model row with none);
+              each site then adds, in one shrink and one expand for the whole batch,
+
+                  y = (x @ A_cat) * mask      mask [T, slots * R]: a row keeps its slot's
+                  out += y @ B_cat            columns only
+
+so a batch mixing adapters and the base model costs two matmuls per projection, whatever
+the number of adapters (``KernelBackend.lora_shrink_expand``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from pdmesh.shared.engine.lora_request import LoRARequest
+from pdmesh.shared.models.lora import SITE_PARTS, Adapter, read_adapter
+
+log = logging.getLogger(__name__)
+
+SITES = tuple(SITE_PARTS)
+
+
+class LoraStep:
+    """One forward's LoRA: which slot each row runs (``mask`` [T, slots], one-hot, zero
+    for a base row) and the slots' stacked weights."""
+
+    def __init__(self, slots: LoraSlots, mask: torch.Tensor):
+        self.slots = slots
+        self.mask = mask
+
+    def apply(self, layer: int, site: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the rows' adapters' updates of ``site`` in ``layer`` to ``out`` [T, N]."""
+        weights = self.slots.weights.get((layer, site))
+        if weights is None or x.shape[0] == 0:
+            return
+        a_cat, b_cat = weights
+        self.slots.backend.lora_shrink_expand(x, a_cat, b_cat, self.mask, out)
+
+
+class LoraSlots:
+    """The device slots: every site of the model, ``num_slots`` adapters wide."""
+
+    def __init__(self, model, backend, num_slots: int, max_rank: int):
+        from pdmesh.shared.models.lora import site_shape, site_weight
+
+        self.backend = backend
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.names: list[str | None] = [None] * num_slots  # the adapter in each slot
+        self._used: OrderedDict[int, None] = OrderedDict()  # slots, least recent first
+        dev, dtype = backend.device, model.dtype
+        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.widths: dict[tuple[int, str], list[int]] = {}
+        for i, lw in enumerate(model.w.layers):
+            for site in SITES:
+                if site_weight(lw, site) is None:
+                    continue
+                k, widths = site_shape(model, i, site)
+                rank = max_rank * len(widths)
+                self.weights[(i, site)] = (
+                    torch.zeros(k, num_slots * rank, dtype=dtype, device=dev),
+                    torch.zeros(num_slots * rank, sum(widths), dtype=dtype, device=dev))
+                self.widths[(i, site)] = widths
+
+    def slot_of(self, name: str) -> int | None:
+        return self.names.index(name) if name in self.names else None
+
+    def place(self, adapters: list[Adapter]) -> dict[str, int]:
+        """Slots for ``adapters`` (at most ``num_slots`` of them, the step's), loading
+        those not in one over the least recently used others."""
+        if len(adapters) > self.num_slots:
+            raise ValueError(f"max_loras: a step needs {len(adapters)} adapters and there "
+                             f"are {self.num_slots} slots")
+        wanted = {a.name for a in adapters}
+        placed: dict[str, int] = {}
+        for adapter in adapters:
+            slot = self.slot_of(adapter.name)
+            if slot is None:
+                slot = next(s for s in self._lru() if self.names[s] not in wanted)
+                self._write(slot, adapter)
+            placed[adapter.name] = slot
+            self._used.pop(slot, None)
+            self._used[slot] = None
+        return placed
+
+    def forget(self, name: str) -> None:
+        """Free the slot of ``name`` (its adapter was unloaded)."""
+        slot = self.slot_of(name)
+        if slot is not None:
+            self._clear(slot)
+            self.names[slot] = None
+
+    def _lru(self) -> list[int]:
+        free = [s for s, n in enumerate(self.names) if n is None]
+        return free + [s for s in self._used if self.names[s] is not None]
+
+    def _clear(self, slot: int) -> None:
+        for (_, _), (a_cat, b_cat) in self.weights.items():
+            rank = a_cat.shape[1] // self.num_slots
+            a_cat[:, slot * rank:(slot + 1) * rank].zero_()
+            b_cat[slot * rank:(slot + 1) * rank].zero_()
+
+    def _write(self, slot: int, adapter: Adapter) -> None:
+        self._clear(slot)
+        r = self.max_rank
+        for key, (a_cat, b_cat) in self.weights.items():
+            lora = adapter.sites.get(key)
+            if lora is None:
+                continue
+            base = slot * r * len(self.widths[key])
+            start = 0
+            for part, (width, ab) in enumerate(zip(self.widths[key], lora.parts,
+                                                   strict=True)):
+                if ab is not None:
+                    a, b = ab
+                    cols = base + part * r
+                    a_cat[:, cols:cols + a.shape[1]].copy_(a)
+                    b_cat[cols:cols + b.shape[0], start:start + width].copy_(b)
+                start += width
+        self.names[slot] = adapter.name
+        log.info("lora: adapter %s in slot %d", adapter.name, slot)
+
+
+class LoraManager:
+    """The engine's adapters: read on first use (or ``load``), kept in host memory up to
+    ``max_cpu_loras``, placed in the device slots for the steps that run them."""
+
+    def __init__(self, model, backend, max_loras: int, max_rank: int, max_cpu_loras: int):
+        if max_loras < 1:
+            raise ValueError(f"max_loras: must be at least 1, got {max_loras}")
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras: must be at least max_loras ({max_loras}), "
+                             f"got {max_cpu_loras}")
+        self.model = model
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.slots = LoraSlots(model, backend, max_loras, max_rank)
+        self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recent first
+        self._paths: dict[str, str] = {}  # name -> folder, of every adapter known
+        # the adapters the engine's requests run (set by the engine)
+        self.in_use: Callable[[], set[str]] = set
+
+    @property
+    def max_loras(self) -> int:
+        return self.slots.num_slots
+
+    def names(self) -> list[str]:
+        return list(self._paths)
+
+    def load(self, request: LoRARequest) -> Adapter:
+        """The adapter, read now unless held (ValueError naming what does not fit; a
+        name already bound to another folder is refused)."""
+        known = self._paths.get(request.lora_name)
+        if known is not None and known != request.lora_path:
+            raise ValueError(f"lora_name: {request.lora_name!r} is already loaded from "
+                             f"{known}")
+        adapter = self._host.get(request.lora_name)
+        if adapter is None:
+            adapter = read_adapter(request.lora_name, request.lora_path, self.model,
+                                   self.max_rank, self.model.dtype)
+            self._host[request.lora_name] = adapter
+            self._paths[request.lora_name] = request.lora_path
+            self._evict_host(keep=request.lora_name)
+        self._host.move_to_end(request.lora_name)
+        return adapter
+
+    def unload(self, name: str) -> None:
+        """Forget an adapter (KeyError when unknown; ValueError while requests run it)."""
+        if name not in self._paths:
+            raise KeyError(name)
+        if name in self.in_use():
+            raise ValueError(f"lora_name: {name!r} has requests running")
+        self._paths.pop(name)
+        self._host.pop(name, None)
+        self.slots.forget(name)
+
+    def _evict_host(self, keep: str) -> None:
+        running = self.in_use() | {keep}
+        while len(self._host) > self.max_cpu_loras:
+            victim = next((n for n in self._host if n not in running
+                           and self.slots.slot_of(n) is None), None)
+            if victim is None:
+                victim = next((n for n in self._host if n not in running), None)
+            if victim is None:
+                return  # every held adapter runs: over the limit until one is done
+            self._host.pop(victim)
+            self.slots.forget(victim)
+
+    def step(self, row_adapters: list[str | None], device: torch.device) -> LoraStep | None:
+        """The LoRA of a forward whose rows run ``row_adapters`` (None: the base model);
+        None when no row runs one."""
+        names = list(dict.fromkeys(n for n in row_adapters if n is not None))
+        if not names:
+            return None
+        adapters = []
+        for n in names:
+            adapter = self._host.get(n)
+            if adapter is None:  # dropped from host memory meanwhile: read it again
+                adapter = self.load(LoRARequest(n, 1, self._paths[n]))
+            adapters.append(adapter)
+        placed = self.slots.place(adapters)
+        index = torch.tensor([placed[n] if n is not None else -1 for n in row_adapters])
+        mask = torch.zeros(len(row_adapters), self.max_loras + 1)
+        mask[torch.arange(len(row_adapters)), index] = 1.0  # (-1: the spare column)
+        return LoraStep(self.slots, mask[:, :self.max_loras].to(device, self.model.dtype))
