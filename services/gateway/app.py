@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -85,6 +85,9 @@ class GatewayState:
     model_name: str  # the name instances register under
     max_model_len: int
     model_names: tuple[str, ...] = ()  # every name clients may ask for (--served-model-name)
+    # LoRA adapters served by name (--lora-modules): name -> folder; a request naming one
+    # runs it on every instance it passes through
+    lora_modules: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests in flight here; None: no limit
     tracing: Tracing | None = None  # None or disabled: no traces, no cost
@@ -157,7 +160,10 @@ class Gateway:
             "id": name, "object": "model", "created": now, "owned_by": "pdmesh",
             "root": self.state.model_path or name, "parent": None,
             "max_model_len": self.context_len(), "permission": [_permission(now)]}
-            for name in self.names]}
+            for name in self.names] + [{  # (adapters: their base as parent, as vLLM lists)
+            "id": name, "object": "model", "created": now, "owned_by": "pdmesh",
+            "root": path, "parent": self.names[0], "max_model_len": self.context_len(),
+            "permission": [_permission(now)]} for name, path in self.state.lora_modules.items()]}
 
     def context_len(self) -> int:
         """The longest sequence the mesh serves: the gateway's --max-model-len (else the
@@ -227,7 +233,9 @@ class Gateway:
             any(router.instances(r, runner="pooling") for r in roles)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
-        return None if body.model in self.names else self.refuse_model(body.model)
+        if body.model in self.names or body.model in self.state.lora_modules:
+            return None
+        return self.refuse_model(body.model)
 
     def refuse_model(self, name: str) -> JSONResponse:
         return error(404, f"model: {name!r} is not served here (serving "
@@ -331,7 +339,8 @@ class Gateway:
                         body.stop_strings(), state.tokenizer, self.metrics, span,
                         state.log_requests, echo, output, i, body.shape(),
                         state.eos_token_ids, prompt_text, state.stream_interval)
-        answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority),
+        lora = body.model if body.model in state.lora_modules else None
+        answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority, lora),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)
         return answer

@@ -55,6 +55,7 @@ class Call:
     carried: list[int] = field(default_factory=list)  # tokens generated before this call
     block_keys: list[str] = field(default_factory=list)  # where the prompt's KV waits
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C, when tracing
+    lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 @dataclass
@@ -114,7 +115,7 @@ class GrpcClients:
         return GrpcPrefillCall(call.request_id, stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=call.request_id, prompt_token_ids=call.prompt,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
-            output_token_ids=call.carried),
+            output_token_ids=call.carried, lora_name=call.lora_name or ""),
             timeout=timeout_s, metadata=(*call.trace_context.items(),
                                          *cluster_auth.call_metadata()) or None))
 
@@ -124,7 +125,8 @@ class GrpcClients:
             request_id=call.request_id, prompt_token_ids=call.prompt,
             output_token_ids=call.carried, block_keys=call.block_keys,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
-            trace_context=call.trace_context), idle_timeout_s, stall)
+            trace_context=call.trace_context, lora_name=call.lora_name or ""),
+            idle_timeout_s, stall)
 
     async def embed(self, inst: Instance, request: common_pb2.EmbedRequest,
                     timeout_s: float) -> common_pb2.EmbedResponse:

@@ -114,6 +114,7 @@ class MeshRequest:
     prompt: list[int]
     sampling: SamplingParams
     priority: int | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 class Outcome(enum.Enum):
@@ -406,7 +407,8 @@ class Journey:
         if carried and sampling.prompt_logprobs is not None:
             sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         return Call(call_id, self.req.prompt, sampling, self.req.priority,
-                    list(carried or []), list(block_keys or []), trace_context or {})
+                    list(carried or []), list(block_keys or []), trace_context or {},
+                    self.req.lora_name)
 
 
 class NoTrace:

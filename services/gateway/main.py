@@ -21,6 +21,7 @@ from pdmesh.services.gateway.chat_output import OutputSettings
 from pdmesh.services.gateway.constraints import grammar_in_reasoning, reasoning_parser_named
 from pdmesh.services.gateway.named import NamedInstances
 from pdmesh.services.gateway.router import Router
+from pdmesh.shared.config.lora_flags import lora_modules
 from pdmesh.shared.config.serve import ServeConfig, api_key
 from pdmesh.shared.engine.generation_defaults import default_sampling
 from pdmesh.shared.infra.registry import Registry
@@ -63,6 +64,7 @@ def run(a: ServeConfig) -> int:
         state = GatewayState(tokenizer=tokenizer, router=router,
                              model_name=name, output=output, model_path=str(a.model),
                              model_names=a.served_model_name or (name,),
+                             lora_modules=dict(lora_modules(a)),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
                              api_key=key, max_queued_requests=a.max_queued_requests,
                              tracing=tracing,

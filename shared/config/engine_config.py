@@ -35,7 +35,21 @@ def engine_config(f: Any) -> EngineConfig:
         cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False),
         runner=runner(f), pooler_config=getattr(f, "pooler_config", None),
         hf_overrides=getattr(f, "hf_overrides", None),
-        cpu_offload_gb=getattr(f, "cpu_offload_gb", 0.0) or 0.0)
+        cpu_offload_gb=getattr(f, "cpu_offload_gb", 0.0) or 0.0, **lora_settings(f))
+
+
+def lora_settings(f: Any) -> dict[str, Any]:
+    """EngineConfig's LoRA fields: --lora-modules / --lora-paths turn --enable-lora on, as
+    SGLang's --lora-paths does."""
+    from pdmesh.shared.config.lora_flags import lora_modules
+
+    modules = lora_modules(f)
+    if not (getattr(f, "enable_lora", False) or modules):
+        return {}
+    return {"enable_lora": True, "lora_modules": modules,
+            "max_loras": getattr(f, "max_loras", 1),
+            "max_lora_rank": getattr(f, "max_lora_rank", 16),
+            "max_cpu_loras": getattr(f, "max_cpu_loras", None)}
 
 
 def stats_settings(f: Any) -> dict[str, Any]:

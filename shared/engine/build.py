@@ -148,12 +148,18 @@ def _lora(config: EngineConfig, loaded: _Loaded, backend: KernelBackend,
     if not config.enable_lora:
         return None
     from pdmesh.shared.engine.lora import LoraManager
+    from pdmesh.shared.engine.lora_request import LoRARequest
 
     if type(loaded.model) is not CausalLM:
         raise ValueError(f"enable_lora: not yet for {loaded.model_config.architecture} "
                          "(LoRA runs on Llama, Qwen, Qwen-MoE and DeepSeek-V2/V3 models)")
     manager = LoraManager(loaded.model, backend, config.max_loras, config.max_lora_rank,
                           config.max_cpu_loras or config.max_loras)
+    for i, (name, path) in enumerate(config.lora_modules, start=1):
+        try:  # (read now: one that cannot run stops the start, naming it)
+            manager.load(LoRARequest(name, i, path))
+        except ValueError as e:
+            raise ValueError(f"lora_modules: {name}={path}: {e}") from None
     scheduler.max_loras = config.max_loras
     runner.lora = manager
     return manager

@@ -157,6 +157,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # adapters read at start and served by name: vLLM's --lora-modules (name, folder)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def pools(self) -> bool:
@@ -199,6 +201,8 @@ class EngineConfig:
 
     def _validate_lora(self) -> None:
         if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("lora_modules: needs enable_lora (--enable-lora)")
             return
         for name, least in (("max_loras", 1), ("max_lora_rank", 1)):
             if getattr(self, name) < least:

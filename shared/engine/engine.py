@@ -190,6 +190,15 @@ class EngineCore:
             self.dyntralb.note_added(req.num_tokens)
         return req
 
+    def lora_request(self, name: str | None) -> Any:
+        """The LoRARequest of one of this engine's adapters by name (None: the base
+        model); ValueError naming ``model`` for one it does not hold."""
+        if name is None:
+            return None
+        if self.lora is None or name not in self.lora.names():
+            raise ValueError(f"model: the LoRA adapter {name!r} is not loaded here")
+        return self.lora.request(name)
+
     def lora_root(self, lora_request: Any) -> bytes | None:
         """The block-hash root of a request running ``lora_request`` (its adapter read
         or found first); None for the base model. ValueError when it cannot run."""

@@ -159,6 +159,10 @@ class LoraManager:
     def names(self) -> list[str]:
         return list(self._paths)
 
+    def request(self, name: str) -> LoRARequest:
+        """The LoRARequest of a known adapter (its id: its place among them, from 1)."""
+        return LoRARequest(name, list(self._paths).index(name) + 1, self._paths[name])
+
     def load(self, request: LoRARequest) -> Adapter:
         """The adapter, read now unless held (ValueError naming what does not fit; a
         name already bound to another folder is refused)."""

@@ -384,7 +384,8 @@ class EngineLoop:
             # (add_request validates it, and changes nothing when it raises)
             self._requests[rid] = self.engine.add_request(
                 m.prompt_token_ids, m.sampling, request_id=rid, priority=m.priority,
-                output_token_ids=m.output_token_ids or None, pooling=m.pooling)
+                output_token_ids=m.output_token_ids or None, pooling=m.pooling,
+                lora_request=self.engine.lora_request(m.lora_name))
         except (Draining, QueueFull, ValueError) as e:
             self._pending.append(refused(rid, e))
 

@@ -135,6 +135,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
     output_token_ids: list[int] = msgspec.field(default_factory=list)  # carried (hand-back)
     # an embedding request (a pooling engine's only kind): its own pooling fields
     pooling: PoolingParams | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
