@@ -233,9 +233,22 @@ class Gateway:
             any(router.instances(r, runner="pooling") for r in roles)
 
     def _check_model(self, body: _Base) -> JSONResponse | None:
+        if body.lora_path is not None and self.adapter(body) is None:
+            return error(400, f"lora_path: no LoRA adapter {body.lora_path!r} is served here "
+                              f"(serving {', '.join(map(repr, self.state.lora_modules))})",
+                         "lora_path")
         if body.model in self.names or body.model in self.state.lora_modules:
             return None
         return self.refuse_model(body.model)
+
+    def adapter(self, body: _Base) -> str | None:
+        """The LoRA adapter a request runs: SGLang's ``lora_path`` (an adapter's name or
+        folder), else its ``model`` when that names one (vLLM's way); None: the base."""
+        served = self.state.lora_modules
+        if body.lora_path is not None:
+            return next((name for name, path in served.items()
+                         if body.lora_path in (name, path)), None)
+        return body.model if body.model in served else None
 
     def refuse_model(self, name: str) -> JSONResponse:
         return error(404, f"model: {name!r} is not served here (serving "
@@ -339,8 +352,8 @@ class Gateway:
                         body.stop_strings(), state.tokenizer, self.metrics, span,
                         state.log_requests, echo, output, i, body.shape(),
                         state.eos_token_ids, prompt_text, state.stream_interval)
-        lora = body.model if body.model in state.lora_modules else None
-        answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority, lora),
+        answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority,
+                                                        self.adapter(body)),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)
         return answer

@@ -102,6 +102,8 @@ class _Base(BaseModel):
         return self
 
     model: str
+    # SGLang's: the LoRA adapter to run, by its name or folder (over ``model``'s)
+    lora_path: str | None = None
     max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)

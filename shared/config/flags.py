@@ -243,20 +243,20 @@ FLAGS: list[Flag] = [
          "GiB of the decoder layers' weights kept in host memory, copied to the device layer "
          "by layer each forward (the KV cache gets the room; decode graphs off); without "
          "effect on cpu"),
-    Flag("--enable-lora", "bool", ENGINE_LINE | {"gateway"}, ENGINE_DEFAULT["enable_lora"],
+    Flag("--enable-lora", "bool", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["enable_lora"],
          "serve LoRA adapters (PEFT's format) on the base model: --lora-modules, and a "
          "request's model naming one"),
-    Flag("--lora-modules", "names", ENGINE_LINE | {"gateway"}, ENGINE_DEFAULT["lora_modules"],
+    Flag("--lora-modules", "names", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["lora_modules"],
          "adapters served by name: name=path, or JSON {\"name\", \"path\"} (read at start; "
          "they turn --enable-lora on)"),
-    Flag("--lora-paths", "names", ENGINE_LINE | {"gateway"}, (),
+    Flag("--lora-paths", "names", ENGINE_LINE | {"gateway", "up"}, (),
          "SGLang's: path, name=path or JSON {\"lora_name\", \"lora_path\"}, as --lora-modules"),
-    Flag("--max-loras", "int", ENGINE_LINE, ENGINE_DEFAULT["max_loras"],
+    Flag("--max-loras", "int", ENGINE_LINE | {"up"}, ENGINE_DEFAULT["max_loras"],
          "adapters one step runs at most (their device slots); a request whose adapter would "
          "be one more waits", aliases=("--max-loras-per-batch",)),
-    Flag("--max-lora-rank", "int", ENGINE_LINE, ENGINE_DEFAULT["max_lora_rank"],
+    Flag("--max-lora-rank", "int", ENGINE_LINE | {"up"}, ENGINE_DEFAULT["max_lora_rank"],
          "the largest adapter rank (an adapter above it is refused)"),
-    Flag("--max-cpu-loras", "int", ENGINE_LINE, ENGINE_DEFAULT["max_cpu_loras"],
+    Flag("--max-cpu-loras", "int", ENGINE_LINE | {"up"}, ENGINE_DEFAULT["max_cpu_loras"],
          "adapters kept in host memory, least recently used dropped (default: --max-loras)",
          aliases=("--max-loaded-loras",)),
     Flag("--fully-sharded-loras", "bool", ENGINE_LINE, False,

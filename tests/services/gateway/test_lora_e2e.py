@@ -59,6 +59,12 @@ def test_a_request_s_model_picks_its_adapter_through_prefill_and_decode(mesh, qw
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in stream) == expected["sql"][0]
+    # SGLang's lora_path field, by name or by folder, over the base model's name
+    for given in ("chat", str(adapters[1])):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=NEW,
+                                      temperature=0, extra_body={"ignore_eos": True,
+                                                                 "lora_path": given})
+        assert r.choices[0].text == expected["chat"][1]
 
 
 def test_models_lists_the_adapters_and_an_unknown_one_is_a_404(mesh, adapters):
@@ -71,3 +77,7 @@ def test_models_lists_the_adapters_and_an_unknown_one_is_a_404(mesh, adapters):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nobody", prompt=PROMPTS[0], max_tokens=2)
     assert "nobody" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2,
+                                  extra_body={"lora_path": "/not/here"})
+    assert "lora_path" in str(e.value)

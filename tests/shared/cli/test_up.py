@@ -448,12 +448,20 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
     """`pdmesh up --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser
     qwen3 --structured-outputs-config ...`: the gateway reads the model's calls and
     reasoning (the engines accept the flags for it), with the official openai client; the
-    forced text binds from the first token (enable_in_reasoning), reasoning included."""
+    forced text binds from the first token (enable_in_reasoning), reasoning included.
+    `--lora-modules` reaches the engines and the gateway: a request naming the adapter
+    gets the offline engine's text with it."""
     import openai
 
+    from pdmesh.shared.engine import LoRARequest
+    from tests.shared.engine.lora_reference import make_adapters
+
+    [adapter] = make_adapters(qwen3_path, tmp_path / "adapter", "qwen3", [(4, 8.0, False)], 2)
     prefix = f"{registry_prefix}-up-tools"
     proc, url, out = launch("up", str(qwen3_path), "--port", "0", "--registry-prefix",
-                            prefix, "--log-dir", str(tmp_path), "--enable-auto-tool-choice",
+                            prefix, "--log-dir", str(tmp_path), "--lora-modules",
+                            f"sql={adapter}", "--max-lora-rank", "8",
+                            "--enable-auto-tool-choice",
                             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                             "--structured-outputs-config", '{"enable_in_reasoning": true}',
                             "--log-requests", "--log-requests-level", "0",
@@ -482,6 +490,15 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
             time.sleep(0.2)
             logged = "".join(p.read_text() for p in tmp_path.glob("gateway-*.log"))
         assert f"request {r.id} finished" in logged, logged[-2000:]
+        assert "sql" in {m.id for m in client.models.list().data}
+        got = client.completions.create(model="sql", prompt=[9, 10, 11], max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        offline = LLM(str(qwen3_path), device="cpu", block_size=16, enable_lora=True,
+                      max_lora_rank=8)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert got.choices[0].text == offline.generate(
+            [[9, 10, 11]], params, lora_request=LoRARequest("sql", 1, str(adapter)))[0] \
+            .outputs[0].text != offline.generate([[9, 10, 11]], params)[0].outputs[0].text
     finally:
         shut(proc, prefix)
 
