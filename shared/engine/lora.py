@@ -3,17 +3,18 @@
     host      adapters read from their folders, least recently used dropped past
               ``max_cpu_loras`` (one a running request uses is kept)
     device    ``max_loras`` slots: per site (a projection of a layer), every slot's A
-              side by side, A_cat [in, slots * R], and every slot's B stacked, B_cat
-              [slots * R, out], R = max_lora_rank per part of the site (q, k, v ...),
-              zero where an adapter has less
+              side by side, A_cat [in, slots * parts * r] (a part: q, k, v of a fused
+              qkv ...; r = max_lora_rank, zero where an adapter has less), and per part
+              every slot's B stacked, [slots * r, the part's width]
     a step    rows are marked with their request's slot (a base-model row with none);
-              each site then adds, in one shrink and one expand for the whole batch,
+              each site then adds, for the whole batch, over the slots in use (a new
+              adapter takes the lowest free slot)
 
-                  y = (x @ A_cat) * mask      mask [T, slots * R]: a row keeps its slot's
-                  out += y @ B_cat            columns only
+                  y = (x @ A_cat) * mask      a row keeps its slot's columns only
+                  out[part] += y[part] @ B    one expand per part
 
-so a batch mixing adapters and the base model costs two matmuls per projection, whatever
-the number of adapters (``KernelBackend.lora_shrink_expand``).
+so a batch mixing adapters and the base model costs one shrink and an expand per part of
+each projection, whatever the number of adapters (``KernelBackend.lora_shrink_expand``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,24 +35,46 @@ SITES = tuple(SITE_PARTS)
 
 
 class LoraStep:
-    """One forward's LoRA: which slot each row runs (``mask`` [T, slots], one-hot, zero
-    for a base row) and the slots' stacked weights."""
+    """One forward's LoRA: which slot each row runs (``mask`` [T, hi], one-hot, zero for
+    a base row) over the slots in use, 0 .. hi - 1, and the slots' stacked weights."""
 
     def __init__(self, slots: LoraSlots, mask: torch.Tensor):
         self.slots = slots
         self.mask = mask
+        self.hi = mask.shape[1]
 
     def apply(self, layer: int, site: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the rows' adapters' updates of ``site`` in ``layer`` to ``out`` [T, N]."""
         weights = self.slots.weights.get((layer, site))
         if weights is None or x.shape[0] == 0:
             return
-        a_cat, b_cat = weights
-        self.slots.backend.lora_shrink_expand(x, a_cat, b_cat, self.mask, out)
+        r, hi = self.slots.max_rank, self.hi
+        # (the parts an adapter in the slots in use targets; none: nothing to add)
+        on = [p for p, held in enumerate(weights.held) if any(s < hi for s in held)]
+        if not on:
+            return
+        parts = len(weights.bs)
+        self.slots.backend.lora_shrink_expand(
+            x, weights.a_cat[:, :hi * parts * r], [weights.bs[p][:hi * r] for p in on],
+            [weights.bounds[p] for p in on], self.mask, out, on)
+
+
+@dataclass
+class SiteSlots:
+    """One site's slots: A of every slot side by side, ``a_cat`` [in, slots * parts * r]
+    (slot, then part, then rank), and per part B stacked, [slots * r, that part's width];
+    ``bounds``: each part's output columns."""
+
+    a_cat: torch.Tensor
+    bs: list[torch.Tensor]
+    bounds: list[tuple[int, int]]
+    held: list[set[int]] = field(default_factory=list)  # per part: the slots targeting it
 
 
 class LoraSlots:
-    """The device slots: every site of the model, ``num_slots`` adapters wide."""
+    """The device slots: every site of the model, ``num_slots`` adapters wide. A new
+    adapter takes the lowest free slot, so a step computes over the few first slots
+    when few adapters are in."""
 
     def __init__(self, model, backend, num_slots: int, max_rank: int):
         from pdmesh.shared.models.lora import site_shape, site_weight
@@ -61,18 +85,20 @@ class LoraSlots:
         self.names: list[str | None] = [None] * num_slots  # the adapter in each slot
         self._used: OrderedDict[int, None] = OrderedDict()  # slots, least recent first
         dev, dtype = backend.device, model.dtype
-        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.widths: dict[tuple[int, str], list[int]] = {}
+        self.weights: dict[tuple[int, str], SiteSlots] = {}
         for i, lw in enumerate(model.w.layers):
             for site in SITES:
                 if site_weight(lw, site) is None:
                     continue
                 k, widths = site_shape(model, i, site)
-                rank = max_rank * len(widths)
-                self.weights[(i, site)] = (
-                    torch.zeros(k, num_slots * rank, dtype=dtype, device=dev),
-                    torch.zeros(num_slots * rank, sum(widths), dtype=dtype, device=dev))
-                self.widths[(i, site)] = widths
+                starts = [sum(widths[:p]) for p in range(len(widths))]
+                self.weights[(i, site)] = SiteSlots(
+                    torch.zeros(k, num_slots * len(widths) * max_rank, dtype=dtype,
+                                device=dev),
+                    [torch.zeros(num_slots * max_rank, w, dtype=dtype, device=dev)
+                     for w in widths],
+                    [(a, a + w) for a, w in zip(starts, widths, strict=True)],
+                    [set() for _ in widths])
 
     def slot_of(self, name: str) -> int | None:
         return self.names.index(name) if name in self.names else None
@@ -107,28 +133,29 @@ class LoraSlots:
         return free + [s for s in self._used if self.names[s] is not None]
 
     def _clear(self, slot: int) -> None:
-        for (_, _), (a_cat, b_cat) in self.weights.items():
-            rank = a_cat.shape[1] // self.num_slots
-            a_cat[:, slot * rank:(slot + 1) * rank].zero_()
-            b_cat[slot * rank:(slot + 1) * rank].zero_()
+        r = self.max_rank
+        for w in self.weights.values():
+            parts = len(w.bs)
+            w.a_cat[:, slot * parts * r:(slot + 1) * parts * r].zero_()
+            for b, held in zip(w.bs, w.held, strict=True):
+                b[slot * r:(slot + 1) * r].zero_()
+                held.discard(slot)
 
     def _write(self, slot: int, adapter: Adapter) -> None:
         self._clear(slot)
         r = self.max_rank
-        for key, (a_cat, b_cat) in self.weights.items():
+        for key, w in self.weights.items():
             lora = adapter.sites.get(key)
             if lora is None:
                 continue
-            base = slot * r * len(self.widths[key])
-            start = 0
-            for part, (width, ab) in enumerate(zip(self.widths[key], lora.parts,
-                                                   strict=True)):
+            parts = len(w.bs)
+            for part, (b_slots, ab) in enumerate(zip(w.bs, lora.parts, strict=True)):
                 if ab is not None:
                     a, b = ab
-                    cols = base + part * r
-                    a_cat[:, cols:cols + a.shape[1]].copy_(a)
-                    b_cat[cols:cols + b.shape[0], start:start + width].copy_(b)
-                start += width
+                    cols = (slot * parts + part) * r
+                    w.a_cat[:, cols:cols + a.shape[1]].copy_(a)
+                    b_slots[slot * r:slot * r + b.shape[0]].copy_(b)
+                    w.held[part].add(slot)
         self.names[slot] = adapter.name
         log.info("lora: adapter %s in slot %d", adapter.name, slot)
 
@@ -215,7 +242,8 @@ class LoraManager:
                 adapter = self.load(LoRARequest(n, 1, self._paths[n]))
             adapters.append(adapter)
         placed = self.slots.place(adapters)
+        hi = max(placed.values()) + 1  # (the slots in use: 0 .. hi - 1)
         index = torch.tensor([placed[n] if n is not None else -1 for n in row_adapters])
-        mask = torch.zeros(len(row_adapters), self.max_loras + 1)
+        mask = torch.zeros(len(row_adapters), hi + 1)
         mask[torch.arange(len(row_adapters)), index] = 1.0  # (-1: the spare column)
-        return LoraStep(self.slots, mask[:, :self.max_loras].to(device, self.model.dtype))
+        return LoraStep(self.slots, mask[:, :hi].to(device, self.model.dtype))

@@ -87,18 +87,26 @@ class Projections:
         acc = self.int_mm(q, qweight)  # [T, N] int32
         return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
 
-    def lora_shrink_expand(self, x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor,
-                           mask: torch.Tensor, out: torch.Tensor) -> None:
+    def lora_shrink_expand(self, x: torch.Tensor, a_cat: torch.Tensor,
+                           b_parts: list[torch.Tensor], bounds: list[tuple[int, int]],
+                           mask: torch.Tensor, out: torch.Tensor,
+                           parts_of: list[int] | None = None) -> None:
         """Batched LoRA (shared/engine/lora.py): every row's adapter update added to
-        ``out`` [T, N] in one shrink and one expand, whatever the number of adapters.
+        ``out`` [T, N] in one shrink and one expand per part, whatever the number of
+        adapters.
 
-        x [T, K], a_cat [K, S * R] (slot s's A in columns s*R .. s*R + R), b_cat
-        [S * R, N], mask [T, S] (row t's slot one-hot; zero: no adapter). vLLM's bgmv
-        shrink / expand, as dense matmuls over the slots with the other slots' columns
-        masked out."""
+        x [T, K]; a_cat [K, S * P * r] (slot s's A for part p in columns (s * P + p) * r
+        ...); b_parts[p] [S * r, width of part p], written to ``out``'s columns
+        ``bounds[p]``; mask [T, S] (row t's slot one-hot; zero: no adapter);
+        ``parts_of``: the parts of ``a_cat`` the given B are (default: all, in order).
+        vLLM's bgmv shrink / expand, as dense matmuls over the slots with the other
+        slots' columns masked out."""
         t, slots = mask.shape
-        y = torch.mm(x, a_cat).view(t, slots, -1) * mask.unsqueeze(-1)
-        out.addmm_(y.view(t, -1), b_cat)
+        parts = a_cat.shape[1] // slots // (b_parts[0].shape[0] // slots)
+        y = torch.mm(x, a_cat).view(t, slots, parts, -1) * mask[:, :, None, None]
+        for p, b, (lo, hi) in zip(parts_of or range(parts), b_parts, bounds, strict=True):
+            rows = y.view(t, -1) if parts == 1 else y[:, :, p].reshape(t, -1)
+            out[:, lo:hi].addmm_(rows, b)
 
     def grouped_matmul(
         self, x: torch.Tensor, weight: torch.Tensor | QuantExperts, group_sizes: list[int]

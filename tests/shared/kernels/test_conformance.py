@@ -92,29 +92,33 @@ def test_silu_and_mul(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_shrink_expand(backend, dtype):
-    """Batched LoRA: each row gains x @ A_slot @ B_slot of its own slot (none for a
-    base-model row), the reference a loop over the rows."""
+@pytest.mark.parametrize("widths", [[40], [24, 8, 8]])  # one part; a fused q | k | v
+def test_lora_shrink_expand(backend, dtype, widths):
+    """Batched LoRA: each row gains, per part, x @ A_slot,part @ B_slot,part of its own
+    slot (none for a base-model row), the reference a loop over the rows."""
     g = torch.Generator().manual_seed(12)
-    t, k, n, slots, rank = 9, 48, 40, 3, 4
+    t, k, slots, rank, parts = 9, 48, 3, 4, len(widths)
+    n = sum(widths)
     x = torch.randn(t, k, generator=g).to(dtype)
-    a_cat = (0.3 * torch.randn(k, slots * rank, generator=g)).to(dtype)
-    b_cat = (0.3 * torch.randn(slots * rank, n, generator=g)).to(dtype)
+    a_cat = (0.3 * torch.randn(k, slots * parts * rank, generator=g)).to(dtype)
+    b_parts = [(0.3 * torch.randn(slots * rank, w, generator=g)).to(dtype) for w in widths]
+    bounds = [(sum(widths[:p]), sum(widths[:p + 1])) for p in range(parts)]
     base = torch.randn(t, n, generator=g).to(dtype)
     slot_of = [0, 2, -1, 1, 0, -1, 2, 2, 1]
     mask = torch.zeros(t, slots)
-    for row, s in enumerate(slot_of):
-        if s >= 0:
-            mask[row, s] = 1.0
     expected = base.double().clone()
     for row, s in enumerate(slot_of):
-        if s >= 0:
-            cols = slice(s * rank, (s + 1) * rank)
-            expected[row] += x[row].double() @ a_cat[:, cols].double() @ b_cat[cols].double()
+        if s < 0:
+            continue
+        mask[row, s] = 1.0
+        for p, (lo, hi) in enumerate(bounds):
+            cols = slice((s * parts + p) * rank, (s * parts + p + 1) * rank)
+            b = b_parts[p][s * rank:(s + 1) * rank]
+            expected[row, lo:hi] += x[row].double() @ a_cat[:, cols].double() @ b.double()
     dev = backend.device
     out = base.to(dev).clone()
-    backend.lora_shrink_expand(x.to(dev), a_cat.to(dev), b_cat.to(dev),
-                               mask.to(dev, dtype), out)
+    backend.lora_shrink_expand(x.to(dev), a_cat.to(dev), [b.to(dev) for b in b_parts],
+                               bounds, mask.to(dev, dtype), out)
     close(out, expected.to(dtype), dtype)
 
 
