@@ -450,7 +450,9 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
     reasoning (the engines accept the flags for it), with the official openai client; the
     forced text binds from the first token (enable_in_reasoning), reasoning included.
     `--lora-modules` reaches the engines and the gateway: a request naming the adapter
-    gets the offline engine's text with it."""
+    (or SGLang's lora_path naming it, by name or folder) gets the offline engine's text
+    with it, prefilled and decoded with it; /v1/models lists it under its base; an
+    adapter nobody serves is a 400 naming lora_path."""
     import openai
 
     from pdmesh.shared.engine import LoRARequest
@@ -490,15 +492,25 @@ def test_up_hands_the_serving_flags_to_its_gateway(qwen3_path, tmp_path, registr
             time.sleep(0.2)
             logged = "".join(p.read_text() for p in tmp_path.glob("gateway-*.log"))
         assert f"request {r.id} finished" in logged, logged[-2000:]
-        assert "sql" in {m.id for m in client.models.list().data}
-        got = client.completions.create(model="sql", prompt=[9, 10, 11], max_tokens=8,
-                                        temperature=0, extra_body={"ignore_eos": True})
+        cards = {m.id: m for m in client.models.list().data}
+        assert cards["sql"].parent == str(qwen3_path) and cards["sql"].root == str(adapter)
         offline = LLM(str(qwen3_path), device="cpu", block_size=16, enable_lora=True,
                       max_lora_rank=8)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        assert got.choices[0].text == offline.generate(
-            [[9, 10, 11]], params, lora_request=LoRARequest("sql", 1, str(adapter)))[0] \
-            .outputs[0].text != offline.generate([[9, 10, 11]], params)[0].outputs[0].text
+        prompt = list(range(300, 331))
+        expected = offline.generate([prompt], params, lora_request=LoRARequest(
+            "sql", 1, str(adapter)))[0].outputs[0].text
+        assert expected != offline.generate([prompt], params)[0].outputs[0].text
+        for body in ({"model": "sql"}, {"model": str(qwen3_path), "lora_path": "sql"},
+                     {"model": str(qwen3_path), "lora_path": str(adapter)}):
+            got = client.completions.create(
+                model=body["model"], prompt=prompt, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True, **({"lora_path": body["lora_path"]}
+                                                   if "lora_path" in body else {})})
+            assert got.choices[0].text == expected, body
+        with pytest.raises(openai.BadRequestError, match="lora_path"):
+            client.completions.create(model=str(qwen3_path), prompt=prompt, max_tokens=2,
+                                      extra_body={"lora_path": "/not/here"})
     finally:
         shut(proc, prefix)
 
