@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 import uuid
@@ -47,8 +46,8 @@ from pdmesh.services.gateway.constraints import (
 )
 from pdmesh.services.gateway.embeddings import add_route as add_embeddings
 from pdmesh.services.gateway.endpoints import add_routes
-from pdmesh.services.gateway.errors import RETRY_AFTER_S, MeshError, error
-from pdmesh.services.gateway.guard import BodyGuard
+from pdmesh.services.gateway.errors import MeshError, error
+from pdmesh.services.gateway.guard import ApiKey, BodyGuard, InFlight, InFlightLimit
 from pdmesh.services.gateway.journey import (
     Journey,
     JourneyTrace,
@@ -75,7 +74,6 @@ from pdmesh.shared.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OPEN_PATHS = ("/health", "/ping")  # answered without the API key (the probes)
 
 
 @dataclass
@@ -499,12 +497,12 @@ def create_app(state: GatewayState) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _fault)
     # middlewares run last-added first: the key, then the body read whole, then a slot
-    app.add_middleware(_InFlightLimit, limit=state.max_queued_requests,
-                       rejected=gw.metrics.rejected, counter=gw.in_flight)
+    app.add_middleware(InFlightLimit, limit=state.max_queued_requests,
+                       rejected=gw.metrics.rejected, counter=gw.in_flight, error=error)
     app.add_middleware(BodyGuard, max_bytes=state.max_body_bytes,
                        timeout_s=state.body_timeout_s, error=error)
     if state.api_key:  # a refused key takes no slot and sends no body
-        app.add_middleware(_ApiKey, key=state.api_key)
+        app.add_middleware(ApiKey, key=state.api_key, error=error)
     app.router.on_shutdown.append(gw.clients.close)
     app.get("/health")(gw.health)
     app.get("/metrics")(gw.prometheus)
@@ -547,63 +545,3 @@ async def _fault(request: Request, exc: Exception) -> JSONResponse:
     log.exception("%s %s failed", request.method, request.url.path)
     return error(500, f"the gateway failed on this request ({type(exc).__name__}); it is "
                       f"logged")
-
-
-class _ApiKey:
-    """``Authorization: Bearer KEY`` on every path but /health and /ping (the API, /metrics and
-    the API docs alike). A plain ASGI middleware: Starlette's BaseHTTPMiddleware would
-    pass every streamed chunk through an extra task and queue."""
-
-    def __init__(self, app: Any, key: str):
-        self.app = app
-        self.expected = f"Bearer {key}".encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization")
-            if given is None or not hmac.compare_digest(given, self.expected):
-                response = error(401, "missing or wrong API key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class InFlight:
-    """How many generation requests are being answered (the event loop's thread only)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
-class _InFlightLimit:
-    """At most ``limit`` generation requests in flight (from arrival until the last byte
-    of the answer, streamed or not; None: no limit, only counted); one more is answered
-    429 with Retry-After at once, never queued. A plain ASGI middleware, so the slot is
-    given back however the request ends (finished, failed, or the client went away)."""
-
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-
-    def __init__(self, app: Any, limit: int | None, rejected: Any = None,
-                 counter: InFlight | None = None):
-        self.app = app
-        self.limit = limit
-        self.rejected = rejected  # a counter
-        self.in_flight = counter or InFlight()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.PATHS:
-            await self.app(scope, receive, send)
-            return
-        if self.limit is not None and self.in_flight.count >= self.limit:
-            if self.rejected is not None:
-                self.rejected.inc()
-            response = error(429, f"the gateway has {self.in_flight.count} requests in "
-                                  f"flight, its --max-queued-requests limit; retry after "
-                                  f"{RETRY_AFTER_S} s")
-            await response(scope, receive, send)
-            return
-        self.in_flight.count += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight.count -= 1

@@ -3,16 +3,20 @@ read here whole, within a size limit (413) and a time limit (408), checked to be
 the routes can take (400 naming the problem: not UTF-8, not JSON, nested too deeply, a
 number past any field, a lone surrogate in a string), and only then handed on - so a
 client that sends half a body and stalls holds a connection, never a request slot, and
-a huge body never reaches the parser.
+a huge body never reaches the parser. Before the body, the API key (401) and the limit
+on generation requests in flight (429, never queued).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from pdmesh.services.gateway.errors import RETRY_AFTER_S
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +24,7 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
                     "/detokenize")
 PARSE_OFF_LOOP_BYTES = 256 << 10  # bodies past this are parsed on a worker thread
+OPEN_PATHS = ("/health", "/ping")  # answered without the API key (the probes)
 
 ErrorResponse = Callable[[int, str, "str | None"], Any]  # (status, message, param)
 
@@ -157,3 +162,65 @@ def _replay(body: bytes, receive: Any) -> Callable[[], Awaitable[dict[str, Any]]
         return await receive()
 
     return replay
+
+
+class ApiKey:
+    """``Authorization: Bearer KEY`` on every path but /health and /ping (the API, /metrics and
+    the API docs alike). A plain ASGI middleware: Starlette's BaseHTTPMiddleware would
+    pass every streamed chunk through an extra task and queue."""
+
+    def __init__(self, app: Any, key: str, error: ErrorResponse):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+        self.error = error
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                response = self.error(401, "missing or wrong API key", None)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class InFlight:
+    """How many generation requests are being answered (the event loop's thread only)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class InFlightLimit:
+    """At most ``limit`` generation requests in flight (from arrival until the last byte
+    of the answer, streamed or not; None: no limit, only counted); one more is answered
+    429 with Retry-After at once, never queued. A plain ASGI middleware, so the slot is
+    given back however the request ends (finished, failed, or the client went away)."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+    def __init__(self, app: Any, limit: int | None, error: ErrorResponse,
+                 rejected: Any = None, counter: InFlight | None = None):
+        self.app = app
+        self.error = error
+        self.limit = limit
+        self.rejected = rejected  # a counter
+        self.in_flight = counter or InFlight()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.limit is not None and self.in_flight.count >= self.limit:
+            if self.rejected is not None:
+                self.rejected.inc()
+            response = self.error(429, f"the gateway has {self.in_flight.count} requests "
+                                       f"in flight, its --max-queued-requests limit; retry "
+                                       f"after {RETRY_AFTER_S} s", None)
+            await response(scope, receive, send)
+            return
+        self.in_flight.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.count -= 1
