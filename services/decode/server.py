@@ -22,6 +22,7 @@ from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from pdmesh.shared.runtime.client import EngineClient, SessionSink
 from pdmesh.shared.runtime.embed_edge import embed
+from pdmesh.shared.runtime.lora_edge import lora_adapter
 from pdmesh.shared.runtime.proto_convert import (
     fill_chunk,
     grpc_code,
@@ -107,12 +108,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Embed(self, request, context):  # noqa: N802
         return await embed(self.engine, request, context, self.timeout_s)
 
+    async def LoraAdapter(self, request, context):  # noqa: N802
+        return await lora_adapter(self.engine, request, context)
+
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role=self.role,
                                          model=self.model_name, model_path=self.model_path,
                                          load=load_to_proto(self.engine.load()),
-                                         runner=self.runner)
+                                         runner=self.runner,
+                                         lora_adapters=self.engine.load().lora_adapters)
 
     # -- tracing -------------------------------------------------------------------------
     def _begin_span(self, request: decode_pb2.GenerateRequest, carrier) -> None:

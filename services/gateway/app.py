@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -55,6 +55,7 @@ from pdmesh.services.gateway.journey import (
     MeshRequest,
     RetryPolicy,
 )
+from pdmesh.services.gateway.lora_admin import add_lora_routes
 from pdmesh.services.gateway.many import merge_whole, merged_sse
 from pdmesh.services.gateway.metrics import GatewayMetrics
 from pdmesh.services.gateway.protocol import (
@@ -83,9 +84,6 @@ class GatewayState:
     model_name: str  # the name instances register under
     max_model_len: int
     model_names: tuple[str, ...] = ()  # every name clients may ask for (--served-model-name)
-    # LoRA adapters served by name (--lora-modules): name -> folder; a request naming one
-    # runs it on every instance it passes through
-    lora_modules: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests in flight here; None: no limit
     tracing: Tracing | None = None  # None or disabled: no traces, no cost
@@ -161,7 +159,7 @@ class Gateway:
             for name in self.names] + [{  # (adapters: their base as parent, as vLLM lists)
             "id": name, "object": "model", "created": now, "owned_by": "pdmesh",
             "root": path, "parent": self.names[0], "max_model_len": self.context_len(),
-            "permission": [_permission(now)]} for name, path in self.state.lora_modules.items()]}
+            "permission": [_permission(now)]} for name, path in self.adapters().items()]}
 
     def context_len(self) -> int:
         """The longest sequence the mesh serves: the gateway's --max-model-len (else the
@@ -230,23 +228,32 @@ class Gateway:
         return not any(router.instances(r) for r in roles) and \
             any(router.instances(r, runner="pooling") for r in roles)
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the mesh serves: name -> folder (--lora-modules, and those
+        loaded at runtime through any gateway)."""
+        return self.state.router.adapters()
+
     def _check_model(self, body: _Base) -> JSONResponse | None:
-        if body.lora_path is not None and self.adapter(body) is None:
+        """The 404 / 400 of a request for a model or adapter not served here; else
+        None, the adapter it runs set on it (its name and folder as served now)."""
+        served = self.adapters()
+        body._adapter = self.adapter(body, served)
+        if body.lora_path is not None and body._adapter is None:
             return error(400, f"lora_path: no LoRA adapter {body.lora_path!r} is served here "
-                              f"(serving {', '.join(map(repr, self.state.lora_modules))})",
+                              f"(serving {', '.join(map(repr, served)) or 'none'})",
                          "lora_path")
-        if body.model in self.names or body.model in self.state.lora_modules:
+        if body.model in self.names or body.model in served:
             return None
         return self.refuse_model(body.model)
 
-    def adapter(self, body: _Base) -> str | None:
-        """The LoRA adapter a request runs: SGLang's ``lora_path`` (an adapter's name or
-        folder), else its ``model`` when that names one (vLLM's way); None: the base."""
-        served = self.state.lora_modules
+    def adapter(self, body: _Base, served: dict[str, str]) -> tuple[str, str] | None:
+        """The LoRA adapter a request runs, (name, folder): SGLang's ``lora_path`` (an
+        adapter's name or folder), else its ``model`` when that names one (vLLM's way);
+        None: the base model."""
         if body.lora_path is not None:
-            return next((name for name, path in served.items()
+            return next(((name, path) for name, path in served.items()
                          if body.lora_path in (name, path)), None)
-        return body.model if body.model in served else None
+        return (body.model, served[body.model]) if body.model in served else None
 
     def refuse_model(self, name: str) -> JSONResponse:
         return error(404, f"model: {name!r} is not served here (serving "
@@ -351,7 +358,7 @@ class Gateway:
                         state.log_requests, echo, output, i, body.shape(),
                         state.eos_token_ids, prompt_text, state.stream_interval)
         answer.journey = Journey(self.mesh, MeshRequest(rid, prompt, engine, body.priority,
-                                                        self.adapter(body)),
+                                                        *(body._adapter or (None, None))),
                                  JourneyTrace(self.tracing, span) if span is not None
                                  else None)
         return answer
@@ -510,6 +517,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.post("/v1/completions")(gw.completions)
     app.post("/v1/chat/completions")(gw.chat)
     add_routes(app, gw)
+    add_lora_routes(app, gw)
     add_embeddings(app, gw)
     return app
 

@@ -56,6 +56,7 @@ class Call:
     block_keys: list[str] = field(default_factory=list)  # where the prompt's KV waits
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C, when tracing
     lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
+    lora_path: str | None = None  # its folder
 
 
 @dataclass
@@ -115,7 +116,8 @@ class GrpcClients:
         return GrpcPrefillCall(call.request_id, stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=call.request_id, prompt_token_ids=call.prompt,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
-            output_token_ids=call.carried, lora_name=call.lora_name or ""),
+            output_token_ids=call.carried, lora_name=call.lora_name or "",
+            lora_path=call.lora_path or ""),
             timeout=timeout_s, metadata=(*call.trace_context.items(),
                                          *cluster_auth.call_metadata()) or None))
 
@@ -125,7 +127,8 @@ class GrpcClients:
             request_id=call.request_id, prompt_token_ids=call.prompt,
             output_token_ids=call.carried, block_keys=call.block_keys,
             sampling=sampling_to_proto(call.sampling), priority=call.priority,
-            trace_context=call.trace_context, lora_name=call.lora_name or ""),
+            trace_context=call.trace_context, lora_name=call.lora_name or "",
+            lora_path=call.lora_path or ""),
             idle_timeout_s, stall)
 
     async def embed(self, inst: Instance, request: common_pb2.EmbedRequest,
@@ -138,6 +141,19 @@ class GrpcClients:
         try:
             return await stub.Embed(request, timeout=timeout_s,
                                     metadata=cluster_auth.call_metadata() or None)
+        except grpc.aio.AioRpcError as e:
+            raise CallFailed(e.code(), e.details() or "") from None
+
+    async def lora_adapter(self, inst: Instance, request: common_pb2.LoraAdapterRequest,
+                           timeout_s: float) -> None:
+        """Load or unload a LoRA adapter on one engine instance; CallFailed with the
+        gRPC code (INVALID_ARGUMENT: the adapter cannot run there)."""
+        channel = self.channel(inst.address)
+        stub = (prefill_pb2_grpc.PrefillStub(channel) if inst.role == "prefill"
+                else decode_pb2_grpc.DecodeStub(channel))
+        try:
+            await stub.LoraAdapter(request, timeout=timeout_s,
+                                   metadata=cluster_auth.call_metadata() or None)
         except grpc.aio.AioRpcError as e:
             raise CallFailed(e.code(), e.details() or "") from None
 

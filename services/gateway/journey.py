@@ -115,6 +115,7 @@ class MeshRequest:
     sampling: SamplingParams
     priority: int | None = None
     lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
+    lora_path: str | None = None  # its folder (an instance without it reads it there)
 
 
 class Outcome(enum.Enum):
@@ -223,7 +224,8 @@ class Journey:
         retry = self.mesh.retry
         rid = f"{self.req.request_id}-r{self.hand_backs}" if carried else self.req.request_id
         for attempt in range(retry.prefill_attempts):
-            inst = self.mesh.router.pick("prefill", exclude=tried, prompt=prompt)
+            inst = self.mesh.router.pick("prefill", exclude=tried, prompt=prompt,
+                                         adapter=self.req.lora_name)
             if inst is None:
                 break
             try:
@@ -292,7 +294,8 @@ class Journey:
                                                 "instances")
         loop = asyncio.get_running_loop()
         until = loop.time() + retry.instance_grace_s
-        while (inst := self.mesh.router.pick("decode", exclude=self.failed)) is None:
+        while (inst := self.mesh.router.pick("decode", exclude=self.failed,
+                                             adapter=self.req.lora_name)) is None:
             if loop.time() >= until:
                 raise gave_up("decode", self.codes, "no decode instance is available")
             await asyncio.sleep(retry.grace_poll_s)
@@ -375,7 +378,7 @@ class Journey:
         refused: list[grpc.StatusCode] = []
         tried: set[str] = set()
         for _ in range(self.mesh.retry.prefill_attempts):
-            inst = self.mesh.router.pick("mixed", exclude=tried)
+            inst = self.mesh.router.pick("mixed", exclude=tried, adapter=self.req.lora_name)
             if inst is None:
                 break
             deltas = self.mesh.decode.generate(inst, self._call(self.req.request_id),
@@ -408,7 +411,7 @@ class Journey:
             sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         return Call(call_id, self.req.prompt, sampling, self.req.priority,
                     list(carried or []), list(block_keys or []), trace_context or {},
-                    self.req.lora_name)
+                    self.req.lora_name, self.req.lora_path)
 
 
 class NoTrace:

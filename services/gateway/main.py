@@ -52,6 +52,7 @@ def run(a: ServeConfig) -> int:
         router = _router(a, name)
         router.start()
         host.at_close(router.stop)
+        _serve_adapters(router, dict(lora_modules(a)))
         tracing = Tracing.from_args("pdmesh-gateway", a)
         host.at_close(tracing.shutdown)  # exports the spans still buffered
         output = OutputSettings(tool_call_parser=a.tool_call_parser,
@@ -64,7 +65,6 @@ def run(a: ServeConfig) -> int:
         state = GatewayState(tokenizer=tokenizer, router=router,
                              model_name=name, output=output, model_path=str(a.model),
                              model_names=a.served_model_name or (name,),
-                             lora_modules=dict(lora_modules(a)),
                              max_model_len=a.max_model_len or cfg.max_position_embeddings,
                              api_key=key, max_queued_requests=a.max_queued_requests,
                              tracing=tracing,
@@ -89,6 +89,16 @@ def run(a: ServeConfig) -> int:
         host.ready(model=name)
         server.run(sockets=[sock])
     return 0
+
+
+def _serve_adapters(router: Router, adapters: dict[str, str]) -> None:
+    """The mesh serves the --lora-modules adapters (one of the same name another
+    gateway serves from elsewhere stays as it is, said)."""
+    served = router.adapters()
+    for name, path in adapters.items():
+        if not router.serve_adapter(name, path) and served.get(name, path) != path:
+            log.warning("--lora-modules: the mesh already serves an adapter %r, from %s; "
+                        "that one stays (not %s)", name, served[name], path)
 
 
 def _check(a: ServeConfig) -> None:

@@ -39,6 +39,19 @@ class NamedInstances:
                        for a in prefill]
         self._stubs += [(a, decode_pb2_grpc.DecodeStub(cluster_auth.channel(a)))
                         for a in decode]
+        self._adapters: dict[str, str] = {}  # (no registry: the LoRA adapters kept here)
+
+    def put_adapter(self, name: str, path: str) -> bool:
+        if name in self._adapters:
+            return False
+        self._adapters[name] = path
+        return True
+
+    def remove_adapter(self, name: str) -> bool:
+        return self._adapters.pop(name, None) is not None
+
+    def adapters(self) -> dict[str, str]:
+        return dict(self._adapters)
 
     def health(self) -> list[tuple[str, common_pb2.HealthResponse]]:
         """(address, its health) of each named instance that answers, asked all at once."""
@@ -62,7 +75,8 @@ class NamedInstances:
                             load={f.name: int(getattr(h.load, f.name))
                                   for f in h.load.DESCRIPTOR.fields},
                             heartbeat=now, draining=not h.serving,
-                            runner=h.runner or "generate")
+                            runner=h.runner or "generate",
+                            adapters=tuple(h.lora_adapters))
             if (role is None or inst.role == role) and (model is None or inst.model == model):
                 out.append(inst)
         return out

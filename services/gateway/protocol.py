@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from pdmesh.shared.engine.sampling_params import SamplingParams
 
@@ -104,6 +104,9 @@ class _Base(BaseModel):
     model: str
     # SGLang's: the LoRA adapter to run, by its name or folder (over ``model``'s)
     lora_path: str | None = None
+    # the LoRA adapter it runs, (name, folder), as the gateway found it on admission
+    # (None: the base model)
+    _adapter: tuple[str, str] | None = PrivateAttr(default=None)
     max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)

@@ -8,7 +8,9 @@ the instance's KV capacity), so a shared prefix goes back where it is cached whi
 busy instance still loses to an idle one. Every prefill instance reads the same pool,
 so pool hits lower the cost equally everywhere and do not change the choice. Decode:
 fewest KV blocks in use, then fewest running requests. Ties are broken at random so
-identical prompts cannot pile onto one instance. Draining instances get nothing.
+identical prompts cannot pile onto one instance. Draining instances get nothing. A
+request running a LoRA adapter goes among the instances holding it in memory, when any
+does (adapter affinity); another reads it from its folder, which the request carries.
 Queue lengths come with heartbeats; between two, the tokens this gateway has in flight
 on an instance stand in for the queue when they are more.
 """
@@ -161,6 +163,7 @@ class Router:
         # instance id -> (its last heartbeat's stamp, when this router saw it change): an
         # instance whose beats stopped stays in the registry until its key expires
         self._beats: dict[str, tuple[float, float]] = {}
+        self._adapters: dict[str, str] = {}  # the LoRA adapters served: name -> folder
 
     def start(self) -> None:
         self._refresh()
@@ -169,8 +172,10 @@ class Router:
 
     def _refresh(self) -> None:
         found = self.registry.instances(model=self.model)
+        adapters = self.registry.adapters()
         now = time.monotonic()
         with self._lock:
+            self._adapters = adapters
             if self._unread:  # redis is back, maybe empty (restarted) until every
                 self._unread = False  # instance has heartbeated again: for one TTL the
                 self._grace_until = now + self.registry.ttl_ms / 1000  # last copy helps
@@ -202,6 +207,29 @@ class Router:
                 log.warning("registry refresh failed: %s", e)
                 self._unread = True
 
+    # -- LoRA adapters --------------------------------------------------------------------
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the mesh serves (name -> folder), as last read."""
+        if not self._background and time.monotonic() - self._at > self.refresh_s:
+            self._refresh()
+        with self._lock:
+            return dict(self._adapters)
+
+    def serve_adapter(self, name: str, path: str) -> bool:
+        """Add an adapter to the mesh's (False: one of that name is served already)."""
+        added = self.registry.put_adapter(name, path)
+        if added:
+            with self._lock:
+                self._adapters[name] = path
+        return added
+
+    def unserve_adapter(self, name: str) -> bool:
+        """Take an adapter out of the mesh's (False: none of that name is served)."""
+        removed = self.registry.remove_adapter(name)
+        with self._lock:
+            self._adapters.pop(name, None)
+        return removed
+
     def instances(self, role: str, runner: str = "generate") -> list[Instance]:
         """The instances of ``role`` that serve: not draining, not stalled, running
         ``runner`` (generate; pooling: those that serve embeddings)."""
@@ -231,12 +259,17 @@ class Router:
                        for i in self._cache)
 
     def pick(self, role: str, exclude: set[str] | frozenset[str] = frozenset(),
-             prompt: list[int] | None = None, runner: str = "generate") -> Instance | None:
+             prompt: list[int] | None = None, runner: str = "generate",
+             adapter: str | None = None) -> Instance | None:
         """The cheapest live instance of ``role`` (running ``runner``) by its cost
-        policy; for prefill, ``prompt`` lets cached prefixes count."""
+        policy; for prefill, ``prompt`` lets cached prefixes count. A request running
+        LoRA ``adapter`` goes to an instance holding it if any does (one that does not
+        reads it first)."""
         live = [i for i in self.instances(role, runner) if i.id not in exclude]
         if not live:
             return None
+        if adapter is not None:
+            live = [i for i in live if adapter in i.adapters] or live
         query = RouteQuery(self, prompt)
         policy = self.costs.get(role, self.costs["prefill"])
         costs = {i.id: policy.cost(i, query) for i in live}

@@ -25,6 +25,7 @@ from pdmesh.shared.infra.tracing import Tracing
 from pdmesh.shared.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdmesh.shared.runtime.client import EngineClient, RequestStream
 from pdmesh.shared.runtime.embed_edge import embed
+from pdmesh.shared.runtime.lora_edge import lora_adapter
 from pdmesh.shared.runtime.proto_convert import (
     grpc_code,
     load_to_proto,
@@ -143,9 +144,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Embed(self, request, context):  # noqa: N802
         return await embed(self.engine, request, context, self.timeout_s)
 
+    async def LoraAdapter(self, request, context):  # noqa: N802
+        return await lora_adapter(self.engine, request, context)
+
     async def Health(self, request, context):  # noqa: N802
         await self.engine.refresh(timeout_s=1.0)  # a hung step: the last load, aged
         return common_pb2.HealthResponse(serving=not self.engine.draining, role="prefill",
                                          model=self.model_name, model_path=self.model_path,
                                          load=load_to_proto(self.engine.load()),
-                                         runner=self.runner)
+                                         runner=self.runner,
+                                         lora_adapters=self.engine.load().lora_adapters)

@@ -26,6 +26,7 @@ from pdmesh.shared.engine.draft_length import DraftLength
 from pdmesh.shared.engine.dyntralb import DyntraLB
 from pdmesh.shared.engine.kv_cache_spec import KVCacheSpec
 from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.lora_request import LoRARequest
 from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.engine.pooling import Pooling, PoolingParams
 from pdmesh.shared.engine.prompt_saves import PromptSaves
@@ -190,14 +191,30 @@ class EngineCore:
             self.dyntralb.note_added(req.num_tokens)
         return req
 
-    def lora_request(self, name: str | None) -> Any:
-        """The LoRARequest of one of this engine's adapters by name (None: the base
-        model); ValueError naming ``model`` for one it does not hold."""
+    def lora_request(self, name: str | None, path: str | None = None) -> Any:
+        """The LoRARequest of an adapter by name (None: the base model): one this
+        engine holds, or the one in folder ``path`` (read when the request is added);
+        ValueError naming ``model`` for neither."""
         if name is None:
             return None
-        if self.lora is None or name not in self.lora.names():
-            raise ValueError(f"model: the LoRA adapter {name!r} is not loaded here")
-        return self.lora.request(name)
+        if self.lora is None:
+            raise ValueError(f"model: the LoRA adapter {name!r} is not served here "
+                             "(LoRA adapters are not enabled: --enable-lora)")
+        return self.lora.request(name, path)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """vLLM's load_lora_adapter: read the adapter now (ValueError naming what does
+        not fit: its folder, its rank, a module it targets)."""
+        if self.lora is None:
+            raise ValueError("lora_name: LoRA adapters are not enabled here (--enable-lora)")
+        self.lora.add(LoRARequest(name, 1, path))
+
+    def unload_lora(self, name: str) -> None:
+        """vLLM's unload_lora_adapter: requests running it finish with it, new ones
+        are refused (KeyError when it is not loaded)."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unload(name)
 
     def lora_root(self, lora_request: Any) -> bytes | None:
         """The block-hash root of a request running ``lora_request`` (its adapter read

@@ -176,6 +176,8 @@ class LoraManager:
         self.slots = LoraSlots(model, backend, max_loras, max_rank)
         self._host: OrderedDict[str, Adapter] = OrderedDict()  # least recent first
         self._paths: dict[str, str] = {}  # name -> folder, of every adapter known
+        # unloaded while requests ran them: gone once they are done
+        self._retiring: set[str] = set()
         # the adapters the engine's requests run (set by the engine)
         self.in_use: Callable[[], set[str]] = set
 
@@ -184,11 +186,35 @@ class LoraManager:
         return self.slots.num_slots
 
     def names(self) -> list[str]:
-        return list(self._paths)
+        """The adapters loaded (those unloaded while requests run them are not)."""
+        return [n for n in self._paths if n not in self._retiring]
 
-    def request(self, name: str) -> LoRARequest:
-        """The LoRARequest of a known adapter (its id: its place among them, from 1)."""
-        return LoRARequest(name, list(self._paths).index(name) + 1, self._paths[name])
+    def held(self) -> list[str]:
+        """The loaded adapters in host memory: a request for one reads nothing. (Read
+        from the heartbeat's thread: the copies are each made under the GIL.)"""
+        host, retiring = list(self._host), set(self._retiring)
+        return [n for n in host if n not in retiring]
+
+    def request(self, name: str, path: str | None = None) -> LoRARequest:
+        """The LoRARequest of an adapter known here, or of the one ``path`` holds (read
+        when a request first runs it: how an instance that has not loaded an adapter
+        the mesh serves takes it); ValueError naming ``model`` when neither."""
+        if self._retiring:
+            self._settle()
+        # (one being unloaded runs only a request the mesh admitted with its folder)
+        known = None if name in self._retiring and not path else self._paths.get(name)
+        if known is None and not path:
+            raise ValueError(f"model: the LoRA adapter {name!r} is not loaded here")
+        ids = list(self._paths)  # (its id: its place among them, from 1)
+        return LoRARequest(name, ids.index(name) + 1 if name in self._paths else len(ids) + 1,
+                           known or path)
+
+    def add(self, request: LoRARequest) -> Adapter:
+        """Load an adapter now (vLLM's load_lora_adapter): read, checked and kept in
+        host memory; one being unloaded is loaded again."""
+        adapter = self.load(request)
+        self._retiring.discard(request.lora_name)
+        return adapter
 
     def load(self, request: LoRARequest) -> Adapter:
         """The adapter, read now unless held (ValueError naming what does not fit; a
@@ -208,14 +234,21 @@ class LoraManager:
         return adapter
 
     def unload(self, name: str) -> None:
-        """Forget an adapter (KeyError when unknown; ValueError while requests run it)."""
-        if name not in self._paths:
+        """Forget an adapter (KeyError when it is not loaded). Requests running it
+        finish with it; it is gone once they are done."""
+        if name not in self._paths or name in self._retiring:
             raise KeyError(name)
-        if name in self.in_use():
-            raise ValueError(f"lora_name: {name!r} has requests running")
-        self._paths.pop(name)
-        self._host.pop(name, None)
-        self.slots.forget(name)
+        self._retiring.add(name)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Drop the unloaded adapters no request runs any more."""
+        done = self._retiring - self.in_use()
+        for name in done:
+            self._paths.pop(name)
+            self._host.pop(name, None)
+            self.slots.forget(name)
+        self._retiring -= done
 
     def _evict_host(self, keep: str) -> None:
         running = self.in_use() | {keep}
@@ -232,6 +265,8 @@ class LoraManager:
     def step(self, row_adapters: list[str | None], device: torch.device) -> LoraStep | None:
         """The LoRA of a forward whose rows run ``row_adapters`` (None: the base model);
         None when no row runs one."""
+        if self._retiring:
+            self._settle()
         names = list(dict.fromkeys(n for n in row_adapters if n is not None))
         if not names:
             return None

@@ -101,6 +101,12 @@ def verify(key: bytes, instance_id: str, fields: Mapping[str, Any]) -> bool:
     return hmac.compare_digest(given, sign(key, instance_id, fields))
 
 
+def sign_value(key: bytes, name: str, value: str) -> str:
+    """The HMAC of one named value the registry keeps beside the instances (a LoRA
+    adapter's folder, by the adapter's name)."""
+    return hmac.new(key, f"{name}\n{value}".encode(), hashlib.sha256).hexdigest()
+
+
 SIGNED_FIELDS = ("role", "address", "model", "dp_size", "dp_rank", "group", "draining")
 
 

@@ -1,7 +1,10 @@
 """The instance registry in redis: who serves what, where, and how loaded.
 
     <prefix>:instance:<id>  hash {role, address, model, dp_size, running, waiting,
-                                  free_kv_blocks, total_kv_blocks, heartbeat}  EXPIRE ttl
+                                  free_kv_blocks, total_kv_blocks, heartbeat,
+                                  adapters}  EXPIRE ttl
+    <prefix>:lora-adapters  hash {adapter name: {"path": its folder}}  the LoRA
+                            adapters the mesh serves (the gateways write it)
 
 An instance registers once and then heartbeats (refreshing the TTL and its load); one
 that stops heartbeating drops out when its key expires, so a router never sees it
@@ -14,6 +17,8 @@ to, and an entry without a valid one is not listed: a forged entry is never rout
 
 from __future__ import annotations
 
+import hmac
+import json
 import logging
 import os
 import threading
@@ -50,6 +55,7 @@ class Instance:
     heartbeat: float = 0.0  # unix time of the last heartbeat
     draining: bool = False
     runner: str = "generate"  # an engine's: generate, or pooling (it serves embeddings)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds in host memory
 
 
 def redis_password() -> str | None:
@@ -91,6 +97,7 @@ class Registry:
                    "dp_size": inst.dp_size, "dp_rank": inst.dp_rank, "group": inst.group,
                    "heartbeat": inst.heartbeat,
                    "draining": int(inst.draining), "runner": inst.runner,
+                   "adapters": json.dumps(list(inst.adapters)),
                    **{k: int(inst.load.get(k, 0)) for k in LOAD_FIELDS}}
         if self._signing_key is not None:
             mapping["sig"] = cluster_auth.sign(self._signing_key, inst.id, mapping)
@@ -126,20 +133,57 @@ class Registry:
                 dp_rank=int(h.get("dp_rank", 0)), group=h.get("group", ""),
                 load={k: int(h.get(k, 0)) for k in LOAD_FIELDS},
                 heartbeat=float(h.get("heartbeat", 0)), draining=h.get("draining") == "1",
-                runner=h.get("runner", "generate"))
+                runner=h.get("runner", "generate"),
+                adapters=tuple(json.loads(h.get("adapters") or "[]")))
             if (role is None or inst.role == role) and (model is None or inst.model == model):
                 out.append(inst)
         return sorted(out, key=lambda i: i.id)
+
+    # -- the LoRA adapters the mesh serves (name -> folder), beside the instances -------
+    def _adapters_key(self) -> str:
+        return f"{self.prefix}:lora-adapters"
+
+    def put_adapter(self, name: str, path: str) -> bool:
+        """Serve an adapter; False when one of that name is already served."""
+        value = {"path": path}
+        if self._signing_key is not None:
+            value["sig"] = cluster_auth.sign_value(self._signing_key, name, path)
+        return bool(self._redis.hsetnx(self._adapters_key(), name, json.dumps(value)))
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving an adapter; False when none of that name is served."""
+        return bool(self._redis.hdel(self._adapters_key(), name))
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters served: name -> folder (an unsigned entry is left out where
+        entries are signed)."""
+        out = {}
+        for name, raw in self._redis.hgetall(self._adapters_key()).items():
+            try:
+                value = json.loads(raw)
+                path = str(value["path"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("registry: a LoRA adapter entry %r is not readable", name)
+                continue
+            if self._signing_key is not None and not hmac.compare_digest(
+                    str(value.get("sig", "")),
+                    cluster_auth.sign_value(self._signing_key, name, path)):
+                cluster_auth.warn_unsigned(f"lora-adapter:{name}")
+                continue
+            out[name] = path
+        return out
 
 
 class Heartbeat:
     """Keeps one instance registered from a background thread until ``stop``."""
 
     def __init__(self, registry: Registry, inst: Instance,
-                 load: Callable[[], dict[str, int]] | None = None, every_s: float = 1.0):
+                 load: Callable[[], dict[str, int]] | None = None, every_s: float = 1.0,
+                 adapters: Callable[[], list[str]] | None = None):
         self.registry = registry
         self.inst = inst
         self._load = load
+        self._adapters = adapters
         self._every = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -155,6 +199,8 @@ class Heartbeat:
     def _beat(self) -> None:
         if self._load is not None:
             self.inst.load = self._load()
+        if self._adapters is not None:
+            self.inst.adapters = tuple(self._adapters())
         self.registry.put(self.inst)
 
     def _run(self) -> None:

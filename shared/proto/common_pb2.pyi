@@ -98,20 +98,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "load", "model_path", "runner")
+    __slots__ = ("serving", "role", "model", "load", "model_path", "runner", "lora_adapters")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
     load: WorkerLoad
     model_path: str
     runner: str
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., model_path: _Optional[str] = ..., runner: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., model_path: _Optional[str] = ..., runner: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "dimensions", "normalize", "priority")
@@ -136,3 +138,17 @@ class EmbedResponse(_message.Message):
     num_prompt_tokens: int
     num_cached_tokens: int
     def __init__(self, embedding: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class LoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "unload")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    unload: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., unload: _Optional[bool] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdmesh/shared/proto/decode.proto\x12\tpdmesh.v1\x1a pdmesh/shared/proto/common.proto\"\xcb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x12\n\nblock_keys\x18\x04 \x03(\t\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.pdmesh.v1.GenerateRequest.TraceContextEntry\x12\x11\n\tlora_name\x18\x08 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_priority\"\xf4\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x0bstop_reason\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x15\n\rhidden_states\x18\x07 \x03(\x02\x42\x0e\n\x0c_stop_reason\"d\n\x0eSessionRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.pdmesh.v1.GenerateRequestH\x00\x12\x1a\n\x10\x61\x62ort_request_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"w\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.GenerateChunk\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\";\n\x0eSessionOutputs\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.pdmesh.v1.RequestOutput2\xc8\x01\n\x06\x44\x65\x63ode\x12\x43\n\x07Session\x12\x19.pdmesh.v1.SessionRequest\x1a\x19.pdmesh.v1.SessionOutputs(\x01\x30\x01\x12:\n\x05\x45mbed\x12\x17.pdmesh.v1.EmbedRequest\x1a\x18.pdmesh.v1.EmbedResponse\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdmesh/shared/proto/decode.proto\x12\tpdmesh.v1\x1a pdmesh/shared/proto/common.proto\"\xde\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x12\n\nblock_keys\x18\x04 \x03(\t\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.pdmesh.v1.GenerateRequest.TraceContextEntry\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x11\n\tlora_path\x18\t \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_priority\"\xf4\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x0bstop_reason\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x15\n\rhidden_states\x18\x07 \x03(\x02\x42\x0e\n\x0c_stop_reason\"d\n\x0eSessionRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1a.pdmesh.v1.GenerateRequestH\x00\x12\x1a\n\x10\x61\x62ort_request_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"w\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.GenerateChunk\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\";\n\x0eSessionOutputs\x12)\n\x07outputs\x18\x01 \x03(\x0b\x32\x18.pdmesh.v1.RequestOutput2\x96\x02\n\x06\x44\x65\x63ode\x12\x43\n\x07Session\x12\x19.pdmesh.v1.SessionRequest\x1a\x19.pdmesh.v1.SessionOutputs(\x01\x30\x01\x12:\n\x05\x45mbed\x12\x17.pdmesh.v1.EmbedRequest\x1a\x18.pdmesh.v1.EmbedResponse\x12L\n\x0bLoraAdapter\x12\x1d.pdmesh.v1.LoraAdapterRequest\x1a\x1e.pdmesh.v1.LoraAdapterResponse\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=82
-  _globals['_GENERATEREQUEST']._serialized_end=413
-  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=349
-  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=400
-  _globals['_GENERATECHUNK']._serialized_start=416
-  _globals['_GENERATECHUNK']._serialized_end=660
-  _globals['_SESSIONREQUEST']._serialized_start=662
-  _globals['_SESSIONREQUEST']._serialized_end=762
-  _globals['_REQUESTOUTPUT']._serialized_start=764
-  _globals['_REQUESTOUTPUT']._serialized_end=883
-  _globals['_SESSIONOUTPUTS']._serialized_start=885
-  _globals['_SESSIONOUTPUTS']._serialized_end=944
-  _globals['_DECODE']._serialized_start=947
-  _globals['_DECODE']._serialized_end=1147
+  _globals['_GENERATEREQUEST']._serialized_end=432
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=368
+  _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=419
+  _globals['_GENERATECHUNK']._serialized_start=435
+  _globals['_GENERATECHUNK']._serialized_end=679
+  _globals['_SESSIONREQUEST']._serialized_start=681
+  _globals['_SESSIONREQUEST']._serialized_end=781
+  _globals['_REQUESTOUTPUT']._serialized_start=783
+  _globals['_REQUESTOUTPUT']._serialized_end=902
+  _globals['_SESSIONOUTPUTS']._serialized_start=904
+  _globals['_SESSIONOUTPUTS']._serialized_end=963
+  _globals['_DECODE']._serialized_start=966
+  _globals['_DECODE']._serialized_end=1244
 # @@protoc_insertion_point(module_scope)

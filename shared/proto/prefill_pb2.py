@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdmesh.shared.proto import common_pb2 as pdmesh_dot_shared_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pdmesh/shared/proto/prefill.proto\x12\tpdmesh.v1\x1a pdmesh/shared/proto/common.proto\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x15\n\x08priority\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x11\n\tlora_name\x18\x06 \x01(\tB\x0b\n\t_priority\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x12\n\nblock_keys\x18\x03 \x03(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x11\n\tkv_stored\x18\x07 \x01(\x08\x32\xc8\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse0\x01\x12:\n\x05\x45mbed\x12\x17.pdmesh.v1.EmbedRequest\x1a\x18.pdmesh.v1.EmbedResponse\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pdmesh/shared/proto/prefill.proto\x12\tpdmesh.v1\x1a pdmesh/shared/proto/common.proto\"\xcf\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdmesh.v1.SamplingParams\x12\x15\n\x08priority\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x11\n\tlora_path\x18\x07 \x01(\tB\x0b\n\t_priority\"\xff\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdmesh.v1.TokenLogprobs\x12\x12\n\nblock_keys\x18\x03 \x03(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x11\n\tkv_stored\x18\x07 \x01(\x08\x32\x96\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x19.pdmesh.v1.PrefillRequest\x1a\x1a.pdmesh.v1.PrefillResponse0\x01\x12:\n\x05\x45mbed\x12\x17.pdmesh.v1.EmbedRequest\x1a\x18.pdmesh.v1.EmbedResponse\x12L\n\x0bLoraAdapter\x12\x1d.pdmesh.v1.LoraAdapterRequest\x1a\x1e.pdmesh.v1.LoraAdapterResponse\x12=\n\x06Health\x12\x18.pdmesh.v1.HealthRequest\x1a\x19.pdmesh.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdmesh.shared.proto.prefill
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=83
-  _globals['_PREFILLREQUEST']._serialized_end=271
-  _globals['_PREFILLRESPONSE']._serialized_start=274
-  _globals['_PREFILLRESPONSE']._serialized_end=529
-  _globals['_PREFILL']._serialized_start=532
-  _globals['_PREFILL']._serialized_end=732
+  _globals['_PREFILLREQUEST']._serialized_end=290
+  _globals['_PREFILLRESPONSE']._serialized_start=293
+  _globals['_PREFILLRESPONSE']._serialized_end=548
+  _globals['_PREFILL']._serialized_start=551
+  _globals['_PREFILL']._serialized_end=829
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,11 @@ class PrefillStub:
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoraAdapter = channel.unary_unary(
+                '/pdmesh.v1.Prefill/LoraAdapter',
+                request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+                response_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdmesh.v1.Prefill/Health',
                 request_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.HealthRequest.SerializeToString,
@@ -68,6 +73,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoraAdapter(self, request, context):
+        """vLLM's load_lora_adapter / unload_lora_adapter, on this instance
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -86,6 +98,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.FromString,
                     response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoraAdapter,
+                    request_deserializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.LoraAdapterRequest.FromString,
+                    response_serializer=pdmesh_dot_shared_dot_proto_dot_common__pb2.LoraAdapterResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -147,6 +164,33 @@ class Prefill:
             '/pdmesh.v1.Prefill/Embed',
             pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedRequest.SerializeToString,
             pdmesh_dot_shared_dot_proto_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdmesh.v1.Prefill/LoraAdapter',
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.LoraAdapterRequest.SerializeToString,
+            pdmesh_dot_shared_dot_proto_dot_common__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Protocol
 
 import msgspec
@@ -31,6 +32,7 @@ from pdmesh.shared.runtime.protocol import (
     FromEngine,
     InvalidRequest,
     LoadQuery,
+    LoraCommand,
     StepOutputs,
     SubmitRequest,
     ToEngine,
@@ -110,6 +112,9 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its last delta says "abort"."""
 
+    async def lora(self, command: LoraCommand, timeout_s: float) -> TokenDelta:
+        """Load or unload a LoRA adapter; the answer's ``error`` says why not."""
+
 
 class _ClientCore:
     """What both clients share: the sinks of requests in flight, the last load, and the
@@ -167,6 +172,21 @@ class _ClientCore:
         # the engine answers with the request's last delta, which drops its sink here
         if request_id in self._sinks and not self._closed:
             self._send(AbortRequest(request_id))
+
+    async def lora(self, command: LoraCommand, timeout_s: float) -> TokenDelta:
+        command.token = f"lora-{uuid.uuid4().hex}"  # (answered as a request of its own)
+        stream = RequestStream()
+        if self.draining:
+            return refused(command.token, Draining("this instance is draining"))
+        self._sinks[command.token] = stream
+        self._send(command)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await stream.next()
+        except TimeoutError:
+            self._sinks.pop(command.token, None)
+            return refused(command.token, Draining(
+                f"the engine did not answer within {timeout_s:g} s"))
 
     def _send(self, message: ToEngine) -> None:
         raise NotImplementedError

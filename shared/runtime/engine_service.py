@@ -131,7 +131,8 @@ def _announce(cfg: ServeConfig, role: str, host: ServiceHost, loop: EngineLoop,
     engine = loop.engine
     dp = cfg.data_parallel_size
     group = f"{role}@{cfg.engine.data_parallel_address}" if dp > 1 else ""
-    host.register(load=lambda: loop.load().registry_fields(), dp_size=dp,
+    host.register(load=lambda: loop.load().registry_fields(),
+                  adapters=None if engine.lora is None else engine.lora.held, dp_size=dp,
                   dp_rank=cfg.data_parallel_rank or 0, group=group,
                   runner="pooling" if engine.pooling is not None else "generate")
     host.ready(model=host.settings.model_name, device=engine.device,

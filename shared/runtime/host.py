@@ -187,14 +187,15 @@ class ServiceHost:
         return f"http://{self.settings.reach}:{self.metrics_port}/metrics"
 
     def register(self, load: Callable[[], dict[str, int]] | None = None,
+                 adapters: Callable[[], list[str]] | None = None,
                  **fields: Any) -> Instance:
         """Register in the registry and heartbeat from now on (``fields``: the
-        Instance's dp_size, dp_rank, group)."""
+        Instance's dp_size, dp_rank, group; ``adapters``: the LoRA adapters it holds)."""
         s = self.settings
         self.instance = Instance(self.id, s.role, self.address,
                                  s.model_name, **fields)
         self._heartbeat = Heartbeat(Registry(s.redis_url, s.registry_prefix), self.instance,
-                                    load=load)
+                                    load=load, adapters=adapters)
         self._heartbeat.start()
         return self.instance
 

@@ -33,6 +33,8 @@ from pdmesh.shared.runtime.protocol import (
     Failure,
     InvalidRequest,
     LoadQuery,
+    LoraCommand,
+    NotFound,
     QueueFull,
     Status,
     SubmitRequest,
@@ -185,7 +187,9 @@ class EngineLoop:
                           self.engine.prompt_chunk_tokens(), self.draining,
                           self.max_model_len, stalled_ms=self._stalled_ms(),
                           spec_draft_tokens=self.engine.spec_stats.num_draft_tokens,
-                          spec_accepted_tokens=self.engine.spec_stats.num_accepted_tokens)
+                          spec_accepted_tokens=self.engine.spec_stats.num_accepted_tokens,
+                          lora_adapters=[] if self.engine.lora is None
+                          else self.engine.lora.held())
 
     def _stalled_ms(self) -> int:
         """Since the last step ended, while there is work (read from the heartbeat's
@@ -365,6 +369,8 @@ class EngineLoop:
                 self._abort(message.request_id)
             elif isinstance(message, LoadQuery):
                 self._publish(force=True)
+            elif isinstance(message, LoraCommand):
+                self._pending.append(self._lora(message))
         self._flush()
         if self.port.closed and not self._stopping:
             log.error("the engine's gRPC edge went away; stopping")
@@ -385,9 +391,24 @@ class EngineLoop:
             self._requests[rid] = self.engine.add_request(
                 m.prompt_token_ids, m.sampling, request_id=rid, priority=m.priority,
                 output_token_ids=m.output_token_ids or None, pooling=m.pooling,
-                lora_request=self.engine.lora_request(m.lora_name))
+                lora_request=self.engine.lora_request(m.lora_name, m.lora_path))
         except (Draining, QueueFull, ValueError) as e:
             self._pending.append(refused(rid, e))
+
+    def _lora(self, m: LoraCommand) -> TokenDelta:
+        """Load or unload an adapter; the answer: a finished delta, with the error."""
+        try:
+            if m.unload:
+                self.engine.unload_lora(m.lora_name)
+            else:
+                self.engine.load_lora(m.lora_name, m.lora_path)
+        except KeyError:
+            return refused(m.token, NotFound(f"lora_name: no LoRA adapter {m.lora_name!r} "
+                                             "is loaded here"))
+        except ValueError as e:
+            return refused(m.token, InvalidRequest(str(e)))
+        self._publish(force=True)  # (its adapters, for the routers)
+        return TokenDelta(m.token, finish_reason="stop")
 
     def _check_admission(self, rid: str) -> None:
         if self._drain_deadline is not None:

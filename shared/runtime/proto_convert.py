@@ -97,7 +97,8 @@ def submit_from_proto(m: decode_pb2.GenerateRequest | prefill_pb2.PrefillRequest
     """ValueError, naming the field, if the sampling values are out of range."""
     return SubmitRequest(request_id, list(m.prompt_token_ids), sampling_from_proto(m.sampling),
                          m.priority if m.HasField("priority") else None,
-                         list(m.output_token_ids), lora_name=m.lora_name or None)
+                         list(m.output_token_ids), lora_name=m.lora_name or None,
+                         lora_path=m.lora_path or None)
 
 
 def fill_chunk(chunk: decode_pb2.GenerateChunk, delta: TokenDelta) -> None:

@@ -4,6 +4,7 @@
       SubmitRequest(request_id, prompt, sampling, ...)   ──▶  admitted, or refused
       AbortRequest(request_id)                           ──▶  freed at once
       LoadQuery()                                        ──▶  EngineLoad, between steps
+      LoraCommand(token, lora_name, ...)                 ──▶  TokenDelta(token), loaded or not
                                                         ◀──  StepOutputs([TokenDelta, ...])
                                                              one per engine step
                                                         ◀──  EngineLoad(...) every 0.1 s
@@ -39,6 +40,7 @@ class Status(enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the request's own fault: never retried
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # at --max-queued-requests: retry elsewhere
     UNAVAILABLE = "UNAVAILABLE"  # draining, or the engine failed or is gone: go elsewhere
+    NOT_FOUND = "NOT_FOUND"  # what it names is not here (a LoRA adapter to unload)
 
 
 class EngineRefused(Exception):
@@ -61,6 +63,10 @@ class QueueFull(EngineRefused):
         super().__init__(f"max_queued_requests: {limit} requests already wait on this "
                          f"instance (the limit); retry later or on another instance")
         self.limit = limit
+
+
+class NotFound(EngineRefused):
+    status = Status.NOT_FOUND
 
 
 class Draining(EngineRefused):
@@ -136,6 +142,19 @@ class SubmitRequest(msgspec.Struct, tag=True):
     # an embedding request (a pooling engine's only kind): its own pooling fields
     pooling: PoolingParams | None = None
     lora_name: str | None = None  # the LoRA adapter it runs (None: the base model)
+    # the adapter's folder, where the mesh serves it: an engine that has not loaded
+    # the adapter reads it from there
+    lora_path: str | None = None
+
+
+class LoraCommand(msgspec.Struct, tag=True):
+    """Load (vLLM's load_lora_adapter) or unload an adapter between steps; the answer
+    is one finished TokenDelta under ``token``: an error, or none."""
+
+    token: str
+    lora_name: str
+    lora_path: str = ""  # (load only)
+    unload: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -183,15 +202,19 @@ class EngineLoad(msgspec.Struct, tag=True):
     # speculative decoding since start (0 and 0: it drafts nothing)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the LoRA adapters in host memory (routers send an adapter's requests where it is)
+    lora_adapters: list[str] = msgspec.field(default_factory=list)
 
     def registry_fields(self) -> dict[str, int]:
         """The load the instance publishes in the registry."""
         fields = msgspec.structs.asdict(self)
         del fields["draining"]  # (published on its own: Registry.mark_draining)
+        del fields["lora_adapters"]  # (published as the instance's adapters)
         return fields
 
 
-ToEngine = SubmitRequest | AbortRequest | LoadQuery | EdgeListening | EdgeFailed
+ToEngine = (SubmitRequest | AbortRequest | LoadQuery | LoraCommand | EdgeListening
+            | EdgeFailed)
 FromEngine = StepOutputs | EngineLoad
 
 # -- the codec ---------------------------------------------------------------------------

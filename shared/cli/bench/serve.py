@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import socket
 import sys
 import time
@@ -56,6 +57,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=4000, help="token ids drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
+                   help="LoRA adapters the server serves: each request asks for one of "
+                        "them at random (seeded; a conversation keeps its own), as vLLM's "
+                        "bench serve does")
     p.add_argument("--json", default=None)
     p.add_argument("--save-detailed", action="store_true",
                    help="--json also holds every request's start, TTFT, ITLs and token "
@@ -77,9 +82,9 @@ class Result:
     start: float = 0.0  # seconds after the run's start the request was sent
 
 
-async def _one(client: httpx.AsyncClient, a: argparse.Namespace, prompt: list[int],
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int],
                output_len: int, run_t0: float) -> Result:
-    body = {"model": a.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -135,6 +140,8 @@ async def _run(a: argparse.Namespace) -> dict:
     transport = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     finished = itertools.count(1)
+    pick = random.Random(a.seed)
+    models = [pick.choice(a.lora_modules) if a.lora_modules else a.model for _ in sessions]
 
     def progress(done: int) -> None:
         if a.progress:
@@ -145,19 +152,20 @@ async def _run(a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         started_unix = time.time()
 
-        async def session(s: Session) -> list[Result]:
+        async def session(s: Session, model: str) -> list[Result]:
             await asyncio.sleep(max(0.0, t0 + s.start_s - time.perf_counter()))
             out = []
             for turn in s.turns:  # a conversation's next turn waits for this answer
                 async with sem:
-                    out.append(await _one(client, a, turn.prompt, turn.output_len, t0))
+                    out.append(await _one(client, model, turn.prompt, turn.output_len, t0))
                 progress(next(finished))
                 if not out[-1].ok:
                     break  # the conversation ends with its failed turn
             return out
 
         progress(0)
-        per_session = await asyncio.gather(*(session(s) for s in sessions))
+        per_session = await asyncio.gather(*(session(s, m)
+                                             for s, m in zip(sessions, models, strict=True)))
         duration = time.perf_counter() - t0
         if a.progress:
             print(file=sys.stderr)

@@ -29,6 +29,9 @@ class FakeRegistry:
     def instances(self, role=None, model=None) -> list[Instance]:
         return [i for i in self.found if role is None or i.role == role]
 
+    def adapters(self) -> dict[str, str]:
+        return {}
+
 
 def inst(id_: str, role: str, **load: int) -> Instance:
     return Instance(id_, role, f"{id_}:1", "m", load=dict(load))

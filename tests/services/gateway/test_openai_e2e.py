@@ -21,6 +21,8 @@ from tests.shared.engine.hf_reference import assert_like_reference, from_json, h
 
 KEY = "test-key"
 ENGINE_LEN = 3584  # the decode instance's --max-model-len (the checkpoint's: 4096)
+# the engines serve LoRA adapters loaded at runtime (none at start)
+LORA = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def services(qwen3_path, tmp_path_factory, registry_prefix):
     # enforces and reports the engines' limit
     with pd_mesh(qwen3_path, tmp_path_factory.mktemp("mesh-logs"), registry_prefix + "-gw",
                  gateway_args=["--api-key", KEY],
-                 decode_args=["--max-model-len", str(ENGINE_LEN)]) as started:
+                 prefill_args=LORA,
+                 decode_args=["--max-model-len", str(ENGINE_LEN), *LORA]) as started:
         yield started
 
 
@@ -698,3 +701,79 @@ def test_logprobs_under_a_grammar_are_json(mesh, client):
         extra_body={"chat_template_kwargs": {"continue_final_message": True,
                                              "add_generation_prompt": False}})
     assert ok.choices[0].message.content is not None  # the request's own fields decide
+
+
+def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, client,
+                                                                       qwen3_path, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind the API key, on
+    every instance of the mesh, while streams of the base model and of an adapter run:
+    no stream fails, each ends with the offline engine's text (the unloaded adapter's
+    streams with that adapter to their last token), a new request for the unloaded
+    adapter is a 404 in OpenAI's shape, and the adapter loaded meanwhile serves."""
+    from pdmesh.shared.engine import LoRARequest
+    from tests.shared.engine.lora_reference import make_adapters
+
+    sql, chat = make_adapters(qwen3_path, tmp_path, "qwen3", [(4, 8.0, False),
+                                                              (8, 16.0, True)], 3)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, body: dict, headers=auth) -> httpx.Response:
+        return httpx.post(mesh + path, json=body, headers=headers, timeout=60)
+
+    offline = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16,
+                  enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompt, n = list(range(400, 431)), 160
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    want = {name: offline.generate([prompt], params, lora_request=None if path is None
+                                   else LoRARequest(name, 1, str(path)))[0].outputs[0].text
+            for name, path in ((MODEL, None), ("sql", sql), ("chat", chat))}
+    assert len(set(want.values())) == 3
+    assert post("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(sql)},
+                headers={}).status_code == 401
+    for body, status, words in (
+            ({"lora_name": "sql"}, 400, "Both 'lora_name' and 'lora_path'"),
+            ({"lora_name": "x", "lora_path": str(qwen3_path)}, 400, "adapter_config.json"),
+            ({"lora_name": MODEL, "lora_path": str(sql)}, 400, "already been loaded"),
+            ({"lora_name": "sql", "lora_path": str(sql)}, 200, "added successfully"),
+            ({"lora_name": "sql", "lora_path": str(sql)}, 400, "already been loaded")):
+        r = post("/v1/load_lora_adapter", body)
+        assert r.status_code == status and words in r.text, r.text
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["sql"].parent == MODEL and cards["sql"].root == str(sql)
+
+    def stream(model: str) -> tuple[str, str | None]:
+        text, reason = "", None
+        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=n,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+            started.release()
+        return text, reason
+
+    import threading
+    started = threading.Semaphore(0)
+    with ThreadPoolExecutor(6) as pool:
+        running = [(m, pool.submit(stream, m)) for m in (MODEL, "sql") * 3]
+        for _ in running:
+            started.acquire(timeout=60)  # (every stream has its first tokens)
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(chat)})
+        unloaded = post("/v1/unload_lora_adapter", {"lora_name": "sql"})
+        busy = sum(not f.done() for _, f in running)
+        results = [(m, f.result(timeout=120)) for m, f in running]
+    assert loaded.status_code == 200 and unloaded.status_code == 200, (loaded.text,
+                                                                       unloaded.text)
+    assert unloaded.text == "Success: LoRA adapter 'sql' removed successfully."
+    assert busy > 0  # (the load and the unload came while streams ran)
+    for model, (text, reason) in results:
+        assert reason == "length" and text == want[model], model
+    with pytest.raises(openai.NotFoundError, match="sql"):
+        client.completions.create(model="sql", prompt=prompt, max_tokens=2)
+    r = post("/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert r.status_code == 404 and r.json()["error"]["message"] == \
+        "The lora adapter 'sql' cannot be found."
+    got = client.completions.create(model="chat", prompt=prompt, max_tokens=n,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want["chat"]
+    assert post("/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]

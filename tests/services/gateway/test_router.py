@@ -57,6 +57,39 @@ def test_only_instances_of_the_gateways_model(registry_prefix):
     assert {Router(reg, model="tiny").pick("prefill").id for _ in range(10)} == {"p2"}
 
 
+def test_an_adapter_s_requests_go_where_it_is_held(registry_prefix):
+    """Adapter affinity: among the instances holding the request's LoRA adapter, by
+    the usual cost (the busier holder still wins over an idle instance without it);
+    when none holds it, any instance (it reads the adapter from its folder)."""
+    reg = registry(registry_prefix + "-lora",
+                   Instance("p1", "prefill", "a:1", adapters=("sql",),
+                            load={"queued_prefill_tokens": 900}),
+                   Instance("p2", "prefill", "a:2", adapters=("sql", "chat"),
+                            load={"queued_prefill_tokens": 500}),
+                   Instance("p3", "prefill", "a:3"))
+    r = Router(reg)
+    assert r.pick("prefill").id == "p3"
+    assert r.pick("prefill", adapter="sql").id == "p2"
+    assert r.pick("prefill", adapter="sql", exclude={"p2"}).id == "p1"
+    assert r.pick("prefill", adapter="chat").id == "p2"
+    assert r.pick("prefill", adapter="other").id == "p3"
+    assert r.pick("prefill", adapter="chat", exclude={"p2"}).id == "p3"
+    assert {i.id: i.adapters for i in reg.instances()} == {
+        "p1": ("sql",), "p2": ("sql", "chat"), "p3": ()}
+
+
+def test_the_adapters_the_mesh_serves_are_shared_by_its_gateways(registry_prefix):
+    """The adapter table beside the instances: what one gateway's router adds or takes
+    out, another's reads; a name is served from one folder only."""
+    prefix = registry_prefix + "-lora-table"
+    one, two = Router(Registry(prefix=prefix)), Router(Registry(prefix=prefix))
+    assert one.serve_adapter("sql", "/adapters/sql")
+    assert not two.serve_adapter("sql", "/elsewhere/sql")
+    assert one.adapters() == two.adapters() == {"sql": "/adapters/sql"}
+    assert two.unserve_adapter("sql") and not one.unserve_adapter("sql")
+    assert one.adapters() == {} and Registry(prefix=prefix).adapters() == {}
+
+
 def test_background_refresh_sees_new_instances(registry_prefix):
     import time
 

@@ -62,7 +62,7 @@ class OneEach:
     def instances(self, role: str) -> list[Instance]:
         return [i for i in self._instances if i.role == role]
 
-    def pick(self, role, exclude=frozenset(), prompt=None):
+    def pick(self, role, exclude=frozenset(), prompt=None, adapter=None):
         live = [i for i in self.instances(role) if i.id not in exclude]
         return live[0] if live else None
 

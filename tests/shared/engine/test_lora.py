@@ -187,3 +187,39 @@ def test_what_lora_cannot_run_with_is_refused(tiny_models, adapters, tmp_path):
     with pytest.raises(ValueError, match="has no adapter_config.json"):
         LLM(base, device="cpu", dtype="float32", block_size=16, enable_lora=True).generate(
             PROMPTS[:1], GREEDY, lora_request=LoRARequest("none", 1, str(tmp_path)))
+
+
+def test_unloading_an_adapter_lets_its_running_requests_finish(tiny_models, adapters):
+    """vLLM's load_lora_adapter / unload_lora_adapter in the engine: a loaded adapter
+    is held (the routers read which); unloaded while a request runs it, the request
+    finishes with it (the text as alone) and a new request by its name is refused,
+    while one that carries the adapter's folder reads it again."""
+    base, paths = tiny_models["qwen3"], adapters["qwen3"]
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=16, enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    engine = llm.engine
+    alone = llm.generate(PROMPTS[:1], GREEDY, lora_request=lora(0, paths[0]))
+    engine.unload_lora("adapter-0")
+    assert engine.lora.names() == [] and engine.lora.held() == []
+    engine.load_lora("adapter-0", str(paths[0]))
+    engine.load_lora("adapter-1", str(paths[1]))
+    assert engine.lora.held() == ["adapter-0", "adapter-1"]
+    req = engine.add_request(PROMPTS[0], GREEDY, request_id="a",
+                             lora_request=engine.lora_request("adapter-0"))
+    engine.step()
+    engine.unload_lora("adapter-0")  # (a request runs it: it stays until that is done)
+    assert engine.lora.names() == ["adapter-1"] and engine.lora.held() == ["adapter-1"]
+    with pytest.raises(ValueError, match="model: the LoRA adapter 'adapter-0' is not loaded"):
+        engine.lora_request("adapter-0")
+    with pytest.raises(KeyError):
+        engine.unload_lora("adapter-0")
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_token_ids == alone[0].outputs[0].token_ids
+    again = engine.lora_request("adapter-0", str(paths[0]))  # (read anew: it left)
+    assert "adapter-0" not in engine.lora.slots.names
+    out = llm.generate(PROMPTS[:1], GREEDY, lora_request=again)
+    assert out[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="has no adapter_config.json"):
+        engine.load_lora("none", str(base))
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

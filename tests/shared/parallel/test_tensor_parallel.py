@@ -444,7 +444,8 @@ def test_finegrained_tp_splits_w8a8_dynamic_weights_with_their_scales(tiny_model
     """The seeds' line: W8A8_DYNAMIC weights (DeepSeek-V4's with expert parallelism), every
     module split. o_proj's halves quantize their half of an activation row each, so the
     first step's logits agree with one process's up to that (cosine), and so does each
-    prompt's first token; the weights are int8 on both ranks."""
+    prompt's first token (but where one process's top two are closer than that
+    difference); the weights are int8 on both ranks."""
     from pdmesh.shared.cli.quantize import quantize_checkpoint
     from pdmesh.shared.kernels.quant import QuantLinear
 
@@ -462,7 +463,14 @@ def test_finegrained_tp_splits_w8a8_dynamic_weights_with_their_scales(tiny_model
         cos = torch.nn.functional.cosine_similarity(first.double(), logits[0][rows].double(),
                                                     dim=-1)
         assert float(cos.min()) > 0.99, (rank, cos)
-        assert [t[0] for t in got[rank][0]] == [t[0] for t in want[rows]]
+        # each prompt's first token is one process's, or in a near tie there: logits that
+        # differ by at most err can swap two tokens whose logits are within 2 err
+        ref = logits[0][rows].double()
+        err = (first.double() - ref).abs().amax(dim=-1)
+        for row, (g, w) in enumerate(zip([t[0] for t in got[rank][0]],
+                                         [t[0] for t in want[rows]], strict=True)):
+            gap = float(ref[row].max() - ref[row][g])
+            assert g == w or gap <= 2 * float(err[row]), (rank, row, g, w, gap, err[row])
         assert got[rank][1]["oproj"] == whole["oproj"] // 2
 
 
