@@ -116,6 +116,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--first-round", type=int, default=0,
+                   help="the first round's number (odd: the systems in reverse order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm", default=None, help="the command that starts `vllm serve`")
     p.add_argument("--vllm-env", default=None, help="a script to source for it")
@@ -130,7 +132,7 @@ def main() -> None:
     adapters = [write_adapter(Path(a.model), work / f"a{i}", a.rank, i) for i in range(16)]
     systems = {"pd": start_pdmesh, **({"vllm": start_vllm} if a.vllm else {})}
     runs: dict[str, list[dict]] = {}
-    for r in range(a.rounds):
+    for r in range(a.first_round, a.first_round + a.rounds):
         order = list(systems) if r % 2 == 0 else list(reversed(systems))
         for system in order:
             for n in CASES:

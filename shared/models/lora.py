@@ -137,7 +137,7 @@ def read_adapter(name: str, folder: str | Path, model, max_rank: int,
     """The adapter at ``folder`` for ``model`` (a CausalLM: its config and weights give
     the sites and their widths). ValueError naming the key, module or shape that does
     not fit; nothing is half-read."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     root = Path(folder)
     cfg = read_config(root, max_rank)
@@ -151,18 +151,21 @@ def read_adapter(name: str, folder: str | Path, model, max_rank: int,
     digest.update(json.dumps({k: cfg.get(k) for k in ("r", "lora_alpha", "use_rslora",
                                                       "rank_pattern", "alpha_pattern")},
                              sort_keys=True).encode())
-    with safe_open(str(weights), framework="pt") as f:
-        for key in sorted(f.keys()):
-            m = _KEY.match(key)
-            if m is None:
-                if "lora_embedding" in key or "lora_magnitude" in key:
-                    raise ValueError(f"{key}: embedding and DoRA adapters are not supported")
-                raise ValueError(f"{key}: not a LoRA weight pdmesh reads (lora_A / lora_B of "
-                                 "a linear module)")
-            t = f.get_tensor(key)
-            digest.update(key.encode())
-            digest.update(t.float().numpy().tobytes())
-            pairs.setdefault(m.group("module"), {})[m.group("ab")] = t
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in sorted(f.keys()):
+                m = _KEY.match(key)
+                if m is None:
+                    if "lora_embedding" in key or "lora_magnitude" in key:
+                        raise ValueError(f"{key}: embedding and DoRA adapters are not supported")
+                    raise ValueError(f"{key}: not a LoRA weight pdmesh reads (lora_A / lora_B of "
+                                     "a linear module)")
+                t = f.get_tensor(key)
+                digest.update(key.encode())
+                digest.update(t.float().numpy().tobytes())
+                pairs.setdefault(m.group("module"), {})[m.group("ab")] = t
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"lora_path: {weights} cannot be read: {e}") from e
     adapter = Adapter(name, str(root), 1, digest=digest.hexdigest())
     config = model.config
     for module, ab in pairs.items():

@@ -18,8 +18,9 @@ BLOCK = 16  # tests/mesh.py's --block-size
 
 @pytest.fixture(scope="module")
 def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    lora = ["--enable-lora", "--max-lora-rank", "8"]
     with pd_mesh(tiny_models["deepseek_v3"], tmp_path_factory.mktemp("ds-pd"),
-                 f"{registry_prefix}-ds") as services:
+                 f"{registry_prefix}-ds", prefill_args=lora, decode_args=lora) as services:
         yield services
 
 
@@ -55,3 +56,37 @@ def test_the_pool_moves_latent_blocks(mesh, offline):
     # the pool moves nothing)
     blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
     assert per_token * BLOCK * blocks <= put <= 2 * per_token * BLOCK * blocks
+
+
+def test_an_adapter_runs_through_pd_and_keeps_its_own_kv(mesh, tiny_models, tmp_path):
+    """A LoRA adapter on MLA's projections (loaded at runtime) through prefill, the pool
+    and decode: the offline engine's text with it; its prompt finds none of the base
+    model's cached blocks (in the prefill instance's cache or the pool), only its own."""
+    from pdmesh.shared.engine import LoRARequest
+    from tests.shared.engine.lora_reference import make_adapters
+
+    base = tiny_models["deepseek_v3"]
+    [adapter] = make_adapters(base, tmp_path, "deepseek_v3", [(8, 16.0, False)], 4)
+    url = mesh["gateway"].info["http"]
+    r = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                   json={"lora_name": "mla", "lora_path": str(adapter)})
+    assert r.status_code == 200, r.text
+    prompt = list(range(2000, 2100))
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=BLOCK, enable_lora=True,
+              max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = llm.generate([prompt], params, lora_request=LoRARequest("mla", 1, str(adapter)))
+    plain = llm.generate([prompt], params)
+    assert want[0].outputs[0].text != plain[0].outputs[0].text
+
+    def ask(model: str) -> dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True}
+        return httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+
+    assert ask(MODEL)["choices"][0]["text"] == plain[0].outputs[0].text  # (cached now)
+    first, again = ask("mla"), ask("mla")
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == \
+        want[0].outputs[0].text
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK * 6

@@ -174,6 +174,60 @@ def test_adapters_pdmesh_cannot_run_are_refused_naming_the_key(qwen3_lora, tmp_p
     assert qwen3_lora.engine.kv.num_free_blocks == qwen3_lora.engine.kv.num_blocks
 
 
+def test_an_adapter_that_cannot_be_read_is_refused_naming_its_folder(qwen3_lora, adapters,
+                                                                     tmp_path):
+    """A torn weights file (a copy cut short) is a ValueError naming lora_path, for a
+    runtime load as for a request; nothing is left loaded."""
+    bad = tmp_path / "torn"
+    shutil.copytree(adapters["qwen3"][0], bad)
+    weights = bad / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    engine = qwen3_lora.engine
+    with pytest.raises(ValueError, match="lora_path: .* cannot be read"):
+        engine.load_lora("torn", str(bad))
+    with pytest.raises(ValueError, match="lora_path: .* cannot be read"):
+        qwen3_lora.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("torn", 3, str(bad)))
+    assert "torn" not in engine.lora.names()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("scheme", ["w8a8_dynamic", "w8a8"])
+def test_an_adapter_on_a_quantized_base(tiny_models, adapters, tmp_path, scheme):
+    """LoRA over W8A8 projections (dynamic and static): the first step's logits agree
+    with the same adapter over the dequantized weights, and what the adapter adds to
+    them is the same."""
+    from pdmesh.shared.cli.quantize import quantize_checkpoint
+    from pdmesh.shared.models.loader import load_model
+
+    folder = tmp_path / scheme
+    quantize_checkpoint(tiny_models["qwen3"], folder, scheme)
+    kw = dict(device="cpu", dtype="float32", block_size=16, quantization="ascend",
+              enable_lora=True, max_lora_rank=8, enable_prefix_caching=False)
+    quantized, floats = LLM(str(folder), **kw), LLM(str(folder), **kw)
+    _, model = load_model(folder, floats.engine.backend, torch.float32,
+                          floats.engine.model_config, "ascend", dequantize=True)
+    floats.engine.model.w = model.w
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    logits = {}
+    for name, llm in (("quantized", quantized), ("floats", floats)):
+        for adapter in (None, lora(1, adapters["qwen3"][1])):
+            with llm.engine.runner.logits_kept() as kept:
+                llm.generate(PROMPTS, first, lora_request=adapter)
+            logits[name, adapter is not None] = kept[0].double()
+
+    def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+
+    assert cosine(logits["quantized", False], logits["floats", False]) >= 0.99
+    # (static W8A8's activation scales were calibrated on the base model's activations,
+    # which an adapter moves: a little more of its error shows)
+    assert cosine(logits["quantized", True], logits["floats", True]) >= \
+        {"w8a8_dynamic": 0.999, "w8a8": 0.98}[scheme]
+    added = [logits[n, True] - logits[n, False] for n in ("quantized", "floats")]
+    assert float(added[1].norm()) > 0.05 * float(logits["floats", False].norm())
+    assert cosine(*added) > 0.95, cosine(*added)
+
+
 def test_what_lora_cannot_run_with_is_refused(tiny_models, adapters, tmp_path):
     base = str(tiny_models["qwen3"])
     plain = LLM(base, device="cpu", dtype="float32", block_size=16)
