@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import uuid
 from pathlib import Path
 
-import httpx
-
 from pdmesh.shared.infra.launcher import stop_group
-from pdmesh.shared.infra.net import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_lora import write_adapter  # noqa: E402
+from bench_scenarios import start_pdmesh, start_vllm  # noqa: E402
 
 CASES = (0, 1, 4, 16)  # adapters served (0: the base model, LoRA off)
 LOADS = {  # name -> `pdmesh bench serve` arguments
@@ -53,49 +47,15 @@ def lora_flags(adapters: list[Path], n: int, rank: int) -> str:
             f" --max-lora-rank {rank}")
 
 
-def start_vllm(a: argparse.Namespace, flags: str, logs: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = _sourced(a.vllm_env) if a.vllm_env else dict(os.environ)
-    cmd = (f"{a.vllm} {a.model} --host 127.0.0.1 --port {port} --dtype float32 "
-           f"--max-model-len 2048 --gpu-memory-utilization 0.1 --max-num-seqs 64 --seed 0 "
-           f"--served-model-name tiny{flags}")
-    proc = subprocess.Popen(cmd.split(), stdout=open(logs / "vllm.log", "a"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_group(proc)
-    raise RuntimeError(f"vllm serve never came up (see {logs / 'vllm.log'})")
+def start_vllm_with(a: argparse.Namespace, flags: str, logs: Path
+                    ) -> tuple[subprocess.Popen, str]:
+    return start_vllm(a, 2048, flags, logs)
 
 
-def start_pdmesh(a: argparse.Namespace, flags: str, logs: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdmesh", "up", str(Path(a.model).resolve()), "--port", "0",
-         "--served-model-name", "tiny", "--registry-prefix", f"bench-{uuid.uuid4().hex[:8]}",
-         "--log-dir", str(logs), *flags.split(), "--engine-args",
-         "--device cpu --dtype float32 --max-model-len 2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if m := re.search(r"mesh ready: (http://\S+)/v1", line):
-            return proc, m.group(1)
-    stop_group(proc)
-    raise RuntimeError(f"pdmesh up never came up (logs in {logs})")
-
-
-def _sourced(script: str) -> dict[str, str]:
-    out = subprocess.run(["bash", "-c", f"source {script} >/dev/null && env -0"],
-                         capture_output=True, check=True).stdout
-    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+def start_pdmesh_with(a: argparse.Namespace, flags: str, logs: Path
+                      ) -> tuple[subprocess.Popen, str]:
+    return start_pdmesh("up", a.model, logs, engine_args=" --max-model-len 2048",
+                        flags=tuple(flags.split()))
 
 
 def bench(url: str, n: int, load: str, a: argparse.Namespace, out: Path) -> dict:
@@ -130,7 +90,7 @@ def main() -> None:
         a.model = str(work / "model")
         make_tiny_model(Path(a.model), "qwen3", seed=0, size="small")
     adapters = [write_adapter(Path(a.model), work / f"a{i}", a.rank, i) for i in range(16)]
-    systems = {"pd": start_pdmesh, **({"vllm": start_vllm} if a.vllm else {})}
+    systems = {"pd": start_pdmesh_with, **({"vllm": start_vllm_with} if a.vllm else {})}
     runs: dict[str, list[dict]] = {}
     for r in range(a.first_round, a.first_round + a.rounds):
         order = list(systems) if r % 2 == 0 else list(reversed(systems))

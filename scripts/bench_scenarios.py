@@ -85,26 +85,8 @@ FIGURES = [("output_tok_s", "out tok/s"), ("ttft_ms_median", "TTFT p50"),
 
 def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Popen, str]:
     """Start one system; (process, base URL) once it answers."""
-    if system == "vllm":
-        port = free_port()
-        env = _sourced(a.vllm_env) if a.vllm_env else dict(os.environ)
-        cmd = (f"{a.vllm} {a.model} --host 127.0.0.1 --port {port} --dtype float32 "
-               f"--max-model-len {a.max_context} --gpu-memory-utilization 0.1 "
-               f"--max-num-seqs 64 --seed 0 --served-model-name tiny "
-               f"--enable-prompt-tokens-details")  # usage's cached_tokens, as pdmesh
-        proc = subprocess.Popen(cmd.split(), stdout=open(logs / "vllm.log", "w"),
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        stop(proc)
-        raise RuntimeError(f"vllm serve never came up (see {logs / 'vllm.log'})")
+    if system == "vllm":  # (usage's cached_tokens, as pdmesh's)
+        return start_vllm(a, a.max_context, " --enable-prompt-tokens-details", logs)
     if system == "pd-base":
         if not a.base_tree:
             raise ValueError("--base-tree: pd-base needs the tree to run")
@@ -123,14 +105,39 @@ def start(system: str, a: argparse.Namespace, logs: Path) -> tuple[subprocess.Po
                         engine_args=f" --speculative-config '{SPEC[spec]}'" if spec else "")
 
 
+def start_vllm(a: argparse.Namespace, max_model_len: int, flags: str, logs: Path
+               ) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` (``a.vllm``, in ``a.vllm_env``) serving ``a.model`` as "tiny" with
+    ``flags`` added; (process, base URL) once it answers (its log: logs/vllm.log)."""
+    port = free_port()
+    env = _sourced(a.vllm_env) if a.vllm_env else dict(os.environ)
+    cmd = (f"{a.vllm} {a.model} --host 127.0.0.1 --port {port} --dtype float32 "
+           f"--max-model-len {max_model_len} --gpu-memory-utilization 0.1 "
+           f"--max-num-seqs 64 --seed 0 --served-model-name tiny{flags}")
+    proc = subprocess.Popen(cmd.split(), stdout=open(logs / "vllm.log", "a"),
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900  # (the first start on a machine compiles)
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"vllm serve never came up (see {logs / 'vllm.log'})")
+
+
 def start_pdmesh(command: str, model: str, logs: Path, env: dict[str, str] | None = None,
-                 engine_args: str = "", cwd: str | None = None) -> tuple[subprocess.Popen, str]:
-    """`pdmesh up` or `serve` serving ``model`` as "tiny" (``engine_args`` added to the
-    engines' flags); (process, base URL) once ready."""
+                 engine_args: str = "", cwd: str | None = None, flags: tuple[str, ...] = ()
+                 ) -> tuple[subprocess.Popen, str]:
+    """`pdmesh up` or `serve` serving ``model`` as "tiny" (``flags`` added to its own,
+    ``engine_args`` to the engines'); (process, base URL) once ready."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdmesh", command, str(Path(model).resolve()), "--port", "0",
          "--served-model-name", "tiny", "--registry-prefix",
-         f"bench-{uuid.uuid4().hex[:8]}", "--log-dir", str(logs), "--engine-args",
+         f"bench-{uuid.uuid4().hex[:8]}", "--log-dir", str(logs), *flags, "--engine-args",
          "--device cpu --dtype float32" + engine_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=env, cwd=cwd)
