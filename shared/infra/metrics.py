@@ -74,6 +74,7 @@ METRIC_NAMES: dict[str, str] = {
     "pdmesh_dyntralb_pauses_total": "worker (DyntraLB)",
     "pdmesh_dyntralb_resumes_total": "worker (DyntraLB)",
     "pdmesh_dyntralb_frozen_steps_total": "worker (DyntraLB)",
+    "pdmesh_lora_requests_info": "worker (LoRA)",
     "pdmesh_eplb_placement_version": "worker (EP) eplb",
     "pdmesh_eplb_expert_weight_bytes_moved_total": "worker (EP)",
     "pdmesh_eplb_move_seconds_total": "worker (EP)",
@@ -209,6 +210,25 @@ class WorkerRequestMetrics:
         self.generated.inc(req.num_output_tokens - req.num_carried_outputs)
 
 
+def _lora_info(sched: Any, max_loras: int, labels: dict[str, str]) -> Metric:
+    """vLLM's lora_requests_info: the LoRA adapters the running and the waiting requests
+    run (comma-separated, in their order) and the device slots; its value the scrape's
+    time, as vLLM sets it."""
+    def names(requests: Any) -> str:
+        try:  # (the engine's thread moves them meanwhile: a copy, or none this time)
+            found = list(requests)
+        except RuntimeError:
+            return ""
+        return ",".join(dict.fromkeys(r.lora.lora_name for r in found if r.lora is not None))
+
+    info = GaugeMetricFamily("pdmesh_lora_requests_info", "Running stats on lora requests.",
+                             labels=[*labels, "max_lora", "waiting_lora_adapters",
+                                     "running_lora_adapters"])
+    info.add_metric([*labels.values(), str(max_loras), names(sched.waiting),
+                     names(sched.running)], time.time())
+    return info
+
+
 def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iterator[Metric]]:
     """What an engine instance (prefill, decode, mixed; one DP rank) exports at scrape
     time (the per-request histograms are in WorkerRequestMetrics)."""
@@ -266,6 +286,8 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
                       "handed back to be re-prefilled elsewhere.", labels, sched.recomputed)
         if loop.engine.speculative is not None:
             yield from _spec_metrics(loop.engine.spec_stats, labels)
+        if loop.engine.lora is not None:
+            yield _lora_info(sched, loop.engine.lora.max_loras, labels)
         lb = loop.engine.dyntralb
         if lb is not None:
             yield gauge("pdmesh_dp_bubble_blocks", "DP bubble at the last step: max - mean "

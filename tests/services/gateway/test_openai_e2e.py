@@ -703,7 +703,7 @@ def test_logprobs_under_a_grammar_are_json(mesh, client):
     assert ok.choices[0].message.content is not None  # the request's own fields decide
 
 
-def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, client,
+def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, services, client,
                                                                        qwen3_path, tmp_path):
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind the API key, on
     every instance of the mesh, while streams of the base model and of an adapter run:
@@ -757,6 +757,13 @@ def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, cli
         running = [(m, pool.submit(stream, m)) for m in (MODEL, "sql") * 3]
         for _ in running:
             started.acquire(timeout=60)  # (every stream has its first tokens)
+        # vLLM's lora_requests_info on the decode instance: the adapter its requests run
+        # (once they have come from prefill)
+        deadline, info = time.monotonic() + 30, ""
+        while 'running_lora_adapters="sql"' not in info and time.monotonic() < deadline:
+            scraped = httpx.get(services["decode"].info["metrics"], timeout=10).text
+            info = next(line for line in scraped.splitlines()
+                        if line.startswith("pdmesh_lora_requests_info{"))
         loaded = post("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(chat)})
         unloaded = post("/v1/unload_lora_adapter", {"lora_name": "sql"})
         busy = sum(not f.done() for _, f in running)
@@ -765,6 +772,8 @@ def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, cli
                                                                        unloaded.text)
     assert unloaded.text == "Success: LoRA adapter 'sql' removed successfully."
     assert busy > 0  # (the load and the unload came while streams ran)
+    assert 'running_lora_adapters="sql"' in info and 'max_lora="2"' in info, info
+    assert abs(float(info.rsplit(" ", 1)[1]) - time.time()) < 120
     for model, (text, reason) in results:
         assert reason == "length" and text == want[model], model
     with pytest.raises(openai.NotFoundError, match="sql"):
