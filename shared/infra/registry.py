@@ -4,7 +4,8 @@
                                   free_kv_blocks, total_kv_blocks, heartbeat,
                                   adapters}  EXPIRE ttl
     <prefix>:lora-adapters  hash {adapter name: {"path": its folder}}  the LoRA
-                            adapters the mesh serves (the gateways write it)
+                            adapters the mesh serves (the gateways write and keep it;
+                            EXPIRE 10 min after the last gateway stops)
 
 An instance registers once and then heartbeats (refreshing the TTL and its load); one
 that stops heartbeating drops out when its key expires, so a router never sees it
@@ -33,6 +34,10 @@ import redis
 from pdmesh.shared.infra import cluster_auth
 
 log = logging.getLogger(__name__)
+
+# the LoRA adapters the mesh serves outlive its gateways by this much (a gateway that
+# restarts within it finds the adapters loaded at runtime)
+ADAPTERS_TTL_MS = 600_000
 
 ROLES = ("prefill", "decode", "mixed", "kvstore", "gateway", "eplb")
 LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
@@ -148,7 +153,10 @@ class Registry:
         value = {"path": path}
         if self._signing_key is not None:
             value["sig"] = cluster_auth.sign_value(self._signing_key, name, path)
-        return bool(self._redis.hsetnx(self._adapters_key(), name, json.dumps(value)))
+        pipe = self._redis.pipeline()
+        pipe.hsetnx(self._adapters_key(), name, json.dumps(value))
+        pipe.pexpire(self._adapters_key(), ADAPTERS_TTL_MS)
+        return bool(pipe.execute()[0])
 
     def remove_adapter(self, name: str) -> bool:
         """Stop serving an adapter; False when none of that name is served."""
@@ -156,9 +164,13 @@ class Registry:
 
     def adapters(self) -> dict[str, str]:
         """The adapters served: name -> folder (an unsigned entry is left out where
-        entries are signed)."""
+        entries are signed). Reading keeps the table: it lasts while a gateway of the
+        mesh reads it, and ADAPTERS_TTL_MS after the last stops."""
+        pipe = self._redis.pipeline()
+        pipe.hgetall(self._adapters_key())
+        pipe.pexpire(self._adapters_key(), ADAPTERS_TTL_MS)  # (a gateway reads: kept)
         out = {}
-        for name, raw in self._redis.hgetall(self._adapters_key()).items():
+        for name, raw in pipe.execute()[0].items():
             try:
                 value = json.loads(raw)
                 path = str(value["path"])

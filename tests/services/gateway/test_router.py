@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from pdmesh.services.gateway.router import Router
-from pdmesh.shared.infra.registry import Instance, Registry
+from pdmesh.shared.infra.registry import ADAPTERS_TTL_MS, Instance, Registry
 
 
 def registry(prefix: str, *instances: Instance) -> Registry:
@@ -86,6 +86,8 @@ def test_the_adapters_the_mesh_serves_are_shared_by_its_gateways(registry_prefix
     assert one.serve_adapter("sql", "/adapters/sql")
     assert not two.serve_adapter("sql", "/elsewhere/sql")
     assert one.adapters() == two.adapters() == {"sql": "/adapters/sql"}
+    assert 0 < Registry(prefix=prefix)._redis.pttl(f"{prefix}:lora-adapters") <= \
+        ADAPTERS_TTL_MS  # (gone a while after the mesh's last gateway)
     assert two.unserve_adapter("sql") and not one.unserve_adapter("sql")
     assert one.adapters() == {} and Registry(prefix=prefix).adapters() == {}
 
