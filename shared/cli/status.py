@@ -71,6 +71,7 @@ class InstanceStatus:
     draining: bool
     # speculative decoding: accepted / draft tokens since start (None: no drafts yet)
     spec_acceptance: float | None = None
+    lora_adapters: list[str] = field(default_factory=list)  # held in its host memory
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class MeshStatus:
     pools: list[PoolStatus]  # one per registered kvstore
     eplb_controller: str | None  # "id at host:port"; None when none is registered
     eplb_groups: list[EplbGroupStatus] = field(default_factory=list)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # served: name -> folder
 
 
 def collect(registry: Registry, redis_url: str, groups: Sequence[str] = (),
@@ -126,7 +128,8 @@ def collect(registry: Registry, redis_url: str, groups: Sequence[str] = (),
         instances=[_instance_status(i, now) for i in found],
         pools=[_pool_status(i, rpc_timeout_s) for i in found if i.role == "kvstore"],
         eplb_controller=f"{controller.id} at {controller.address}" if controller else None,
-        eplb_groups=_eplb_groups(found, list(groups), controller, rpc_timeout_s))
+        eplb_groups=_eplb_groups(found, list(groups), controller, rpc_timeout_s),
+        lora_adapters=registry.adapters())
 
 
 def _instance_status(inst: Instance, now: float) -> InstanceStatus:
@@ -139,7 +142,8 @@ def _instance_status(inst: Instance, now: float) -> InstanceStatus:
         placement_version=inst.load.get("placement_version", 0),
         heartbeat_age_s=max(0.0, now - inst.heartbeat), draining=inst.draining,
         spec_acceptance=(inst.load.get("spec_accepted_tokens", 0) / drafted
-                         if (drafted := inst.load.get("spec_draft_tokens", 0)) else None))
+                         if (drafted := inst.load.get("spec_draft_tokens", 0)) else None),
+        lora_adapters=list(inst.adapters))
 
 
 def _pool_status(inst: Instance, timeout_s: float) -> PoolStatus:
@@ -234,7 +238,21 @@ def render(s: MeshStatus) -> str:
              for g in s.eplb_groups])]
     elif s.eplb_controller is not None:
         lines.append("  no DP groups (no prefill/decode instance with dp_size > 1)")
-    return "\n".join(lines)
+    return "\n".join(lines + _lora_lines(s))
+
+
+def _lora_lines(s: MeshStatus) -> list[str]:
+    """The LoRA adapters the mesh serves and the instances holding each (none: no
+    section)."""
+    held = {n for i in s.instances for n in i.lora_adapters}
+    if not s.lora_adapters and not held:
+        return []
+    names = [*s.lora_adapters, *sorted(held - set(s.lora_adapters))]
+    return ["", "LORA ADAPTERS"] + ["  " + row for row in _table(
+        ["NAME", "FOLDER", "HELD BY"],
+        [[n, s.lora_adapters.get(n, "(not served)"),
+          ", ".join(i.id for i in s.instances if n in i.lora_adapters) or "-"]
+         for n in names])]
 
 
 def _pool_line(p: PoolStatus) -> str:

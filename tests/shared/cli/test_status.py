@@ -42,7 +42,9 @@ def put_mesh(prefix: str) -> None:
                            "total_kv_blocks": 100, "placement_version": 2}))
     reg.put(Instance("prefill-a", "prefill", "127.0.0.1:50200", "tiny", draining=True,
                      load={"running": 0, "waiting": 5, "free_kv_blocks": 10,
-                           "total_kv_blocks": 40}))
+                           "total_kv_blocks": 40}, adapters=("sql", "old")))
+    reg.put_adapter("sql", "/adapters/sql")
+    reg.put_adapter("chat", "/adapters/chat")
 
 
 def row(out: str, first: str) -> list[str]:
@@ -68,6 +70,11 @@ def test_registered_instances_in_table_and_json(registry_prefix, capsys):
     assert "no kvstore registered" in out and "no controller registered" in out
     # the DP group is derived from the registry; without a controller only the ranks show
     assert row(out, "decode@127.0.0.1")[1:5] == ["tiny", "2/2", "v2", "-"]
+    # the LoRA adapters served, and who holds each (one held but no longer served too)
+    assert "LORA ADAPTERS" in out
+    assert row(out, "sql") == ["sql", "/adapters/sql", "prefill-a"]
+    assert row(out, "chat") == ["chat", "/adapters/chat", "-"]
+    assert row(out, "old") == ["old", "(not", "served)", "prefill-a"]
 
     rc, out = status(prefix, "--json", capsys=capsys)
     data = json.loads(out)
@@ -78,11 +85,13 @@ def test_registered_instances_in_table_and_json(registry_prefix, capsys):
         "role": "decode", "id": "decode-r0", "address": "127.0.0.1:50301", "model": "tiny",
         "dp_rank": 0, "dp_size": 2, "running": 3, "waiting": 1, "kv_cache_usage_perc": 0.75,
         "placement_version": 2, "heartbeat_age_s": 0, "draining": False,
-        "spec_acceptance": 0.25}
+        "spec_acceptance": 0.25, "lora_adapters": []}
     assert by_id["decode-r1"]["spec_acceptance"] is None
     assert 0 <= by_id["decode-r0"]["heartbeat_age_s"] < 10
     assert by_id["prefill-a"]["draining"] and by_id["prefill-a"]["placement_version"] == 0
     assert data["eplb_controller"] is None
+    assert data["lora_adapters"] == {"sql": "/adapters/sql", "chat": "/adapters/chat"}
+    assert by_id["prefill-a"]["lora_adapters"] == ["sql", "old"]
     [group] = data["eplb_groups"]
     assert (group["role"], group["dp_size"], group["ranks"], group["rank_versions"]) == \
         ("decode", 2, [0, 1], [2])
