@@ -131,8 +131,11 @@ def _responses(gw: Any) -> Any:
 
 
 def _check(gw: Any, model: str | None) -> JSONResponse | None:
-    """A named model must be served here (none named: the served one)."""
-    return None if model is None or model in gw.names else gw.refuse_model(model)
+    """A named model must be served here, or a LoRA adapter on it (its tokenizer is
+    the model's); none named: the served one."""
+    if model is None or model in gw.names or model in gw.adapters():
+        return None
+    return gw.refuse_model(model)
 
 
 def _tokens(gw: Any, body: TokenizeRequest) -> list[int]:

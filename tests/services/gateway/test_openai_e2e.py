@@ -784,5 +784,8 @@ def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, ser
     got = client.completions.create(model="chat", prompt=prompt, max_tokens=n,
                                     temperature=0, extra_body={"ignore_eos": True})
     assert got.choices[0].text == want["chat"]
+    r = post("/tokenize", {"model": "chat", "prompt": "def add(a, b):"})  # (vLLM's too)
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
+    assert post("/tokenize", {"model": "sql", "prompt": "x"}).status_code == 404
     assert post("/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
