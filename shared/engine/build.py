@@ -150,9 +150,6 @@ def _lora(config: EngineConfig, loaded: _Loaded, backend: KernelBackend,
     from pdmesh.shared.engine.lora import LoraManager
     from pdmesh.shared.engine.lora_request import LoRARequest
 
-    if type(loaded.model) is not CausalLM:
-        raise ValueError(f"enable_lora: not yet for {loaded.model_config.architecture} "
-                         "(LoRA runs on Llama, Qwen, Qwen-MoE and DeepSeek-V2/V3 models)")
     manager = LoraManager(loaded.model, backend, config.max_loras, config.max_lora_rank,
                           config.max_cpu_loras or config.max_loras)
     for i, (name, path) in enumerate(config.lora_modules, start=1):

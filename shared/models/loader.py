@@ -422,11 +422,13 @@ def _read_experts(
 
 
 # -- DeepSeek-V4 --------------------------------------------------------------------------
-def _rope_order(dim: int, rope: int) -> torch.Tensor:
-    """Index that puts the last ``rope`` dims of a ``dim`` vector from interleaved pairs
-    into rotate-half order (x0, x2, .., x1, x3, ..)."""
-    return torch.cat((torch.arange(dim - rope), dim - rope + torch.arange(0, rope, 2),
-                      dim - rope + torch.arange(1, rope, 2)))
+def rope_rows(dim: int, rope: int, copies: int = 1) -> torch.Tensor:
+    """Index that puts the last ``rope`` dims of each of ``copies`` ``dim`` vectors side
+    by side (heads, halves) from interleaved pairs into rotate-half order (x0, x2, ..,
+    x1, x3, ..): DeepSeek-V4's rows, as the loader reorders them."""
+    one = torch.cat((torch.arange(dim - rope), dim - rope + torch.arange(0, rope, 2),
+                     dim - rope + torch.arange(1, rope, 2)))
+    return torch.cat([one + j * dim for j in range(copies)])
 
 
 def _read_v4(cfg: ModelConfig, ckpt: CheckpointReader, dtype: torch.dtype,
@@ -494,18 +496,18 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
     def get(name: str) -> torch.Tensor | QTensor:
         return ckpt.get(name, dtype, dev)
 
-    head_order = _rope_order(d, r)
+    head_order = rope_rows(d, r)
     # a tensor-parallel rank: its query heads (``cfg`` is its own: h of them), its groups
     # of the grouped output projection, its share of each expert's width
     h0 = ckpt.q_heads.start or 0
-    q_rows = torch.cat([head_order + j * d for j in range(h)])  # within this rank's heads
+    q_rows = rope_rows(d, r, h)  # within this rank's heads
     q_heads = slice(None) if ckpt.shard is None else slice(h0 * d, (h0 + h) * d)
     shard = ckpt.shard
 
     def compressor(c: str, dim: int, rate: int, overlap: bool
                    ) -> tuple[CompressorWeights, torch.Tensor]:
         halves = 2 if overlap else 1
-        order = torch.cat([_rope_order(dim, r) + j * dim for j in range(halves)])
+        order = rope_rows(dim, r, halves)
         proj = quantization.cat([get(c + "wkv.weight")[order], get(c + "wgate.weight")[order]],
                                 dtype)
         ape = ckpt.get(c + "ape", torch.float32, dev)
@@ -514,7 +516,7 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
                              f"{(rate, halves * dim)} (compress rate {rate})")
         return (CompressorWeights(rate=rate, overlap=overlap, dim=dim, ape=ape[:, order],
                                   norm=ckpt.dense(c + "norm.weight", dtype, dev)[
-                                      _rope_order(dim, r)]), proj)
+                                      rope_rows(dim, r)]), proj)
 
     parts = [get(a + "wq_a.weight"), get(a + "wkv.weight")[head_order]]
     comp = index_comp = index_q = None
@@ -526,7 +528,7 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
         index_comp, proj = compressor(a + "indexer.compressor.", ih, rate, True)
         parts.append(proj)
         parts.append(get(a + "indexer.weights_proj.weight"))
-        rows = torch.cat([_rope_order(ih, r) + j * ih for j in range(v4.index_heads)])
+        rows = rope_rows(ih, r, v4.index_heads)
         index_q = _input_major(get(a + "indexer.wq_b.weight")[rows])
     g = v4.o_groups
     groups = slice(shard.rank * g * v4.o_lora_rank, (shard.rank + 1) * g * v4.o_lora_rank) \
@@ -536,7 +538,7 @@ def _read_v4_layer(cfg: ModelConfig, ckpt: CheckpointReader, p: str, kind: str, 
     expected = (g * v4.o_lora_rank, h * d // g)
     if tuple(o_a.shape) != expected:
         raise ValueError(f"model: {a}wo_a has shape {tuple(o_a.shape)}, expected {expected}")
-    in_order = torch.cat([head_order + j * d for j in range(h // g)])
+    in_order = rope_rows(d, r, h // g)
     o_a = o_a[:, in_order].view(g, v4.o_lora_rank, -1).transpose(1, 2).contiguous()
     attn = V4AttentionWeights(
         x_proj=_input_major(quantization.cat(parts, dtype)),

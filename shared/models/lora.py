@@ -14,6 +14,7 @@ pdmesh's projections fuse some of the checkpoint's modules, so an adapter is rea
     down_proj                         -> down
     shared_experts.{gate,up,down}     -> shared_gate_up, shared_down
     MLA: q_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj -> q, q_a, q_b, kv_a, o
+    DeepSeek-V4: see :mod:`pdmesh.shared.models.lora_v4`
 
 Output rows the loader reorders (MLA's interleaved rotary dims) are reordered in B alike.
 Refused, naming the module or key: MLA's kv_b_proj (absorbed into the attention), routed
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from pdmesh.shared.models import lora_v4
+
 # module name (after "model.layers.{i}.") -> (site, part) for each attention kind
 _ATTENTION = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1),
               "self_attn.v_proj": ("qkv", 2), "self_attn.o_proj": ("o", 0)}
@@ -43,9 +46,10 @@ _DENSE = {"mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1),
 _SHARED = {"mlp.shared_experts.gate_proj": ("shared_gate_up", 0),
            "mlp.shared_experts.up_proj": ("shared_gate_up", 1),
            "mlp.shared_experts.down_proj": ("shared_down", 0)}
-# the parts each site has (the width of its output blocks comes from the model)
+# the parts each site has (the width of its output blocks comes from the model; None:
+# as many as the layer has)
 SITE_PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1, "shared_gate_up": 2,
-              "shared_down": 1, "q": 1, "q_a": 1, "q_b": 1, "kv_a": 1}
+              "shared_down": 1, "q": 1, "q_a": 1, "q_b": 1, "kv_a": 1, **lora_v4.SITES}
 _WHY_NOT = {
     "self_attn.kv_b_proj": "it is absorbed into the latent attention's query and output",
     "mlp.gate": "the router",
@@ -115,14 +119,20 @@ def read_config(folder: Path, max_rank: int) -> dict:
     return cfg
 
 
-def _site_of(module: str, latent: bool, shared: bool) -> tuple[int, str, int]:
+def _site_of(module: str, model) -> tuple[int, str, int]:
     """(layer, site, part) of a checkpoint module path; ValueError naming it when pdmesh
     cannot apply a LoRA there."""
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", module)
-    if m is None:
+    v4 = model.config.v4 is not None
+    m = re.match(r"^(model\.)?layers\.(\d+)\.(.+)$", module)
+    if m is None or (m.group(1) is None and not v4):  # (V4: DeepSeek's names too)
         raise ValueError(f"target_modules: {module}: LoRA on this module is not supported "
                          "(only the decoder layers' projections)")
-    layer, inner = int(m.group(1)), m.group(2)
+    layer, inner = int(m.group(2)), m.group(3)
+    if layer >= len(model.w.layers):
+        raise ValueError(f"{module}: the model has {len(model.w.layers)} layers")
+    if v4:
+        return layer, *lora_v4.site_of(module, inner, layer, model.w.layers[layer])
+    latent, shared = model.config.mla is not None, _has_shared(model)
     table = {**(_LATENT if latent else _ATTENTION), **_DENSE, **(_SHARED if shared else {})}
     if inner in table:
         site, part = table[inner]
@@ -167,11 +177,10 @@ def read_adapter(name: str, folder: str | Path, model, max_rank: int,
     except (OSError, SafetensorError) as e:
         raise ValueError(f"lora_path: {weights} cannot be read: {e}") from e
     adapter = Adapter(name, str(root), 1, digest=digest.hexdigest())
-    config = model.config
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{module}: has lora_{'A' if 'A' in ab else 'B'} only")
-        layer, site, part = _site_of(module, config.mla is not None, _has_shared(model))
+        layer, site, part = _site_of(module, model)
         _add(adapter, model, cfg, module, layer, site, part, ab["A"], ab["B"], dtype)
     if not adapter.sites:
         raise ValueError(f"lora_path: {root}: the adapter has no LoRA weights")
@@ -185,8 +194,6 @@ def _has_shared(model) -> bool:
 def _add(adapter: Adapter, model, cfg: dict, module: str, layer: int, site: str, part: int,
          a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     """One module's A [r, in] and B [out, r] into its site, checked against the model."""
-    if layer >= len(model.w.layers):
-        raise ValueError(f"{module}: the model has {len(model.w.layers)} layers")
     r = a.shape[0]
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
         raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do "
@@ -197,7 +204,7 @@ def _add(adapter: Adapter, model, cfg: dict, module: str, layer: int, site: str,
                          f"model's module is [{widths[part]}, {k}]")
     alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", r))
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    rows = output_rows(model, site)
+    rows = output_rows(model, layer, site, part)
     if rows is not None:
         b = b[rows]
     entry = adapter.sites.setdefault((layer, site), LoraWeights([None] * len(widths)))
@@ -215,6 +222,8 @@ def site_shape(model, layer: int, site: str) -> tuple[int, list[int]]:
         raise ValueError(f"model.layers.{layer}: has no {site} projection for a LoRA")
     k, n = weight.shape[0], weight.shape[1]
     parts = SITE_PARTS[site]
+    if site == "x":
+        return k, lora_v4.x_widths(lw.attn)
     if site == "qkv":
         q = model.q_size
         kv = (n - q) // 2
@@ -224,6 +233,8 @@ def site_shape(model, layer: int, site: str) -> tuple[int, list[int]]:
 
 def site_weight(lw, site: str):
     """The base weight of a site in a LayerWeights (None when the layer lacks it)."""
+    if hasattr(lw.attn, "x_proj"):  # DeepSeek-V4's
+        return lora_v4.site_weight(lw, site)
     mlp = lw.mlp
     dense = mlp if hasattr(mlp, "gate_up") else None
     shared = getattr(mlp, "shared", None)
@@ -233,12 +244,15 @@ def site_weight(lw, site: str):
             "gate_up": dense.gate_up if dense is not None else None,
             "down": dense.down if dense is not None else None,
             "shared_gate_up": shared.gate_up if shared is not None else None,
-            "shared_down": shared.down if shared is not None else None}[site]
+            "shared_down": shared.down if shared is not None else None}.get(site)
 
 
-def output_rows(model, site: str) -> torch.Tensor | None:
-    """The checkpoint rows, in the loader's order, of a site whose outputs the loader
-    reorders (MLA's interleaved rotary dims); None where it keeps them."""
+def output_rows(model, layer: int, site: str, part: int) -> torch.Tensor | None:
+    """The checkpoint rows, in the loader's order, of a site's part whose outputs the
+    loader reorders (MLA's and DeepSeek-V4's interleaved rotary dims); None where it
+    keeps them."""
+    if model.config.v4 is not None:
+        return lora_v4.output_rows(model, layer, site, part)
     if model.config.mla is None or site not in ("q", "q_b", "kv_a"):
         return None
     from pdmesh.shared.models.loader import mla_rows

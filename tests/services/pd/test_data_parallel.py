@@ -1,6 +1,7 @@
 """A decode instance of two data-parallel ranks with expert parallelism, as real
-processes behind the gateway: every answer equals the single-process engine's, both
-ranks serve, and stopping the instance stops every rank."""
+processes behind the gateway: every answer equals the single-process engine's, LoRA
+adapters' answers are transformers + PEFT's, both ranks serve, and stopping the instance
+stops every rank."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pdmesh.shared.infra.launcher import Service
 from pdmesh.shared.infra.registry import Registry
 from tests.mesh import stop_all
 from tests.processes import alive
+from tests.services.pd.lora_mesh import mixed_batch
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--block-size", "16",
           "--pool-segment-mb", "64"]
@@ -55,9 +57,10 @@ def moe_mesh(model: str, logs: Path, prefix: str, prefill: list[str], decode: li
 
 @pytest.fixture(scope="module")
 def mesh(tiny_models, tmp_path_factory, registry_prefix):
+    lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
     with moe_mesh(str(tiny_models["qwen3_moe"]), tmp_path_factory.mktemp("dp-logs"),
-                  registry_prefix + "-dp", [],
-                  ["--data-parallel-size", "2", "--enable-expert-parallel"]) as m:
+                  registry_prefix + "-dp", lora,
+                  ["--data-parallel-size", "2", "--enable-expert-parallel", *lora]) as m:
         yield m
 
 
@@ -94,6 +97,15 @@ def test_both_ranks_register_as_decode_instances(mesh):
 
 def test_concurrent_requests_equal_the_single_process_engine(mesh, expected):
     assert concurrent_answers(mesh["url"]) == expected
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_matches_peft(mesh, tiny_models, tmp_path):
+    """Qwen3-MoE: three adapters loaded at runtime on the prefill instance and both DP
+    ranks, and the base model, in one batch through the mesh: PEFT's tokens."""
+    got, want = mixed_batch(mesh["url"], MODEL, tiny_models["qwen3_moe"], "qwen3_moe",
+                            tmp_path)
+    assert len({str(want[k]) for k in (0, 3, 4)}) == 3  # each adapter tells
+    assert got == want
 
 
 def test_stopping_the_instance_stops_every_rank(mesh):

@@ -1,7 +1,8 @@
 """DeepSeek-V4 through the whole mesh. PD: prefill stores the compressed history
 (entries, indexer keys) and the blocks of the sliding window (window K=V, compressor
 inputs) in the real Mooncake pool, decode continues exactly from them; the OpenAI API
-answers what the offline engine does, streaming and not. The gateway serves it as the
+answers what the offline engine does, streaming and not, and LoRA adapters' answers are
+transformers + PEFT's. The gateway serves it as the
 seeds' recipes do (V4's encoding, tool-call and reasoning parsers). `pdmesh up` on the
 same checkpoint does too, and so does a decode instance of two DP ranks that runs out of
 blocks and hands requests back."""
@@ -22,6 +23,7 @@ from pdmesh.shared.models import Tokenizer
 from pdmesh.shared.models import encoding_dsv4 as dsv4
 from tests.mesh import MODEL, pd_mesh
 from tests.prometheus_text import sample
+from tests.services.pd.lora_mesh import mixed_batch
 from tests.shared.cli.test_up import launch, shut
 
 _g = torch.Generator().manual_seed(9)
@@ -40,7 +42,9 @@ def mesh(tiny_models, tmp_path_factory, registry_prefix):
     grammars bind the reasoning too (a random model never closes it by itself)."""
     logs = tmp_path_factory.mktemp("ds4-pd")
     prefix = f"{registry_prefix}-ds4"
-    with pd_mesh(tiny_models["deepseek_v4"], logs, prefix, gateway_args=RECIPE) as mesh:
+    lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
+    with pd_mesh(tiny_models["deepseek_v4"], logs, prefix, gateway_args=RECIPE,
+                 prefill_args=lora, decode_args=lora) as mesh:
         forcing = Service("gateway", ["gateway", str(tiny_models["deepseek_v4"]), "--port",
                                       "0", "--served-model-name", MODEL, *RECIPE,
                                       "--structured-outputs-config",
@@ -57,6 +61,7 @@ def offline(tiny_models):
     llm = LLM(str(tiny_models["deepseek_v4"]), device="cpu", dtype="float32", block_size=BLOCK)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     return [o.outputs[0].text for o in outs], llm.engine
+
 
 
 def _ask_both_ways(url: str, model: str, texts: list[str]) -> None:
@@ -244,3 +249,17 @@ def test_handed_back_requests_over_two_dp_ranks_finish_with_the_uninterrupted_te
                           for url in mesh["decode"].info["metrics"])
     assert got == expected
     assert handed_back > 0, "the KV budget never ran out: the test proved nothing"
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_matches_peft(mesh, tiny_models, tmp_path):
+    """Three adapters on every projection PEFT can target (the compressors' and the
+    indexer's among them) loaded at runtime, and the base model, in one batch through
+    prefill, the pool and decode: PEFT's tokens over transformers' DeepSeek-V4. (Last:
+    the tests above count the pool's traffic.)"""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # (the MTP layers: "unexpected keys")
+    got, want = mixed_batch(mesh["gateway"].info["http"], MODEL, tiny_models["deepseek_v4"],
+                            "deepseek_v4", tmp_path, stepwise=True)
+    assert len({json.dumps(want[k]) for k in (0, 3, 4)}) == 3  # each adapter tells
+    assert got == want

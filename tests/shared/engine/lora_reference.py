@@ -16,6 +16,11 @@ TARGETS = {
     "qwen3": r".*\.(q_proj|v_proj|o_proj|down_proj)",
     "qwen3_moe": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
     "deepseek_v3": r".*\.self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)",
+    # every projection but the grouped o_a_proj: the attention's, the compressors' and the
+    # indexer's, and the shared experts' MLP (DeepSeek-V4's routed experts are no Linear)
+    "deepseek_v4": r".*\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|"
+                   r"compressor\.(kv_proj|gate_proj|indexer\.(kv_proj|gate_proj|q_b_proj|"
+                   r"scorer\.weights_proj)))|mlp\.shared_experts\.(gate_proj|up_proj|down_proj))",
 }
 
 
@@ -49,13 +54,16 @@ def make_adapters(base: Path, root: Path, arch: str,
 
 
 def peft_greedy(base: Path, adapters: list[Path], jobs: list[tuple[int | None, list[int]]],
-                new_tokens: int) -> list[list[int]]:
+                new_tokens: int, stepwise: bool = False) -> list[list[int]]:
     """Greedy continuations, one per (adapter index or None for the base model, prompt)
-    job, each adapter applied by PEFT, the whole sequence recomputed each token."""
+    job, each adapter applied by PEFT, the whole sequence recomputed each token
+    (``stepwise``: every token fed one at a time through transformers' cache, as
+    DeepSeek-V4's reference needs, see ``hf_reference.hf_greedy_stepwise``)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base), dtype=torch.float32, **({"attn_implementation": "eager"} if stepwise else {}))
     model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="0")
     for i, path in enumerate(adapters[1:], start=1):
         model.load_adapter(str(path), adapter_name=str(i))
@@ -63,9 +71,17 @@ def peft_greedy(base: Path, adapters: list[Path], jobs: list[tuple[int | None, l
 
     def greedy(prompt: list[int]) -> list[int]:
         seq = list(prompt)
+        cache = DynamicCache(config=model.config) if stepwise else None
+        fed = 0
         for _ in range(new_tokens):
-            logits = model(input_ids=torch.tensor([seq])).logits
-            seq.append(int(logits[0, -1].float().argmax()))
+            if cache is None:
+                logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
+            else:
+                for token in seq[fed:]:
+                    logits = model(input_ids=torch.tensor([[token]]), cache=cache,
+                                   use_cache=True).logits[0, -1]
+                fed = len(seq)
+            seq.append(int(logits.float().argmax()))
         return seq[len(prompt):]
 
     outs = []
