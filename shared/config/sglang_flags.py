@@ -80,10 +80,11 @@ WITHOUT_EFFECT: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
     ("--lora-eviction-policy", "str", (), OTHER,
      "adapters leave the device slots and host memory least recently used first (lru)"),
     ("--lora-backend", "str", (), OTHER,
-     "a step's adapters run as one shrink and one expand per projection "
-     "(KernelBackend.lora_shrink_expand)"),
+     "a step's rows run grouped by adapter, one batched shrink and expand per projection "
+     "(KernelBackend.lora_shrink_expand, SGMV-style)"),
     ("--max-lora-chunk-size", "int", (), OTHER,
-     "a step's adapters run as one shrink and one expand per projection (no chunked SGMV)"),
+     "a step's rows run grouped by adapter, one batched shrink and expand per projection "
+     "(no chunks)"),
     ("--attention-backend", "str", (), OTHER,
      "pdmesh picks its kernels by device (shared/kernels: torch_npu's fused attention on npu, "
      "FlashAttention-style kernels on cuda, its own on cpu)"),

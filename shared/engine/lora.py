@@ -2,19 +2,22 @@
 
     host      adapters read from their folders, least recently used dropped past
               ``max_cpu_loras`` (one a running request uses is kept)
-    device    ``max_loras`` slots: per site (a projection of a layer), every slot's A
-              side by side, A_cat [in, slots * parts * r] (a part: q, k, v of a fused
-              qkv ...; r = max_lora_rank, zero where an adapter has less), and per part
-              every slot's B stacked, [slots * r, the part's width]
-    a step    rows are marked with their request's slot (a base-model row with none);
-              each site then adds, for the whole batch, over the slots in use (a new
-              adapter takes the lowest free slot)
+    device    ``max_loras`` slots: per site (a projection of a layer), every slot's A,
+              [slots, in, parts * r] (a part: q, k, v of a fused qkv ...; r =
+              max_lora_rank, zero where an adapter has less), and per part every slot's
+              B, [slots, r, the part's width]
+    a step    its rows are grouped by their request's slot (a base-model row in none):
+              ``rows`` [slots it runs, m], each slot's rows, padded to the largest
+              group; each site then adds, for the whole batch, over the slots it runs
+              (their weights gathered unless they are the first slots: a step reads the
+              adapters it runs, not every one in a slot)
 
-                  y = (x @ A_cat) * mask      a row keeps its slot's columns only
-                  out[part] += y[part] @ B    one expand per part
+                  y = x[rows] @ A           each group by its own slot's A (one bmm)
+                  out[rows, part] += y[part] @ B     one bmm per part
 
 so a batch mixing adapters and the base model costs one shrink and an expand per part of
-each projection, whatever the number of adapters (``KernelBackend.lora_shrink_expand``).
+each projection, whatever the number of adapters, and each row meets its own adapter's
+weights only (``KernelBackend.lora_shrink_expand``).
 """
 
 from __future__ import annotations
@@ -32,40 +35,51 @@ from pdmesh.shared.models.lora import SITE_PARTS, Adapter, read_adapter
 log = logging.getLogger(__name__)
 
 SITES = tuple(SITE_PARTS)
+# a slot's rows past this many (a prefill's) are cut in groups, so the padding to the
+# largest group stays small
+CHUNK = 64
 
 
 class LoraStep:
-    """One forward's LoRA: which slot each row runs (``mask`` [T, hi], one-hot, zero for
-    a base row) over the slots in use, 0 .. hi - 1, and the slots' stacked weights."""
+    """One forward's LoRA: its rows in groups of one slot each (``groups``, their slots;
+    ``rows`` [groups, m], padded; ``valid`` [groups, m, 1] marks the real ones)."""
 
-    def __init__(self, slots: LoraSlots, mask: torch.Tensor):
+    def __init__(self, slots: LoraSlots, groups: list[int], rows: torch.Tensor,
+                 valid: torch.Tensor):
         self.slots = slots
-        self.mask = mask
-        self.hi = mask.shape[1]
+        self.used = set(groups)
+        self.rows = rows
+        self.valid = valid
+        # the slots' weights: a prefix of them where the groups are slots 0 .. n - 1,
+        # else gathered (a copy of what the step reads, rather than reading every slot)
+        self._prefix = len(groups) if groups == list(range(len(groups))) else None
+        self._index = torch.tensor(groups, device=rows.device)
+
+    def _take(self, w: torch.Tensor) -> torch.Tensor:
+        return w[:self._prefix] if self._prefix is not None else w.index_select(0, self._index)
 
     def apply(self, layer: int, site: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the rows' adapters' updates of ``site`` in ``layer`` to ``out`` [T, N]."""
         weights = self.slots.weights.get((layer, site))
         if weights is None or x.shape[0] == 0:
             return
-        r, hi = self.slots.max_rank, self.hi
-        # (the parts an adapter in the slots in use targets; none: nothing to add)
-        on = [p for p, held in enumerate(weights.held) if any(s < hi for s in held)]
+        # (the parts an adapter the step runs targets; none: nothing to add)
+        on = [p for p, held in enumerate(weights.held) if held & self.used]
         if not on:
             return
-        parts = len(weights.bs)
+        take = self._take
         self.slots.backend.lora_shrink_expand(
-            x, weights.a_cat[:, :hi * parts * r], [weights.bs[p][:hi * r] for p in on],
-            [weights.bounds[p] for p in on], self.mask, out, on)
+            x, take(weights.a), [take(weights.bs[p]) for p in on],
+            [weights.bounds[p] for p in on], self.rows, self.valid, out, on)
 
 
 @dataclass
 class SiteSlots:
-    """One site's slots: A of every slot side by side, ``a_cat`` [in, slots * parts * r]
-    (slot, then part, then rank), and per part B stacked, [slots * r, that part's width];
-    ``bounds``: each part's output columns."""
+    """One site's slots: every slot's A, ``a`` [slots, in, parts * r] (part, then rank),
+    and per part every slot's B, [slots, r, that part's width]; ``bounds``: each part's
+    output columns."""
 
-    a_cat: torch.Tensor
+    a: torch.Tensor
     bs: list[torch.Tensor]
     bounds: list[tuple[int, int]]
     held: list[set[int]] = field(default_factory=list)  # per part: the slots targeting it
@@ -93,9 +107,9 @@ class LoraSlots:
                 k, widths = site_shape(model, i, site)
                 starts = [sum(widths[:p]) for p in range(len(widths))]
                 self.weights[(i, site)] = SiteSlots(
-                    torch.zeros(k, num_slots * len(widths) * max_rank, dtype=dtype,
+                    torch.zeros(num_slots, k, len(widths) * max_rank, dtype=dtype,
                                 device=dev),
-                    [torch.zeros(num_slots * max_rank, w, dtype=dtype, device=dev)
+                    [torch.zeros(num_slots, max_rank, w, dtype=dtype, device=dev)
                      for w in widths],
                     [(a, a + w) for a, w in zip(starts, widths, strict=True)],
                     [set() for _ in widths])
@@ -133,12 +147,10 @@ class LoraSlots:
         return free + [s for s in self._used if self.names[s] is not None]
 
     def _clear(self, slot: int) -> None:
-        r = self.max_rank
         for w in self.weights.values():
-            parts = len(w.bs)
-            w.a_cat[:, slot * parts * r:(slot + 1) * parts * r].zero_()
+            w.a[slot].zero_()
             for b, held in zip(w.bs, w.held, strict=True):
-                b[slot * r:(slot + 1) * r].zero_()
+                b[slot].zero_()
                 held.discard(slot)
 
     def _write(self, slot: int, adapter: Adapter) -> None:
@@ -148,13 +160,11 @@ class LoraSlots:
             lora = adapter.sites.get(key)
             if lora is None:
                 continue
-            parts = len(w.bs)
             for part, (b_slots, ab) in enumerate(zip(w.bs, lora.parts, strict=True)):
                 if ab is not None:
                     a, b = ab
-                    cols = (slot * parts + part) * r
-                    w.a_cat[:, cols:cols + a.shape[1]].copy_(a)
-                    b_slots[slot * r:slot * r + b.shape[0]].copy_(b)
+                    w.a[slot, :, part * r:part * r + a.shape[1]].copy_(a)
+                    b_slots[slot, :b.shape[0]].copy_(b)
                     w.held[part].add(slot)
         self.names[slot] = adapter.name
         log.info("lora: adapter %s in slot %d", adapter.name, slot)
@@ -277,8 +287,35 @@ class LoraManager:
                 adapter = self.load(LoRARequest(n, 1, self._paths[n]))
             adapters.append(adapter)
         placed = self.slots.place(adapters)
-        hi = max(placed.values()) + 1  # (the slots in use: 0 .. hi - 1)
-        index = torch.tensor([placed[n] if n is not None else -1 for n in row_adapters])
-        mask = torch.zeros(len(row_adapters), hi + 1)
-        mask[torch.arange(len(row_adapters)), index] = 1.0  # (-1: the spare column)
-        return LoraStep(self.slots, mask[:, :hi].to(device, self.model.dtype))
+        groups, rows, valid = group_rows([placed[n] if n is not None else -1
+                                          for n in row_adapters])
+        return LoraStep(self.slots, groups, rows.to(device),
+                        valid.to(device, self.model.dtype))
+
+
+def group_rows(row_slots: list[int], chunk: int = CHUNK
+               ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Rows grouped by slot (-1: none): (each group's slot, ascending; rows [groups, m],
+    each group's rows in order, padded with row 0; valid [groups, m, 1], 1 on the real
+    ones). A slot is one group unless the largest has more than ``chunk`` rows (a
+    prefill's); then each is cut in groups of m, the larger of ``chunk`` and the mean
+    rows per slot, so the padding stays under the rows themselves plus ``chunk`` per
+    slot."""
+    index = torch.tensor(row_slots)
+    which = (index >= 0).nonzero().view(-1)
+    used, group = torch.unique(index[which], sorted=True, return_inverse=True)
+    order = torch.argsort(group, stable=True)
+    which, group = which[order], group[order]
+    counts = torch.bincount(group, minlength=len(used))
+    m = int(counts.max())
+    if m > chunk:
+        m = max(chunk, -(-len(which) // len(used)))
+    pos = torch.arange(len(group)) - (torch.cumsum(counts, 0) - counts)[group]
+    pieces = (counts + m - 1) // m  # each slot's groups
+    first = torch.cumsum(pieces, 0) - pieces
+    g = first[group] + pos // m
+    rows = torch.zeros(int(pieces.sum()), m, dtype=torch.long)
+    valid = torch.zeros(rows.shape[0], m, 1)
+    rows[g, pos % m] = which
+    valid[g, pos % m] = 1.0
+    return used.repeat_interleave(pieces).tolist(), rows, valid

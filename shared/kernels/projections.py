@@ -87,26 +87,28 @@ class Projections:
         acc = self.int_mm(q, qweight)  # [T, N] int32
         return (acc.float() * scale[:, None] * weight_scale).to(x.dtype)
 
-    def lora_shrink_expand(self, x: torch.Tensor, a_cat: torch.Tensor,
+    def lora_shrink_expand(self, x: torch.Tensor, a: torch.Tensor,
                            b_parts: list[torch.Tensor], bounds: list[tuple[int, int]],
-                           mask: torch.Tensor, out: torch.Tensor,
+                           rows: torch.Tensor, valid: torch.Tensor, out: torch.Tensor,
                            parts_of: list[int] | None = None) -> None:
         """Batched LoRA (shared/engine/lora.py): every row's adapter update added to
-        ``out`` [T, N] in one shrink and one expand per part, whatever the number of
-        adapters.
+        ``out`` [T, N], the rows grouped by adapter: one shrink and one expand per part,
+        whatever the number of adapters.
 
-        x [T, K]; a_cat [K, S * P * r] (slot s's A for part p in columns (s * P + p) * r
-        ...); b_parts[p] [S * r, width of part p], written to ``out``'s columns
-        ``bounds[p]``; mask [T, S] (row t's slot one-hot; zero: no adapter);
-        ``parts_of``: the parts of ``a_cat`` the given B are (default: all, in order).
-        vLLM's bgmv shrink / expand, as dense matmuls over the slots with the other
-        slots' columns masked out."""
-        t, slots = mask.shape
-        parts = a_cat.shape[1] // slots // (b_parts[0].shape[0] // slots)
-        y = torch.mm(x, a_cat).view(t, slots, parts, -1) * mask[:, :, None, None]
-        for p, b, (lo, hi) in zip(parts_of or range(parts), b_parts, bounds, strict=True):
-            rows = y.view(t, -1) if parts == 1 else y[:, :, p].reshape(t, -1)
-            out[:, lo:hi].addmm_(rows, b)
+        x [T, K]; a [S, K, P * r] (slot s's A for part p in columns p * r ...);
+        b_parts[p] [S, r, width of part p], written to ``out``'s columns ``bounds[p]``;
+        rows [S, m]: each slot's rows of x, padded (valid [S, m, 1]: 1 on its rows, 0 on
+        the padding); ``parts_of``: the parts of ``a`` the given B are (default: all, in
+        order). vLLM's sgmv shrink / expand (punica's segment-gathered form) as batched
+        matmuls over the slots: each row meets its own adapter's A and B only."""
+        s, m = rows.shape
+        flat = rows.view(-1)
+        y = torch.bmm(x.index_select(0, flat).view(s, m, -1), a) * valid
+        r = b_parts[0].shape[1]
+        for p, b, (lo, hi) in zip(parts_of or range(len(b_parts)), b_parts, bounds,
+                                  strict=True):
+            z = torch.bmm(y[:, :, p * r:(p + 1) * r], b)
+            out[:, lo:hi].index_add_(0, flat, z.view(s * m, -1))
 
     def grouped_matmul(
         self, x: torch.Tensor, weight: torch.Tensor | QuantExperts, group_sizes: list[int]

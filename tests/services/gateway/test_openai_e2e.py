@@ -789,3 +789,14 @@ def test_lora_adapters_load_and_unload_at_runtime_under_streaming_load(mesh, ser
     assert post("/tokenize", {"model": "sql", "prompt": "x"}).status_code == 404
     assert post("/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_matches_peft(mesh, qwen3_path, tmp_path):
+    """Qwen3: three adapters loaded at runtime and the base model in one batch through the
+    PD mesh (two device slots: one adapter's requests wait their turn), token for token
+    transformers + PEFT's. (Last: the adapters stay loaded.)"""
+    from tests.services.pd.lora_mesh import mixed_batch
+
+    got, want = mixed_batch(mesh, MODEL, qwen3_path, "qwen3", tmp_path, api_key=KEY)
+    assert len({str(want[k]) for k in (0, 3, 4)}) == 3  # each adapter tells
+    assert got == want

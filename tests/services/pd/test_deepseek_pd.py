@@ -90,3 +90,15 @@ def test_an_adapter_runs_through_pd_and_keeps_its_own_kv(mesh, tiny_models, tmp_
         want[0].outputs[0].text
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK * 6
+
+
+def test_a_batch_mixing_three_adapters_and_the_base_matches_peft(mesh, tiny_models, tmp_path):
+    """DeepSeek-V3: three adapters on MLA's projections loaded at runtime and the base
+    model in one batch through the PD mesh (one device slot: the adapters take turns),
+    token for token transformers + PEFT's."""
+    from tests.services.pd.lora_mesh import mixed_batch
+
+    got, want = mixed_batch(mesh["gateway"].info["http"], MODEL, tiny_models["deepseek_v3"],
+                            "deepseek_v3", tmp_path)
+    assert len({str(want[k]) for k in (0, 3, 4)}) == 3  # each adapter tells
+    assert got == want

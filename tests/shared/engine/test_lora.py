@@ -53,6 +53,10 @@ def test_a_batch_mixing_three_adapters_and_the_base_matches_peft(tiny_models, ad
     outs = llm.generate([p for _, p in jobs], GREEDY, lora_request=[
         None if i is None else lora(i, paths[i]) for i, _ in jobs])
     assert [o.outputs[0].token_ids for o in outs] == expected
+    # one adapter alone, not in the first slot: the step reads that slot's weights only
+    assert llm.engine.lora.slots.slot_of("adapter-2") != 0
+    again = llm.generate([PROMPTS[0]], GREEDY, lora_request=lora(2, paths[2]))
+    assert again[0].outputs[0].token_ids == expected[3]
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 

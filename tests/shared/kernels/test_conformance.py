@@ -93,32 +93,39 @@ def test_silu_and_mul(backend, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("widths", [[40], [24, 8, 8]])  # one part; a fused q | k | v
-def test_lora_shrink_expand(backend, dtype, widths):
+@pytest.mark.parametrize("chunk", [64, 2])  # a slot one group; cut in groups of 2
+def test_lora_shrink_expand(backend, dtype, widths, chunk):
     """Batched LoRA: each row gains, per part, x @ A_slot,part @ B_slot,part of its own
-    slot (none for a base-model row), the reference a loop over the rows."""
+    slot (none for a base-model row), the reference a loop over the rows; the rows come
+    grouped by slot as the engine groups them (uneven groups, padding, an empty slot,
+    a slot's rows over several groups)."""
+    from pdmesh.shared.engine.lora import group_rows
+
     g = torch.Generator().manual_seed(12)
-    t, k, slots, rank, parts = 9, 48, 3, 4, len(widths)
+    t, k, slots, rank, parts = 9, 48, 4, 4, len(widths)
     n = sum(widths)
     x = torch.randn(t, k, generator=g).to(dtype)
-    a_cat = (0.3 * torch.randn(k, slots * parts * rank, generator=g)).to(dtype)
-    b_parts = [(0.3 * torch.randn(slots * rank, w, generator=g)).to(dtype) for w in widths]
+    a = (0.3 * torch.randn(slots, k, parts * rank, generator=g)).to(dtype)
+    b_parts = [(0.3 * torch.randn(slots, rank, w, generator=g)).to(dtype) for w in widths]
     bounds = [(sum(widths[:p]), sum(widths[:p + 1])) for p in range(parts)]
     base = torch.randn(t, n, generator=g).to(dtype)
-    slot_of = [0, 2, -1, 1, 0, -1, 2, 2, 1]
-    mask = torch.zeros(t, slots)
+    slot_of = [0, 3, -1, 1, 3, -1, 3, 3, 1]  # (slot 2: no row)
     expected = base.double().clone()
     for row, s in enumerate(slot_of):
         if s < 0:
             continue
-        mask[row, s] = 1.0
         for p, (lo, hi) in enumerate(bounds):
-            cols = slice((s * parts + p) * rank, (s * parts + p + 1) * rank)
-            b = b_parts[p][s * rank:(s + 1) * rank]
-            expected[row, lo:hi] += x[row].double() @ a_cat[:, cols].double() @ b.double()
+            cols = slice(p * rank, (p + 1) * rank)
+            expected[row, lo:hi] += x[row].double() @ a[s, :, cols].double() @ \
+                b_parts[p][s].double()
+    groups, rows, valid = group_rows(slot_of, chunk)
+    assert groups == ([0, 1, 3] if chunk > 3 else [0, 1, 3, 3])
+    assert rows.shape[1] == (4 if chunk > 3 else 3) and int(valid.sum()) == 7
     dev = backend.device
     out = base.to(dev).clone()
-    backend.lora_shrink_expand(x.to(dev), a_cat.to(dev), [b.to(dev) for b in b_parts],
-                               bounds, mask.to(dev, dtype), out)
+    take = torch.tensor(groups)  # (each group's slot's weights, gathered as the engine does)
+    backend.lora_shrink_expand(x.to(dev), a[take].to(dev), [b[take].to(dev) for b in b_parts],
+                               bounds, rows.to(dev), valid.to(dev, dtype), out)
     close(out, expected.to(dtype), dtype)
 
 
