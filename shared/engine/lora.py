@@ -52,11 +52,11 @@ class LoraStep:
         self.valid = valid
         # the slots' weights: a prefix of them where the groups are slots 0 .. n - 1,
         # else gathered (a copy of what the step reads, rather than reading every slot)
-        self._prefix = len(groups) if groups == list(range(len(groups))) else None
-        self._index = torch.tensor(groups, device=rows.device)
+        self._index = None if groups == list(range(len(groups))) else \
+            torch.tensor(groups, device=rows.device)
 
     def _take(self, w: torch.Tensor) -> torch.Tensor:
-        return w[:self._prefix] if self._prefix is not None else w.index_select(0, self._index)
+        return w[:self.rows.shape[0]] if self._index is None else w.index_select(0, self._index)
 
     def apply(self, layer: int, site: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the rows' adapters' updates of ``site`` in ``layer`` to ``out`` [T, N]."""

@@ -168,7 +168,8 @@ class DeepseekV4(MoESteps):
         self.limit = v4.swiglu_limit or None
         self._ones = torch.ones(1, v4.head_dim, dtype=weights.embed.dtype, device=dev)
         # LoRA adapters of the current forward (shared.engine.lora.LoraStep; None: the
-        # base model alone) and the layer running (None: an MTP block's, which has none)
+        # base model alone) and the layer running (None: an MTP block's, which has none;
+        # sites: pdmesh.shared.models.lora_v4)
         self.lora = None
         self._lora_layer: int | None = None
 
@@ -283,15 +284,7 @@ class DeepseekV4(MoESteps):
         fine-grained TP's split by its input, or whole."""
         if self.fg is not None and self.fg.layout.shard("oproj") is not None:
             return self.fg.o_proj(o, w, self.backend)
-        return self._linear(o, w, "o_b")
-
-    def _linear(self, x: torch.Tensor, w, site: str) -> torch.Tensor:
-        """A projection of the running layer, with the rows' LoRA updates of ``site``
-        (:mod:`pdmesh.shared.models.lora_v4`) when the forward runs adapters."""
-        out = self.backend.linear(x, w)
-        if self.lora is not None and self._lora_layer is not None:
-            self.lora.apply(self._lora_layer, site, x, out)
-        return out
+        return self._lora_linear(o, w, "o_b")
 
     def _logits(self, streams: torch.Tensor, hc: HyperConnectionWeights, norm: torch.Tensor,
                 head: torch.Tensor) -> torch.Tensor:
@@ -348,9 +341,9 @@ class DeepseekV4(MoESteps):
         eps = cfg.rms_norm_eps
         t, h, d = x.shape[0], cfg.num_heads, v4.head_dim
         cos, sin = rope["main" if kind == SLIDING else "compress"]
-        parts = self._linear(x, w.x_proj, "x").split(w.splits, dim=-1)
+        parts = self._lora_linear(x, w.x_proj, "x").split(w.splits, dim=-1)
         q_res = be.rms_norm(parts[0], w.q_a_norm, eps)  # [T, q_lora]
-        q = self._linear(q_res, w.q_b, "q_b").view(t, h, d)
+        q = self._lora_linear(q_res, w.q_b, "q_b").view(t, h, d)
         q = be.head_rms_norm(q, self._ones, eps)  # unweighted, per head
         q = self._rotate(q, cos, sin)
         kv = self._rotate(be.rms_norm(parts[1], w.kv_norm, eps).unsqueeze(1), cos, sin)
@@ -446,7 +439,7 @@ class DeepseekV4(MoESteps):
         assert w.index_q is not None
         t = q_res.shape[0]
         cos, sin = rope["compress"]
-        q = self._rotate(self._linear(q_res, w.index_q, "index_q").view(t, v4.index_heads, -1),
+        q = self._rotate(self._lora_linear(q_res, w.index_q, "index_q").view(t, v4.index_heads, -1),
                          cos, sin)
         keys = self._read(cache, "index_keys", plan.entry_slots).float()  # [S, E, I]
         qp = self._pad(q, step).float()  # [S, nI, Lq, I]
@@ -508,9 +501,9 @@ class DeepseekV4(MoESteps):
         assert isinstance(shared, DenseMLPWeights)
 
         def shared_mlp(rows: torch.Tensor) -> torch.Tensor:
-            up = be.silu_and_mul(self._linear(rows, shared.gate_up, "shared_gate_up"),
+            up = be.silu_and_mul(self._lora_linear(rows, shared.gate_up, "shared_gate_up"),
                                  self.limit)
-            return self._linear(up, shared.down, "shared_down")
+            return self._lora_linear(up, shared.down, "shared_down")
 
         tp, ep = self.tp, self.ep if layer is not None else None
         if tp is not None and (ep is not None or not tp.shard.experts):

@@ -221,9 +221,9 @@ def site_shape(model, layer: int, site: str) -> tuple[int, list[int]]:
     if weight is None:
         raise ValueError(f"model.layers.{layer}: has no {site} projection for a LoRA")
     k, n = weight.shape[0], weight.shape[1]
-    parts = SITE_PARTS[site]
     if site == "x":
         return k, lora_v4.x_widths(lw.attn)
+    parts = SITE_PARTS[site]
     if site == "qkv":
         q = model.q_size
         kv = (n - q) // 2

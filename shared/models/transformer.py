@@ -149,8 +149,9 @@ class MoESteps:
     its own so a decode graph can run it between its pieces (shared/engine/
     decode_graphs.py): expert parallelism's exchange (its sizes are read on the host;
     its collectives pair with the other DP ranks' steps) and the expert-load record
-    (the step's real rows alone). Needs ``ep``, ``load_recorder``, ``_moe_index`` and
-    ``backend``."""
+    (the step's real rows alone); and a projection with the rows' LoRA updates. Needs
+    ``ep``, ``load_recorder``, ``_moe_index``, ``backend``, ``lora`` and
+    ``_lora_layer``."""
 
     graph_holes = {"_ep_moe": ("x", "weights", "ids"), "_record_load": ("ids",)}
 
@@ -164,6 +165,16 @@ class MoESteps:
         """MoE layer ``layer``'s routing in this step, for EPLB."""
         assert self.load_recorder is not None
         self.load_recorder.record(self._moe_index[layer], ids)
+
+    def _lora_linear(self, x: torch.Tensor, w, site: str,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A projection of the decoder layer being run (``_lora_layer``; None: an MTP
+        layer's, which has no adapters), with the rows' LoRA updates of ``site`` when the
+        forward runs adapters (``lora``: shared.engine.lora.LoraStep)."""
+        out = self.backend.linear(x, w, bias)
+        if self.lora is not None and self._lora_layer is not None:
+            self.lora.apply(self._lora_layer, site, x, out)
+        return out
 
 
 class CausalLM(MoESteps):
@@ -195,7 +206,7 @@ class CausalLM(MoESteps):
         # LoRA adapters of the current forward (shared.engine.lora.LoraStep; None: the
         # base model alone) and the decoder layer being run (an MTP layer's: None)
         self.lora = None
-        self._layer: int | None = None
+        self._lora_layer: int | None = None
         cos, sin = rotary_tables(config.rotary_dim, config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
         # [max_pos, D] float32, in the form the backend's rotary kernel takes
@@ -232,7 +243,7 @@ class CausalLM(MoESteps):
             h = self.w.embed.index_select(0, input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, (layer, kv) in enumerate(zip(self.w.layers, kv_caches, strict=True)):
-            self._layer = i
+            self._lora_layer = i
             if residual is None:
                 residual = h
                 x = be.rms_norm(h, layer.input_norm, eps)
@@ -249,7 +260,7 @@ class CausalLM(MoESteps):
             if tp is not None:
                 tp.all_reduce(h)
         assert residual is not None
-        self._layer = None
+        self._lora_layer = None
         if hidden_out is not None:
             every = be.rms_norm(h + residual, self.w.final_norm, eps)
             hidden_out.append(every)
@@ -273,15 +284,6 @@ class CausalLM(MoESteps):
         if self.fg is not None and self.fg.layout.shard("oproj") is not None:
             return self.fg.o_proj(o, w.o, self.backend)
         return self._lora_linear(o, w.o, "o")
-
-    def _lora_linear(self, x: torch.Tensor, w, site: str,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A projection of the current decoder layer, with the rows' LoRA updates of
-        ``site`` when the forward runs adapters."""
-        out = self.backend.linear(x, w, bias)
-        if self.lora is not None and self._layer is not None:
-            self.lora.apply(self._layer, site, x, out)
-        return out
 
     @torch.inference_mode()
     def mtp_forward(
