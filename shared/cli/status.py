@@ -72,6 +72,9 @@ class InstanceStatus:
     # speculative decoding: accepted / draft tokens since start (None: no drafts yet)
     spec_acceptance: float | None = None
     lora_adapters: list[str] = field(default_factory=list)  # held in its host memory
+    # KV tiers: the host tier's (blocks held, capacity), blocks read back from it and from
+    # storage, blocks asked of them (None: no tiers)
+    kv_tiers: tuple[int, int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,10 @@ def _instance_status(inst: Instance, now: float) -> InstanceStatus:
         heartbeat_age_s=max(0.0, now - inst.heartbeat), draining=inst.draining,
         spec_acceptance=(inst.load.get("spec_accepted_tokens", 0) / drafted
                          if (drafted := inst.load.get("spec_draft_tokens", 0)) else None),
-        lora_adapters=list(inst.adapters))
+        lora_adapters=list(inst.adapters),
+        kv_tiers=tuple(inst.load.get(k, 0) for k in (  # type: ignore[arg-type]
+            "tier_host_blocks", "tier_host_capacity", "tier_host_hits", "tier_storage_hits",
+            "tier_queries")) if inst.load.get("tier_host_capacity") else None)
 
 
 def _pool_status(inst: Instance, timeout_s: float) -> PoolStatus:
@@ -238,7 +244,19 @@ def render(s: MeshStatus) -> str:
              for g in s.eplb_groups])]
     elif s.eplb_controller is not None:
         lines.append("  no DP groups (no prefill/decode instance with dp_size > 1)")
-    return "\n".join(lines + _lora_lines(s))
+    return "\n".join(lines + _tier_lines(s) + _lora_lines(s))
+
+
+def _tier_lines(s: MeshStatus) -> list[str]:
+    """Each instance's KV tiers (none with tiers: no section)."""
+    rows = [(i, i.kv_tiers) for i in s.instances if i.kv_tiers is not None]
+    if not rows:
+        return []
+    return ["", "KV TIERS"] + ["  " + row for row in _table(
+        ["ID", "HOST BLOCKS", "HOST HITS", "STORAGE HITS", "HIT RATE"],
+        [[i.id, f"{held}/{cap}", str(host), str(storage),
+          f"{100 * (host + storage) / asked:.1f}%" if asked else "-"]
+         for i, (held, cap, host, storage, asked) in rows])]
 
 
 def _lora_lines(s: MeshStatus) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pdmesh.shared.config.tier_flags import tier_config
 from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.engine.spec_decode import RUN_METHODS, DynamicBudget, SpeculativeConfig
 
@@ -35,7 +36,8 @@ def engine_config(f: Any) -> EngineConfig:
         cuda_graph_padding=not getattr(f, "disable_cuda_graph_padding", False),
         runner=runner(f), pooler_config=getattr(f, "pooler_config", None),
         hf_overrides=getattr(f, "hf_overrides", None),
-        cpu_offload_gb=getattr(f, "cpu_offload_gb", 0.0) or 0.0, **lora_settings(f))
+        cpu_offload_gb=getattr(f, "cpu_offload_gb", 0.0) or 0.0, kv_tiers=tier_config(f),
+        **lora_settings(f))
 
 
 def lora_settings(f: Any) -> dict[str, Any]:

@@ -262,6 +262,32 @@ FLAGS: list[Flag] = [
     Flag("--fully-sharded-loras", "bool", ENGINE_LINE, False,
          "vLLM's: shard adapters over tensor-parallel ranks; without effect: LoRA runs "
          "without tensor parallelism", effect=frozenset()),
+    Flag("--enable-hierarchical-cache", "bool", ENGINE_LINE | {"up"}, False,
+         "SGLang's HiCache: KV blocks kept in host memory (and in storage) under the prefix "
+         "cache, read back before a prompt runs (engine/kv_tiers.py)"),
+    Flag("--hicache-ratio", "float", ENGINE_LINE | {"up"}, 2.0,
+         "the host tier's size as a multiple of the device KV cache's"),
+    Flag("--hicache-size", "float", ENGINE_LINE | {"up"}, 0.0,
+         "the host tier's size in GB (over --hicache-ratio; 0: the ratio decides)"),
+    Flag("--hicache-write-policy", "str", ENGINE_LINE | {"up"}, "write_through",
+         "when a block is copied to the host tier: computed (write_through), hit twice "
+         "(write_through_selective), or evicted from the device (write_back)",
+         choices=("write_back", "write_through", "write_through_selective")),
+    Flag("--hicache-storage-backend", "str", ENGINE_LINE | {"up"}, None,
+         "a storage tier under the host tier: file (a directory, "
+         "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache, shared by the instances "
+         "on a host and kept across restarts) or mooncake (the mesh's KV pool)",
+         choices=("file", "mooncake")),
+    Flag("--hicache-storage-prefetch-policy", "str", ENGINE_LINE | {"up"}, "best_effort",
+         "a read from the tiers still running after --kv-load-timeout is given up and the "
+         "prompt computed (best_effort, timeout), or waited for (wait_complete)",
+         choices=("best_effort", "wait_complete", "timeout")),
+    Flag("--kv-offloading-size", "float", ENGINE_LINE | {"up"}, None,
+         "vLLM's: GiB of host memory for KV blocks under the prefix cache (the host tier, "
+         "as --enable-hierarchical-cache --hicache-size)"),
+    Flag("--kv-offloading-backend", "str", ENGINE_LINE | {"up"}, "native",
+         "vLLM's: native (pdmesh's tiers); lmcache is not bound",
+         choices=("native", "lmcache")),
     Flag("--hf-overrides", "json", ENGINE_LINE | {"gateway", "up"}, ENGINE_DEFAULT["hf_overrides"],
          "config.json keys laid over the checkpoint's: rope_scaling, rope_parameters, "
          "rope_theta, max_position_embeddings (e.g. YaRN for a longer context); another "

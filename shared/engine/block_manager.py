@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set once the block is full and registered
+    hits: int = 0  # prefix-cache hits on its content (the KV tiers' selective writes)
 
 
 NULL_BLOCK_ID = 0
@@ -77,7 +79,10 @@ class BlockPool:
     Invariant: a usable block is in the free list iff its ref_cnt is 0.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 on_evict: Callable[[list[KVBlock]], None] | None = None):
+        """``on_evict``: called with the cached blocks an allocation is about to reuse,
+        their content still in them (the KV tiers' write-back)."""
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -86,6 +91,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[NULL_BLOCK_ID + 1:])
         self._cached: dict[bytes, KVBlock] = {}
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -110,12 +116,16 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, b = self._free.popitem(last=False)
-            if b.block_hash is not None:  # evict its cached content
-                if self._cached.get(b.block_hash) is b:
-                    del self._cached[b.block_hash]
-                b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
+        evicted = [b for b in out if b.block_hash is not None]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        for b in evicted:  # their cached content goes
+            if self._cached.get(b.block_hash) is b:
+                del self._cached[b.block_hash]
+            b.block_hash = None
+            b.hits = 0
         return out
 
     def free(self, blocks: list[KVBlock]) -> None:
@@ -139,10 +149,12 @@ class BlockPool:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
+            block.hits = 0
 
     def reset_prefix_cache(self) -> None:
         for b in self._cached.values():
             b.block_hash = None
+            b.hits = 0
         self._cached.clear()
 
 
@@ -189,10 +201,21 @@ class KVCacheManager:
                        else [GroupBlocks("kv", num_blocks)])
         if self.groups[0].window is not None:
             raise ValueError("cache groups: the first group must keep every block")
-        self.pools = [BlockPool(g.num_blocks, enable_prefix_caching) for g in self.groups]
+        self.pools = [BlockPool(spec.num_blocks, enable_prefix_caching, self._evicting(g))
+                      for g, spec in enumerate(self.groups)]
         self.pool = self.pools[0]
         self.hasher = BlockHasher(block_size, fingerprint)
         self._held: dict[str, list[_Held]] = {}
+        # the KV tiers' (tier_connector.TierWrites): a group's cached blocks about to be
+        # reused, and a group's blocks a prefix hit takes (their ``hits`` counted)
+        self.on_evict: Callable[[int, list[KVBlock]], None] | None = None
+        self.on_hit: Callable[[int, list[KVBlock]], None] | None = None
+
+    def _evicting(self, group: int) -> Callable[[list[KVBlock]], None]:
+        def evicting(blocks: list[KVBlock]) -> None:
+            if self.on_evict is not None:
+                self.on_evict(group, blocks)
+        return evicting
 
     @property
     def num_free_blocks(self) -> int:
@@ -279,6 +302,11 @@ class KVCacheManager:
                 zip(self.pools, plans, strict=True)):
             h = held[g]
             pool.touch(touched)
+            if touched:
+                for b in touched:
+                    b.hits += 1
+                if self.on_hit is not None:
+                    self.on_hit(g, touched)
             h.blocks.extend(hits)
             h.ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in hits)
             gap = first - len(h.blocks)
@@ -320,6 +348,17 @@ class KVCacheManager:
             reclaimed = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
             out.append(max(0, max(0, last - have) - (pool.num_free - reclaimed + trimmed)))
         return out
+
+    def registered_blocks(self, request: Request) -> int:
+        """The request's leading blocks findable by hash (full, their content in)."""
+        held = self._held.get(request.request_id)
+        return held[0].registered if held is not None else 0
+
+    def held_blocks(self, request: Request, group: int) -> list[KVBlock | None]:
+        """The request's blocks in a group, in token order (read-only; a sliding group's
+        past its window are None)."""
+        held = self._held.get(request.request_id)
+        return held[group].blocks if held is not None else []
 
     def releasable(self, request: Request) -> list[int]:
         """Per group, the blocks freeing the request would give back (those no other

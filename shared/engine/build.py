@@ -38,6 +38,7 @@ from pdmesh.shared.engine.kv_cache_spec import (
 )
 from pdmesh.shared.engine.kv_connector import PoolConnector
 from pdmesh.shared.engine.kv_sizing import kv_blocks
+from pdmesh.shared.engine.kv_tiers import HostTier, TierConfig
 from pdmesh.shared.engine.model_runner import ModelRunner
 from pdmesh.shared.engine.mtp import MtpProposer
 from pdmesh.shared.engine.parallel_setup import (
@@ -62,6 +63,7 @@ from pdmesh.shared.engine.stats_log import StatsLog
 from pdmesh.shared.engine.step_costs import StepCosts
 from pdmesh.shared.engine.step_hooks import StepHook
 from pdmesh.shared.engine.structured import GrammarCompiler
+from pdmesh.shared.engine.tier_connector import TierConnector, TierWrites
 from pdmesh.shared.engine.tp_kv import ShardedPoolConnector
 from pdmesh.shared.engine.weight_offload import GIB, offload_layers
 from pdmesh.shared.infra.launcher import ready_timeout_s
@@ -102,12 +104,13 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     mtp = speculative is not None and speculative.is_mtp
     caches = _Caches.build(config, model_cfg, loaded, mtp, dtype, device, backend,
                            max_model_len, batched)
-    connector = _connector(kv_pool, caches, dtype, loaded.tp_ranks, save_prompts)
+    connector = _connector(kv_pool, caches, dtype, loaded.tp_ranks, save_prompts,
+                           config.kv_tiers)
     if caches.runner.graphs is not None and speculative is not None:
         # verify steps (each sequence 1 + its drafts) replay too
         caches.runner.graphs.max_per_seq = 1 + (speculative.num_speculative_tokens or 0)
     scheduler = _scheduler(config, caches, batched, max_model_len, connector,
-                           pooled=kv_pool is not None)
+                           pooled=connector is not None)
     spec_stats = SpecStats()
     speculation = None if speculative is None else Speculation(
         speculative, _proposer(speculative, loaded, caches, backend), scheduler,
@@ -118,7 +121,8 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     pooler = None if pooling is None else Pooler(caches.runner, loaded.model.final_hidden)
     stats = _stats_log(config, scheduler, caches.kv)
     hooks: list[StepHook] = [h for h in (
-        load_step, saves, step_costs, speculation, pooler, stats,
+        load_step, saves, _tier_writes(config, connector, caches.kv), step_costs,
+        speculation, pooler, stats,
         HiddenStates(caches.runner, loaded.model.final_hidden)) if h is not None]
     engine = EngineCore(
         config=config, device=device, backend=backend, dtype=dtype,
@@ -175,7 +179,7 @@ def _scheduler(config: EngineConfig, caches: _Caches, batched: int, max_model_le
                           batched, max_model_len, connector,
                           # pool reads run beside the steps, never inside one (TP: the
                           # ranks get their heads of what was read between two steps)
-                          async_kv_load=pooled, kv_load_timeout_s=config.kv_load_timeout_s)
+                          async_kv_load=pooled, kv_load_timeout_s=_load_timeout(config))
     scheduler.recompute_elsewhere = config.recompute_scheduler
     return scheduler
 
@@ -291,18 +295,68 @@ class _Caches:
 
 
 def _connector(kv_pool: KVPool | None, caches: _Caches, dtype: torch.dtype,
-               tp_ranks: TensorParallelRanks | None, save_prompts: bool
-               ) -> PoolConnector | None:
-    if kv_pool is None:
-        return None
+               tp_ranks: TensorParallelRanks | None, save_prompts: bool,
+               tiers: TierConfig | None) -> PoolConnector | None:
     windows = [g.window for g in caches.groups]
     names = [g.name for g in caches.groups]
+    if tiers is not None:
+        return TierConnector(_host_tier(tiers, caches, kv_pool), kv_pool,
+                             [CacheRegions(t) for t in caches.tensors], caches.kv.hasher,
+                             caches.fingerprint, save_prompts, windows=windows, names=names)
+    if kv_pool is None:
+        return None
     if tp_ranks is not None:
         return ShardedPoolConnector(kv_pool, caches.tensors, caches.pool_spec, dtype, tp_ranks,
                                     caches.kv.hasher, caches.fingerprint, save_prompts,
                                     windows=windows, names=names)
     return PoolConnector(kv_pool, [CacheRegions(t) for t in caches.tensors], caches.kv.hasher,
                          caches.fingerprint, save_prompts, windows=windows, names=names)
+
+
+def _tier_writes(config: EngineConfig, connector: PoolConnector | None,
+                 kv: KVCacheManager) -> TierWrites | None:
+    """What fills the host tier (--hicache-write-policy), when there are tiers."""
+    if config.kv_tiers is None:
+        return None
+    assert isinstance(connector, TierConnector)
+    return TierWrites(connector, kv, config.kv_tiers.write_policy)
+
+
+def _load_timeout(config: EngineConfig) -> float | None:
+    """How long a pool or tier read may run: --kv-load-timeout, unless the tiers'
+    prefetch policy is wait_complete."""
+    tiers = config.kv_tiers
+    if tiers is not None and tiers.prefetch_policy == "wait_complete":
+        return None
+    return config.kv_load_timeout_s
+
+
+def _host_tier(tiers: TierConfig, caches: _Caches, kv_pool: KVPool | None) -> HostTier:
+    """L2 (and L3 under it) over the engine's cache groups."""
+    groups = [CacheRegions(t).tensors for t in caches.tensors]
+    l1 = sum(t.numel() * t.element_size() for ts in groups for t in ts)
+    storage = None
+    if tiers.storage == "file":
+        from pdmesh.shared.kvpool.file import FilePool
+
+        storage = FilePool(tiers.storage_dir)
+    elif tiers.storage == "mooncake":
+        if kv_pool is None:
+            raise ValueError("--hicache-storage-backend mooncake: this instance has no "
+                             "Mooncake pool (the mesh's prefill and decode instances do: "
+                             "`pdmesh up`); use file here")
+        storage = kv_pool
+    tier = HostTier(groups, tiers.capacity(l1), storage)
+    log.info("kv tiers: %s of host memory (%s blocks), %s, storage %s",
+             _gib(sum(s.block_bytes * n for s, n in zip(tier.stores, tier.capacity_blocks,
+                                                        strict=True))),
+             "/".join(map(str, tier.capacity_blocks)), tiers.write_policy,
+             tiers.storage or "none")
+    return tier
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 def _proposer(spec: SpeculativeConfig, loaded: _Loaded, caches: _Caches,

@@ -159,6 +159,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # adapters read at start and served by name: vLLM's --lora-modules (name, folder)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # KV tiers under the prefix cache (engine/kv_tiers.py: SGLang's HiCache, vLLM's
+    # --kv-offloading-size): a kv_tiers.TierConfig, or None (L1 alone)
+    kv_tiers: Any = None
 
     @property
     def pools(self) -> bool:
@@ -197,7 +200,21 @@ class EngineConfig:
         self._validate_choices()
         self._validate_parallel()
         self._validate_lora()
+        self._validate_tiers()
         self.graph_config()
+
+    def _validate_tiers(self) -> None:
+        if self.kv_tiers is None:
+            return
+        self.kv_tiers.validate()
+        for name, why in (("tensor_parallel_size", "each rank holds its heads of a block; "
+                           "the tiers keep whole blocks"),):
+            value = getattr(self, name)
+            if value and value != 1:
+                raise ValueError(f"--enable-hierarchical-cache: not with {name} ({why})")
+        if not self.enable_prefix_caching:
+            raise ValueError("--enable-hierarchical-cache: needs the prefix cache (not with "
+                             "--no-enable-prefix-caching / --disable-radix-cache)")
 
     def _validate_lora(self) -> None:
         if not self.enable_lora:

@@ -63,6 +63,11 @@ METRIC_NAMES: dict[str, str] = {
     "pdmesh_kv_pool_hits_total": "worker",
     "pdmesh_kv_pool_misses_total": "worker",
     "pdmesh_kv_load_timeouts_total": "worker",
+    "pdmesh_kv_tier_blocks": "worker (KV tiers)",
+    "pdmesh_kv_tier_hits_total": "worker (KV tiers)",
+    "pdmesh_kv_tier_queries_total": "worker (KV tiers)",
+    "pdmesh_kv_tier_bytes_total": "worker (KV tiers)",
+    "pdmesh_kv_tier_copy_seconds": "worker (KV tiers)",
     "pdmesh_num_preemptions_total": "worker",
     "pdmesh_requests_recomputed_total": "worker",
     "pdmesh_spec_decode_num_drafts_total": "worker (speculative decoding)",
@@ -229,11 +234,56 @@ def _lora_info(sched: Any, max_loras: int, labels: dict[str, str]) -> Metric:
     return info
 
 
+TIER_DIRECTIONS = ("to_host", "from_host", "to_storage", "from_storage")
+
+
+def _observe(family: HistogramMetricFamily, hist: dict, key: str, new: list[float],
+             labels: dict[str, str]) -> None:
+    """Add ``new`` observations to the cumulative histogram ``hist[key]`` and the
+    family's sample for ``key``."""
+    counts, total = hist[key]
+    for t in new:
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            counts[i] += t <= bound
+        counts[-1] += 1
+        total[0] += t
+    buckets = [(str(b), c) for b, c in zip(LATENCY_BUCKETS, counts, strict=False)]
+    family.add_metric([*labels.values(), key], buckets + [("+Inf", counts[-1])], total[0])
+
+
+def _tier_metrics(tier, labels: dict[str, str], hist: dict) -> Iterator[Metric]:
+    """The KV tiers' (engine/kv_tiers.py): occupancy, hits, bytes moved, copy times."""
+    blocks = GaugeMetricFamily("pdmesh_kv_tier_blocks", "KV blocks the host tier holds, "
+                               "and its capacity.", labels=[*labels, "what"])
+    blocks.add_metric([*labels.values(), "held"], sum(tier.occupancy()))
+    blocks.add_metric([*labels.values(), "capacity"], sum(tier.capacity_blocks))
+    yield blocks
+    hits = CounterMetricFamily("pdmesh_kv_tier_hits", "KV blocks read back from a tier "
+                               "(host: host memory; storage: the storage backend).",
+                               labels=[*labels, "tier"])
+    for name, n in tier.stats.hits.items():
+        hits.add_metric([*labels.values(), name], n)
+    yield hits
+    yield counter("pdmesh_kv_tier_queries", "KV blocks asked of the tiers.", labels,
+                  tier.stats.queries)
+    moved = CounterMetricFamily("pdmesh_kv_tier_bytes", "KV bytes copied between the "
+                                "tiers.", labels=[*labels, "direction"])
+    seconds = HistogramMetricFamily("pdmesh_kv_tier_copy_seconds", "Time of one copy "
+                                    "between tiers (a batch of blocks).",
+                                    labels=[*labels, "direction"])
+    for d in TIER_DIRECTIONS:
+        moved.add_metric([*labels.values(), d], tier.stats.bytes[d])
+        _observe(seconds, hist, d, tier.stats.take_seconds(d), labels)
+    yield moved
+    yield seconds
+
+
 def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iterator[Metric]]:
     """What an engine instance (prefill, decode, mixed; one DP rank) exports at scrape
     time (the per-request histograms are in WorkerRequestMetrics)."""
     # per direction: [cumulative count per bucket..., +Inf count], and the sum of seconds
     hist = {d: ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]) for d in ("put", "get")}
+    tier_hist = {d: ([0] * (len(LATENCY_BUCKETS) + 1), [0.0]) for d in TIER_DIRECTIONS}
 
     def collect() -> Iterator[Metric]:
         ld = loop.load()
@@ -260,16 +310,8 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
             for direction in ("put", "get"):
                 moved.add_metric([*labels.values(), direction],
                                  conn.transfer_bytes[direction])
-                new = conn.take_transfer_seconds(direction)
-                counts, total = hist[direction]
-                for t in new:
-                    for i, bound in enumerate(LATENCY_BUCKETS):
-                        counts[i] += t <= bound
-                    counts[-1] += 1
-                    total[0] += t
-                buckets = [(str(b), c) for b, c in zip(LATENCY_BUCKETS, counts, strict=False)]
-                seconds.add_metric([*labels.values(), direction],
-                                   buckets + [("+Inf", counts[-1])], total[0])
+                _observe(seconds, hist, direction, conn.take_transfer_seconds(direction),
+                         labels)
             yield moved
             yield seconds
             stats = conn.pool.stats()
@@ -280,6 +322,8 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
             yield counter("pdmesh_kv_load_timeouts", "Pool reads given up after "
                           "--kv-load-timeout (the prompt was computed here).", labels,
                           sched.kv_load_timeouts)
+            if getattr(conn, "tier", None) is not None:
+                yield from _tier_metrics(conn.tier, labels, tier_hist)
         yield counter("pdmesh_num_preemptions", "Requests that gave up their KV blocks "
                       "(recomputed here, or handed back).", labels, sched.preemptions)
         yield counter("pdmesh_requests_recomputed", "Requests the recompute scheduler "

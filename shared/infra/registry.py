@@ -44,7 +44,8 @@ LOAD_FIELDS = ("running", "waiting", "free_kv_blocks", "total_kv_blocks",
                "queued_prefill_tokens", "block_size", "placement_version",
                "expert_bytes_moved", "decode_step_us", "prefill_ns_per_token",
                "max_num_batched_tokens", "stalled_ms", "spec_draft_tokens",
-               "spec_accepted_tokens", "max_model_len")
+               "spec_accepted_tokens", "max_model_len", "tier_host_blocks",
+               "tier_host_capacity", "tier_host_hits", "tier_storage_hits", "tier_queries")
 
 
 @dataclass

@@ -189,7 +189,18 @@ class EngineLoop:
                           spec_draft_tokens=self.engine.spec_stats.num_draft_tokens,
                           spec_accepted_tokens=self.engine.spec_stats.num_accepted_tokens,
                           lora_adapters=[] if self.engine.lora is None
-                          else self.engine.lora.held())
+                          else self.engine.lora.held(), **self._tier_load())
+
+    def _tier_load(self) -> dict[str, int]:
+        """The KV tiers' figures for the heartbeat ({}: no tiers)."""
+        tier = getattr(self.engine.connector, "tier", None)
+        if tier is None:
+            return {}
+        return {"tier_host_blocks": sum(tier.occupancy()),
+                "tier_host_capacity": sum(tier.capacity_blocks),
+                "tier_host_hits": tier.stats.hits["host"],
+                "tier_storage_hits": tier.stats.hits["storage"],
+                "tier_queries": tier.stats.queries}
 
     def _stalled_ms(self) -> int:
         """Since the last step ended, while there is work (read from the heartbeat's

@@ -202,6 +202,13 @@ class EngineLoad(msgspec.Struct, tag=True):
     # speculative decoding since start (0 and 0: it drafts nothing)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the KV tiers (engine/kv_tiers.py; 0s: none): the host tier's blocks and capacity,
+    # the blocks read back from it and from storage, the blocks asked of them
+    tier_host_blocks: int = 0
+    tier_host_capacity: int = 0
+    tier_host_hits: int = 0
+    tier_storage_hits: int = 0
+    tier_queries: int = 0
     # the LoRA adapters in host memory (routers send an adapter's requests where it is)
     lora_adapters: list[str] = msgspec.field(default_factory=list)
 
