@@ -105,10 +105,16 @@ class Projections:
         flat = rows.view(-1)
         y = torch.bmm(x.index_select(0, flat).view(s, m, -1), a) * valid
         r = b_parts[0].shape[1]
-        for p, b, (lo, hi) in zip(parts_of or range(len(b_parts)), b_parts, bounds,
-                                  strict=True):
-            z = torch.bmm(y[:, :, p * r:(p + 1) * r], b)
-            out[:, lo:hi].index_add_(0, flat, z.view(s * m, -1))
+        width = out.shape[1]
+        parts = list(zip(parts_of or range(len(b_parts)), b_parts, bounds, strict=True))
+        if len(parts) == 1 and bounds[0] == (0, width):
+            z = torch.bmm(y[:, :, parts[0][0] * r:(parts[0][0] + 1) * r], parts[0][1])
+        else:  # the parts side by side, as wide as ``out``, added in one scatter (one
+            # into each part's columns, strided rows, is several times slower on cpu)
+            z = y.new_zeros(s, m, width)
+            for p, b, (lo, hi) in parts:
+                z[:, :, lo:hi] = torch.bmm(y[:, :, p * r:(p + 1) * r], b)
+        out.index_add_(0, flat, z.view(s * m, width))
 
     def grouped_matmul(
         self, x: torch.Tensor, weight: torch.Tensor | QuantExperts, group_sizes: list[int]
