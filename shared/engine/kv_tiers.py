@@ -131,6 +131,21 @@ class _GroupStore:
                 return slot
         return None
 
+    def publish(self, key: str, slot: int) -> bool:
+        """``slot`` now holds ``key`` - unless another slot came to hold it meanwhile (a
+        read and a write of one block at once): False, and the caller frees ``slot``
+        once its copy is done (``spare``)."""
+        if key in self.slot_of:
+            return False
+        self.slot_of[key] = slot
+        return True
+
+    def spare(self, slots: list[int]) -> None:
+        """Slots whose copies are done and that hold no key: free again."""
+        for s in slots:
+            if s not in self.busy:
+                self.free.append(s)
+
     def hold(self, slots: list[int]) -> None:
         for s in slots:
             self.busy[s] = self.busy.get(s, 0) + 1
@@ -234,10 +249,14 @@ class HostTier:
             store.to_host(ids, slots)
             self.stats.timed("to_host", len(ids) * store.block_bytes, time.perf_counter() - t0)
             with self._lock:
-                store.slot_of.update(zip(gkeys, slots, strict=True))
-                if self._writer is None:
-                    store.release(slots)
-            if self._writer is not None:  # (the slots stay held until written)
+                kept = [store.publish(k, sl) for k, sl in zip(gkeys, slots, strict=True)]
+                if self._writer is None or not all(kept):
+                    store.release([sl for sl, k in zip(slots, kept, strict=True)
+                                   if self._writer is None or not k])
+                    store.spare([sl for sl, k in zip(slots, kept, strict=True) if not k])
+                gkeys = [k for k, ok in zip(gkeys, kept, strict=True) if ok]
+                slots = [sl for sl, ok in zip(slots, kept, strict=True) if ok]
+            if self._writer is not None and gkeys:  # (the slots stay held until written)
                 self._writer.submit(self._write_storage, g, gkeys, slots)
             copied += len(ids)
         return copied
@@ -275,8 +294,9 @@ class HostTier:
             self.stats.hits["host"] += sum(len(e[0]) for e in plan.values())
         in_host = {i for e in plan.values() for i in e[0]}
         missing = [i for i in range(len(keys)) if i not in in_host]
+        spares: set[tuple[int, int]] = set()  # (group, slot): read, but not kept
         if missing and self.storage is not None:
-            self._read_storage(keys, blocks, missing, plan)
+            spares = self._read_storage(keys, blocks, missing, plan)
         for g, (idx, ids, slots) in plan.items():
             store = self.stores[g]
             t0 = time.perf_counter()
@@ -285,6 +305,7 @@ class HostTier:
             finally:
                 with self._lock:
                     store.release(slots)
+                    store.spare([sl for sl in slots if (g, sl) in spares])
             self.stats.timed("from_host", len(ids) * store.block_bytes,
                              time.perf_counter() - t0)
             for i in idx:
@@ -292,9 +313,12 @@ class HostTier:
         return found
 
     def _read_storage(self, keys: list[str], blocks: list[Block], missing: list[int],
-                      plan: dict[int, tuple[list[int], list[int], list[int]]]) -> None:
+                      plan: dict[int, tuple[list[int], list[int], list[int]]]
+                      ) -> set[tuple[int, int]]:
         """Read ``missing`` keys from L3 into free L2 slots (held), adding those found to
-        ``plan``."""
+        ``plan``; returns the (group, slot)s to free once copied (their key came to
+        another slot meanwhile)."""
+        spares: set[tuple[int, int]] = set()
         taken: list[tuple[int, int]] = []  # (i, slot)
         with self._lock:
             for i in missing:
@@ -322,9 +346,11 @@ class HostTier:
                     store.free.append(slot)
                     continue
                 self.stats.hits["storage"] += 1
-                store.slot_of[keys[i]] = slot
+                if not store.publish(keys[i], slot):
+                    spares.add((g, slot))
                 entry = plan.setdefault(g, ([], [], []))
                 entry[0].append(i), entry[1].append(block_id), entry[2].append(slot)
+        return spares
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the L3 writes queued so far (tests; a drained engine)."""

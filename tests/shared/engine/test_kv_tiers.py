@@ -190,3 +190,30 @@ def test_every_architecture_reads_back_token_identical(tiny_models, arch, extra)
     assert again.output_token_ids == want
     assert again.num_cached_tokens == 64
     assert eng.connector.tier.stats.hits["host"] >= 4
+
+
+def test_a_block_read_and_written_at_once_keeps_one_slot():
+    """A storage read of a key that a write puts in L2 meanwhile (two requests on one
+    prefix): one slot keeps the key, the other goes back; none is lost."""
+    from pdmesh.shared.kvpool import InProcessPool
+
+    cache = torch.arange(10 * 4, dtype=torch.float32).view(10, 4)
+    store = InProcessPool()
+    src = torch.full((4,), 7.0)
+    store.put(["k"], [[(src.data_ptr(), 16)]])
+    tier = HostTier([[cache]], capacity_bytes=3 * 16, storage=store)
+
+    class Racing(InProcessPool):
+        def get(self, keys, regions):
+            tier.put(["k"], [(0, 2)])  # the write, while the read runs
+            return store.get(keys, regions)
+
+        def exists(self, keys):
+            return store.exists(keys)
+
+    tier.storage = Racing()
+    assert tier.get(["k"], [(0, 9)]) == [True]
+    assert cache[9].tolist() == [7.0] * 4  # what the read brought
+    tier.flush()
+    s = tier.stores[0]
+    assert len(s.slot_of) == 1 and sorted(s.free + list(s.slot_of.values())) == [0, 1, 2]
