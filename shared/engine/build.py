@@ -104,8 +104,7 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     mtp = speculative is not None and speculative.is_mtp
     caches = _Caches.build(config, model_cfg, loaded, mtp, dtype, device, backend,
                            max_model_len, batched)
-    connector = _connector(kv_pool, caches, dtype, loaded.tp_ranks, save_prompts,
-                           config.kv_tiers)
+    connector = _connector(kv_pool, caches, dtype, loaded.tp_ranks, save_prompts, config.kv_tiers)
     if caches.runner.graphs is not None and speculative is not None:
         # verify steps (each sequence 1 + its drafts) replay too
         caches.runner.graphs.max_per_seq = 1 + (speculative.num_speculative_tokens or 0)

@@ -162,7 +162,7 @@ class CPUBackend(CPUProjections):
         mask; a chunk after context gets its own [Lq, Lk] causal mask over its keys
         gathered (or sliced where its blocks are consecutive)."""
         state = meta.backend_state
-        if not meta.has_context and bool((qlens == qlens[0]).all()):
+        if not meta.has_context and (qlens.size == 0 or bool((qlens == qlens[0]).all())):
             return
         if self._as_decode(meta):
             state["as_decode"] = self._token_rows(meta, tables, seq_lens, qlens)

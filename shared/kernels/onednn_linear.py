@@ -19,6 +19,7 @@ if the weight changes in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -65,6 +66,23 @@ def available() -> bool:
         return False
 
 
+@functools.cache
+def bfloat16_available() -> bool:
+    """Whether oneDNN's packed linear takes bfloat16 here: its bf16 path needs
+    avx_ne_convert or avx512bw / vl / dq, which not every x86 CPU has (checked once on a
+    small case; without them bfloat16 products stay with mm)."""
+    try:
+        x = torch.ones(2, 32, dtype=torch.bfloat16)
+        w = torch.ones(32, 16, dtype=torch.bfloat16)
+        y = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None), None,
+            "none", [], "")
+        return bool(torch.allclose(y.float(), (x @ w).float()))
+    except (RuntimeError, AttributeError) as e:
+        log.info("oneDNN's bfloat16 linear unavailable on this cpu (%s): mm instead", e)
+        return False
+
+
 class OneDNNLinears:
     """The float32 / bfloat16 projection weights a cpu engine multiplies by, each also in
     oneDNN's blocked layout, keyed by the weight tensor itself."""
@@ -81,7 +99,7 @@ class OneDNNLinears:
         the host, 2-D, and no gradient asked for (the packed op has no backward: training, e.g.
         an MTP head's distillation, keeps mm)."""
         return ((x.dtype == torch.float32 and x.shape[0] >= MIN_ROWS
-                 or x.dtype == torch.bfloat16)
+                 or x.dtype == torch.bfloat16 and bfloat16_available())
                 and w.dtype == x.dtype and w.dim() == 2 and x.dim() == 2
                 and w.device.type == "cpu" and x.device.type == "cpu"
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))

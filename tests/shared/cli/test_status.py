@@ -85,7 +85,7 @@ def test_registered_instances_in_table_and_json(registry_prefix, capsys):
         "role": "decode", "id": "decode-r0", "address": "127.0.0.1:50301", "model": "tiny",
         "dp_rank": 0, "dp_size": 2, "running": 3, "waiting": 1, "kv_cache_usage_perc": 0.75,
         "placement_version": 2, "heartbeat_age_s": 0, "draining": False,
-        "spec_acceptance": 0.25, "lora_adapters": []}
+        "spec_acceptance": 0.25, "lora_adapters": [], "kv_tiers": None}
     assert by_id["decode-r1"]["spec_acceptance"] is None
     assert 0 <= by_id["decode-r0"]["heartbeat_age_s"] < 10
     assert by_id["prefill-a"]["draining"] and by_id["prefill-a"]["placement_version"] == 0
