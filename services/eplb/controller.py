@@ -404,8 +404,9 @@ class EplbController:
         """``decide`` every timer-driven group (the timer's work; step-driven groups
         decide when their ranks close a round); a group that fails is logged."""
         decisions = []
-        with self._lock:
-            timed = sorted(name for name, g in self._groups.items() if not g.rounds)
+        with self._lock:  # (not before every rank reported: a part of the load misleads)
+            timed = sorted(name for name, g in self._groups.items()
+                           if not g.rounds and len(g.samples) == g.shape["dp_size"])
         for group in timed:
             try:
                 decisions.append(self.decide(group))

@@ -100,8 +100,8 @@ class LocalPort:
 
     def wait(self, timeout_s: float) -> bool:
         woken = self._wake.wait(timeout_s)
-        self._wake.clear()
-        return woken
+        self._wake.clear()  # (a put between the timeout and this clear is in the inbox)
+        return woken or not self._inbox.empty()
 
     def send(self, deltas: list[TokenDelta]) -> None:
         if deltas:

@@ -314,3 +314,15 @@ def test_step_driven_groups_decide_when_every_rank_closes_a_round():
     assert not c.take_due_round("timed") and not c.take_due_round("nobody")
     with pytest.raises(ValueError, match="decide_round: must be non-negative"):
         sample(skewed(), decide_round=-1)
+
+
+def test_the_timer_waits_for_every_rank_before_it_places():
+    """A timer-driven group is not decided on a part of its ranks' load (the ranks that
+    have not reported yet may carry the hot experts); a forced Rebalance still is."""
+    c = EplbController(improvement_threshold=0.0)
+    c.report(sample(skewed(), dp_rank=0))
+    assert c.decide_all() == [] and c.placement("g") is None
+    c.report(sample(uniform(), dp_rank=1))
+    assert [d.group for d in c.decide_all()] == ["g"]
+    c.report(sample(skewed(), dp_rank=0, group="half"))
+    assert c.decide("half", force=True).published

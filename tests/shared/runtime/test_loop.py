@@ -109,3 +109,22 @@ def test_a_signal_after_a_peers_drain_is_the_first():
     assert own.draining and not own._stopping
     own.drain(30.0)
     assert own._stopping
+
+
+def test_a_message_put_as_the_local_ports_wait_times_out_is_not_missed():
+    """A put that lands between the wait's timeout and its clearing of the wake still
+    counts: the waiter (a yielding decode engine, an idle one) steps on at once."""
+    from pdmesh.shared.runtime.loop import LocalPort
+
+    port = LocalPort()
+
+    class LateWake(threading.Event):
+        def wait(self, timeout=None):  # times out, and the put comes just then
+            woken = super().wait(0)
+            port.put("late")
+            return woken
+
+    port._wake = LateWake()
+    assert port.wait(0.01) and port.receive() == ["late"]
+    port._wake = threading.Event()
+    assert not port.wait(0.01) and port.receive() == []
