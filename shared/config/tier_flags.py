@@ -41,16 +41,34 @@ def tier_config(f: Any) -> TierConfig | None:
     return config
 
 
-# the companions of the switch, and their defaults (given otherwise without it: said)
-COMPANIONS = {"hicache_ratio": 2.0, "hicache_size": 0.0, "hicache_write_policy": "write_through",
-              "hicache_storage_backend": None, "hicache_storage_prefetch_policy": "best_effort"}
+# the companions of the switch (given without it: said without effect)
+COMPANIONS = ("--hicache-ratio", "--hicache-size", "--hicache-write-policy",
+              "--hicache-storage-backend", "--hicache-storage-prefetch-policy")
 
 
 def idle_tier_flags(f: Any) -> tuple[str, ...]:
     """The tier flags given without the tiers on: each said without effect."""
+    from pdmesh.shared.config.flags import FLAGS  # (flags.py reaches this module)
+
     if getattr(f, "enable_hierarchical_cache", False) or getattr(f, "kv_offloading_size", None):
         return ()
-    idle = ["--" + name.replace("_", "-") for name, default in COMPANIONS.items()
-            if getattr(f, name, default) not in (default, None)]
+    idle = [flag.name for flag in FLAGS if flag.name in COMPANIONS
+            and getattr(f, flag.attr, flag.default) not in (flag.default, None)]
     return (f"{', '.join(idle)}: without effect (the KV tiers are off: "
             "--enable-hierarchical-cache or --kv-offloading-size turns them on)",) if idle else ()
+
+
+def idle_pool_flags(f: Any, role: str, tiers: TierConfig | None) -> tuple[str, ...]:
+    """The KV pool's flags given to a mixed instance that has no use for them: it joins a
+    pool only as its tiers' Mooncake storage, and reads one only with tiers."""
+    if role != "mixed":
+        return ()
+    given = set(getattr(f, "given", ()))
+    mooncake = tiers is not None and tiers.storage == "mooncake"
+    idle = [name for name in ("--kvstore", "--pool-segment-mb")
+            if name in given and not mooncake]
+    if "--kv-load-timeout" in given and tiers is None:
+        idle.append("--kv-load-timeout")
+    return (f"{', '.join(idle)}: without effect on a mixed instance (it joins a KV pool "
+            "only for --hicache-storage-backend mooncake, and reads one only with the KV "
+            "tiers)",) if idle else ()

@@ -27,17 +27,18 @@ import time
 
 from pdmesh.shared.engine.block_manager import BlockHasher
 from pdmesh.shared.engine.request import Request
-from pdmesh.shared.kvpool.base import CacheRegions, KVPool
+from pdmesh.shared.kvpool.base import CacheRegions, KVPool, keep_time
 
 log = logging.getLogger(__name__)
 
 
 class PoolConnector:
-    def __init__(self, pool: KVPool, regions: CacheRegions | list[CacheRegions],
+    def __init__(self, pool: KVPool | None, regions: CacheRegions | list[CacheRegions],
                  hasher: BlockHasher, fingerprint: str, save_prompts: bool,
                  windows: list[int | None] | None = None, names: list[str] | None = None):
         """``regions``: per cache group (one for most models); ``windows``: per group,
-        None for a history group or the tokens a sliding group keeps."""
+        None for a history group or the tokens a sliding group keeps; ``pool`` None:
+        no mesh pool (a subclass reads its own tiers, and nothing is saved)."""
         self.pool = pool
         self.groups = regions if isinstance(regions, list) else [regions]
         self.regions = self.groups[0]
@@ -47,7 +48,7 @@ class PoolConnector:
         self.block_size = hasher.block_size
         self.prefix = fingerprint
         self.save_prompts = save_prompts
-        for group in self.groups:
+        for group in self.groups if pool is not None else ():
             for t in group.tensors:
                 pool.register(t)
         # transfers, for metrics: direction -> [bytes, seconds of each transfer]
@@ -65,10 +66,7 @@ class PoolConnector:
         moved = sum(self.groups[g].value_bytes
                     for (g, _), done in zip(blocks, ok, strict=True) if done)
         self.transfer_bytes[direction] += moved
-        times = self.transfer_seconds[direction]
-        times.append(seconds)
-        if len(times) > 4096:  # read and cleared by the metrics collector; bounded anyway
-            del times[:2048]
+        keep_time(self.transfer_seconds[direction], seconds)
         return moved
 
     def prompt_keys(self, request: Request, num_tokens: int) -> list[str]:
@@ -76,21 +74,27 @@ class PoolConnector:
         bs = self.block_size
         hashes = self.hasher.update(request)
         full = num_tokens // bs
-        keys = [f"{self.prefix}/{h.hex()}" for h in hashes[:full]]
+        keys = [self.key(0, h) for h in hashes[:full]]
         tail = request.token_ids[full * bs:num_tokens]
         if tail:
             parent = hashes[full - 1] if full else self.hasher.root_of(request)
-            keys.append(f"{self.prefix}/{self.hasher.hash_block(parent, tail).hex()}")
+            keys.append(self.key(0, self.hasher.hash_block(parent, tail)))
         return keys
+
+    def key(self, group: int, block_hash: bytes) -> str:
+        """The pool key of a cache group's block (the same in every tier and instance)."""
+        key = f"{self.prefix}/{block_hash.hex()}"
+        return key if group == 0 else self.in_group(group, key)
+
+    def in_group(self, group: int, key: str) -> str:
+        """Group 0's key of a block as ``group``'s."""
+        return key if group == 0 else f"{key}/{self.names[group]}"
 
     def _first_block(self, group: int, next_token: int) -> int:
         """The first block a group must supply when the request continues at
         ``next_token`` (every block for a history group)."""
         window = self.windows[group]
         return 0 if window is None else max(0, next_token - window) // self.block_size
-
-    def _group_keys(self, group: int, keys: list[str]) -> list[str]:
-        return keys if group == 0 else [f"{k}/{self.names[group]}" for k in keys]
 
     def _plan(self, keys: list[str], tables: list[list[int]], first: int, end: int
               ) -> tuple[list[str], list[tuple[int, int]]]:
@@ -102,9 +106,8 @@ class PoolConnector:
             if not group.tensors:
                 continue
             lo = max(first, self._first_block(g, end))
-            gkeys = self._group_keys(g, keys)
             for b in range(lo, len(keys)):
-                all_keys.append(gkeys[b])
+                all_keys.append(self.in_group(g, keys[b]))
                 blocks.append((g, tables[g][b]))
         return all_keys, blocks
 
@@ -146,8 +149,10 @@ class PoolConnector:
         return end - local_tokens
 
     def load(self, request: Request, block_ids: list[int] | list[list[int]],
-             start_token: int, num_tokens: int, off_step: bool = False) -> bool:
-        """Copy tokens [start_token, start_token + num_tokens) in from the pool.
+             start_token: int, num_tokens: int, off_step: bool = False) -> int:
+        """Copy tokens [start_token, start_token + num_tokens) in from the pool; returns
+        the tokens read from ``start_token`` on: all of them, or (blocks gone) the whole
+        blocks before the first missing one (none where the model has sliding groups).
         ``block_ids``: the request's table, or one per cache group; ``off_step``: on a
         helper thread beside the steps (``pump`` then runs between them)."""
         bs = self.block_size
@@ -159,13 +164,25 @@ class PoolConnector:
             ok = self._transfer("get", keys, blocks, off_step)
         except ConnectionError as e:
             log.warning("request %s: pool load failed (%s); recomputing", request.request_id, e)
-            return False
+            return 0
         request.kv_get_bytes = self._account("get", blocks, ok, time.perf_counter() - t0)
-        if not all(ok):
-            log.warning("request %s: %d of %d blocks vanished from the pool; recomputing",
-                        request.request_id, len(ok) - sum(ok), len(ok))
-            return False
-        return True
+        return self.read_tokens(request, "the pool", ok, num_tokens)
+
+    def read_tokens(self, request: Request, source: str, found: list[bool],
+                    num_tokens: int) -> int:
+        """What a read of ``num_tokens`` whose blocks were ``found`` (in ``_plan``'s
+        order) brought: all of them, else the whole blocks before the first missing one
+        (one cache group; with several, none)."""
+        if all(found):
+            return num_tokens
+        kept = 0
+        if len(self.groups) == 1:
+            while found[kept]:
+                kept += 1
+        log.warning("request %s: %d of %d blocks missing from %s; computing from block %d "
+                    "of the read on", request.request_id, len(found) - sum(found), len(found),
+                    source, kept)
+        return kept * self.block_size
 
     def save(self, request: Request, block_ids: list[int] | list[list[int]],
              num_tokens: int | None = None) -> list[str]:

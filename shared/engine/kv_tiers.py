@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdmesh.shared.kvpool.base import CacheRegions, KVPool
+from pdmesh.shared.kvpool.base import CacheRegions, KVPool, keep_time
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,7 @@ class TierStats:
 
     def timed(self, direction: str, nbytes: int, seconds: float) -> None:
         self.bytes[direction] += nbytes
-        times = self.seconds[direction]
-        times.append(seconds)
-        if len(times) > 4096:  # (read and cleared by the metrics collector; bounded)
-            del times[:2048]
+        keep_time(self.seconds[direction], seconds)
 
 
 class _GroupStore:

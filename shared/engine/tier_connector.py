@@ -29,14 +29,11 @@ class TierConnector(PoolConnector):
                  windows: list[int | None] | None = None, names: list[str] | None = None):
         """``pool``: the mesh's KV pool, or None (a mixed instance: the tiers alone)."""
         self.tier = tier
-        self.mesh = pool
-        super().__init__(pool if pool is not None else _NoPool(), regions, hasher,
-                         fingerprint, save_prompts and pool is not None, windows, names)
-
-    def key(self, group: int, block_hash: bytes) -> str:
-        """The pool key of a cache group's block."""
-        key = f"{self.prefix}/{block_hash.hex()}"
-        return key if group == 0 else f"{key}/{self.names[group]}"
+        super().__init__(pool, regions, hasher, fingerprint, save_prompts and pool is not None,
+                         windows, names)
+        # request id -> (local tokens, tokens the tiers held past them) as admission last
+        # counted them: its load takes them from there
+        self._counted: dict[str, tuple[int, int]] = {}
 
     def tier_tokens(self, request: Request, local_tokens: int) -> int:
         """Tokens past ``local_tokens`` (block aligned) the tiers hold, in whole blocks,
@@ -52,74 +49,52 @@ class TierConnector(PoolConnector):
                 break
             n += 1
         if n and len(self.groups) > 1:
-            keys, blocks = self._plan_keys(hashes[:first + n], first)
+            keys, blocks = self._tier_plan(hashes[:first + n], None, first)
             if not all(self.tier.holds(keys, [g for g, _ in blocks])):
                 return 0
         return n * bs
 
-    def _plan_keys(self, hashes: list[bytes], first: int
+    def _tier_plan(self, hashes: list[bytes], tables: list[list[int]] | None, first: int
                    ) -> tuple[list[str], list[tuple[int, int]]]:
-        """Every group's keys and (group, block index) for blocks ``first ..`` of
-        ``hashes``, where the request continues after them."""
-        end = len(hashes) * self.block_size
-        keys, blocks = [], []
-        for g in range(len(self.groups)):
-            for b in range(max(first, self._first_block(g, end)), len(hashes)):
-                keys.append(self.key(g, hashes[b]))
-                blocks.append((g, b))
-        return keys, blocks
+        """``_plan`` for blocks ``first ..`` of ``hashes`` (block index 0 for every
+        block without ``tables``), the request continuing after them."""
+        n = len(hashes)
+        return self._plan([self.key(0, h) for h in hashes],
+                          tables or [[0] * n] * len(self.groups), first, n * self.block_size)
 
     def loadable_tokens(self, request: Request, local_tokens: int) -> int:
         n = self.tier_tokens(request, local_tokens)
-        if self.mesh is not None:
+        if len(self._counted) > 4096:  # (requests aborted between admission and load)
+            self._counted.clear()
+        self._counted[request.request_id] = (local_tokens, n)
+        if self.pool is not None:
             n += super().loadable_tokens(request, local_tokens + n)
         return n
 
     def load(self, request: Request, block_ids: list[int] | list[list[int]],
-             start_token: int, num_tokens: int, off_step: bool = False) -> bool:
-        """The tiers' blocks first, then the mesh pool's for the rest (all or nothing:
-        False leaves the whole range to compute)."""
+             start_token: int, num_tokens: int, off_step: bool = False) -> int:
+        """The tiers' blocks first, then the mesh pool's for the rest; the tokens read
+        (``PoolConnector.load``: whole blocks up to the first missing one)."""
         tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
-        n = min(num_tokens, self.tier_tokens(request, start_token))
+        local, held = self._counted.pop(request.request_id, (None, 0))
+        if local != start_token:
+            held = self.tier_tokens(request, start_token)
+        n = min(num_tokens, held)
         if n:
             first = start_token // self.block_size
             hashes = self.hasher.update(request)[:first + n // self.block_size]
-            keys, where = self._plan_keys(hashes, first)
-            found = self.tier.get(keys, [(g, tables[g][b]) for g, b in where])  # type: ignore[index]
-            if not all(found):
-                log.warning("request %s: %d of %d blocks left the KV tiers; recomputing",
-                            request.request_id, len(found) - sum(found), len(found))
-                return False
-        if n == num_tokens:
-            return True
-        if self.mesh is None:
-            return False
-        return super().load(request, block_ids, start_token + n, num_tokens - n, off_step)
+            keys, blocks = self._tier_plan(hashes, tables, first)  # type: ignore[arg-type]
+            read = self.read_tokens(request, "the KV tiers", self.tier.get(keys, blocks), n)
+            if read < n:
+                return read
+        if n == num_tokens or self.pool is None:
+            return n
+        return n + super().load(request, block_ids, start_token + n, num_tokens - n,
+                                off_step)
 
     def close(self) -> None:
         super().close()
         self.tier.close()
-
-
-class _NoPool(KVPool):
-    """The mesh pool of an instance without one: holds nothing."""
-
-    def exists(self, keys):
-        return [False] * len(keys)
-
-    def put(self, keys, regions):
-        return [False] * len(keys)
-
-    def get(self, keys, regions):
-        return [False] * len(keys)
-
-    def clear(self):
-        return 0
-
-    def stats(self):
-        from pdmesh.shared.kvpool.base import PoolStats
-
-        return PoolStats(0, 0, 0, 0)
 
 
 class TierWrites(StepHook):

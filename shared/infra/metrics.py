@@ -314,11 +314,11 @@ def worker_metrics(loop, labels: dict[str, str], eplb=None) -> Callable[[], Iter
                          labels)
             yield moved
             yield seconds
-            stats = conn.pool.stats()
+            stats = conn.pool.stats() if conn.pool is not None else None  # (tiers alone)
             yield counter("pdmesh_kv_pool_hits", "Blocks found in the KV pool.", labels,
-                          stats.hits)
+                          stats.hits if stats else 0)
             yield counter("pdmesh_kv_pool_misses", "Blocks looked for in the KV pool and "
-                          "not found.", labels, stats.misses)
+                          "not found.", labels, stats.misses if stats else 0)
             yield counter("pdmesh_kv_load_timeouts", "Pool reads given up after "
                           "--kv-load-timeout (the prompt was computed here).", labels,
                           sched.kv_load_timeouts)

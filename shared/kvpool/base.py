@@ -26,6 +26,17 @@ if TYPE_CHECKING:  # (the kvstore serves the pool without torch)
 Region = tuple[int, int]  # (address, nbytes)
 
 
+TIMES_KEPT = 4096  # transfer times kept between two metrics scrapes
+
+
+def keep_time(times: list[float], seconds: float) -> None:
+    """Add a transfer's seconds to a list the metrics collector reads and clears (bounded
+    should nobody read it)."""
+    times.append(seconds)
+    if len(times) > TIMES_KEPT:
+        del times[:TIMES_KEPT // 2]
+
+
 @dataclass
 class PoolStats:
     keys: int
