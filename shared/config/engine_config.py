@@ -122,6 +122,21 @@ def compilation_config(f: Any) -> dict[str, Any] | None:
     return out or None
 
 
+def kv_pool_settings(kv: Any, role: str) -> dict[str, Any]:
+    """--kv-transfer-config's kv_load_failure_policy and its extra config's load_async
+    and (a decode instance's) consumer_is_to_put, checked by config/kv_transfer.py, as
+    EngineConfig fields."""
+    out: dict[str, Any] = {}
+    if "kv_load_failure_policy" in kv:
+        out["kv_load_failure_policy"] = kv["kv_load_failure_policy"]
+    extra = kv.get("kv_connector_extra_config") or {}
+    if extra.get("load_async") is not None:
+        out["kv_load_async"] = extra["load_async"]
+    if role == "decode" and extra.get("consumer_is_to_put"):
+        out["kv_put_finished"] = True
+    return out
+
+
 def serving_engine_config(cfg: Any) -> EngineConfig:
     """What an engine instance runs (``cfg``: its ServeConfig, read and checked)."""
     config = dataclasses.replace(engine_config(cfg.flags), **parallel_settings(cfg),
@@ -139,6 +154,7 @@ def serving_engine_config(cfg: Any) -> EngineConfig:
     config = dataclasses.replace(config, **stats_settings(cfg.flags))
     if cfg.flags.kv_load_timeout is not None:
         config = dataclasses.replace(config, kv_load_timeout_s=cfg.flags.kv_load_timeout)
+    config = dataclasses.replace(config, **kv_pool_settings(cfg.kv_transfer, cfg.role))
     if sched.recompute_scheduler_enable and cfg.role == "decode":  # (a warning elsewhere)
         config = dataclasses.replace(config, recompute_scheduler=True)
     spec = cfg.flags.speculative_config

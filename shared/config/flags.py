@@ -89,7 +89,9 @@ def _compat(*specs: tuple) -> list[Flag]:
             for spec in specs]
 
 
-POOLED = {"effect": frozenset({"prefill", "decode", "config check"})}  # mixed has no pool
+# the KV pool's flags: a mixed instance acts on them with the KV tiers (--kv-load-timeout:
+# its tier reads) and their Mooncake storage (all); said otherwise (tier_flags.py)
+POOLED = {"effect": frozenset({"prefill", "decode", "mixed", "config check"})}
 AT_THE_GATEWAY = frozenset({"gateway", "up", "serve", "config check"})
 # the gateway's output parsers and chat encodings (services/gateway/parsers)
 TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31",
@@ -177,7 +179,8 @@ FLAGS: list[Flag] = [
             ("--scheduling-policy", "str", ENGINE_DEFAULT["scheduling_policy"],
              "fcfs, or priority (lower values first)", {"choices": ("fcfs", "priority")}),
             ("--num-kv-blocks", "int", ENGINE_DEFAULT["num_kv_blocks"],
-             "KV cache size in blocks (overrides the sizing)"),
+             "KV cache size in blocks (overrides the sizing)",
+             {"aliases": ("--num-gpu-blocks-override",)}),
             ("--max-total-tokens", "int", None, "KV cache size in tokens (SGLang's; "
              "--num-kv-blocks wins)"),
             ("--kv-cache-memory-bytes", "int", ENGINE_DEFAULT["kv_cache_memory_bytes"],
@@ -311,13 +314,14 @@ FLAGS: list[Flag] = [
     # -- serving an engine --------------------------------------------------------------
     *_flags(ENGINE_LINE,
             ("--kvstore", "str", None, "the kvstore service's gRPC address (default: the "
-             "one the registry lists, waited for; a mixed instance runs without a pool)",
-             POOLED),
+             "one the registry lists, waited for; a mixed instance joins a pool only as "
+             "its --hicache-storage-backend mooncake)", POOLED),
             ("--pool-segment-mb", "int", 512, "memory this instance lends to the KV pool",
              POOLED),
             ("--kv-load-timeout", "float", ENGINE_DEFAULT["kv_load_timeout_s"],
-             "seconds a prompt's read from the KV pool may take, plus its size at 256 MiB/s, "
-             "before it is given up and the prompt computed here (0: no limit)", POOLED),
+             "seconds a prompt's read from the KV pool or the KV tiers may take, plus its "
+             "size at 256 MiB/s, before it is given up and the prompt computed here (0: no "
+             "limit)", POOLED),
             ("--shutdown-timeout", "float", 30.0, "on SIGTERM, seconds requests in flight "
              "get to finish"),
             ("--tensor-parallel-size", "int", ENGINE_DEFAULT["tensor_parallel_size"],

@@ -7,9 +7,13 @@ known connector (NIXL, LMCache, ...) is refused, an unknown name gets a did-you-
 ``kv_role`` decides the instance's role (checked in ``serve``). The fields that place
 vLLM's transfers - ``kv_port``, ``engine_id``, ``kv_rank``, ``kv_ip``,
 ``kv_parallel_size``, ``kv_buffer_*``, the connector's module path - are read and listed
-as without effect (the pool and the registry place the KV). ``kv_connector_extra_config``
+as without effect (the pool and the registry place the KV). ``kv_load_failure_policy``
+(recompute | fail) decides what a failed pool or tier read does. ``kv_connector_extra_config``
 is read: its ``prefill`` / ``decode`` ``dp_size`` / ``tp_size`` must be whole numbers >=
-1, and an instance whose own side disagrees with its flags is told so.
+1, and an instance whose own side disagrees with its flags is told so; ``load_async``
+(vLLM-Ascend's Ascend Store) puts reads beside the steps or inside them,
+``consumer_is_to_put`` has a decode instance put each request it finishes (prompt and
+answer) into the pool; its other pool keys are listed as without effect (``IDLE_EXTRA``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ OTHER_CONNECTORS = ("NixlConnector", "LMCacheConnectorV1", "LMCacheConnector",
                     "OffloadingConnector", "DecodeBenchConnector", "LLMDataDistCMgrConnector")
 PLACEMENT_FIELDS = ("kv_port", "engine_id", "kv_rank", "kv_ip", "kv_parallel_size",
                     "kv_buffer_device", "kv_buffer_size", "kv_connector_module_path",
-                    "kv_load_failure_policy", "enable_permute_local_kv")
-FIELDS = ("kv_connector", "kv_role", "kv_connector_extra_config", *PLACEMENT_FIELDS)
+                    "enable_permute_local_kv")
+FIELDS = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy",
+          *PLACEMENT_FIELDS)
+FAILURE_POLICIES = ("recompute", "fail")
+# kv_connector_extra_config keys (vLLM-Ascend's Ascend Store) read and told to be
+# without effect, and why
+IDLE_EXTRA = {"consumer_is_to_load": "a decode instance always reads the prompt's KV from "
+                                     "the pool (what it misses it computes)",
+              "lookup_rpc_port": "lookups are in-process", "backend": "the pool is Mooncake"}
 SIDES = ("prefill", "decode")
 
 
@@ -51,10 +62,23 @@ def check(kv: Mapping[str, Any], role: str, dp_size: int, tp_size: int) -> list[
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ValueError(f"--kv-transfer-config: kv_connector {connector!r} is not a known "
                          f"connector{hint}")
-    warnings = []
+    policy = kv.get("kv_load_failure_policy", "recompute")
+    if policy not in FAILURE_POLICIES:
+        raise ValueError(f"--kv-transfer-config: kv_load_failure_policy must be recompute or "
+                         f"fail, got {policy!r}")
     extra = kv.get("kv_connector_extra_config", {})
     if not isinstance(extra, Mapping):
         raise ValueError("--kv-transfer-config: kv_connector_extra_config must be an object")
+    for name in ("load_async", "consumer_is_to_put"):
+        if not isinstance(extra.get(name, False), bool):
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.{name} must "
+                             f"be true or false, got {extra[name]!r}")
+    warnings = [f"--kv-transfer-config: kv_connector_extra_config.{k}: without effect "
+                f"({why})" for k, why in IDLE_EXTRA.items() if k in extra]
+    if extra.get("consumer_is_to_put") and role != "decode":
+        warnings.append("--kv-transfer-config: kv_connector_extra_config.consumer_is_to_put: "
+                        f"without effect on a {role} instance (a decode instance, the "
+                        "consumer, puts the requests it finishes into the pool)")
     for side in SIDES:
         sizes = extra.get(side)
         if sizes is None:
@@ -80,7 +104,7 @@ def check(kv: Mapping[str, Any], role: str, dp_size: int, tp_size: int) -> list[
     if placement:
         warnings.append("--kv-transfer-config: without effect (pdmesh's Mooncake pool and "
                         f"registry place the KV): {', '.join(placement)}")
-    if extra:
+    if any(side in extra for side in SIDES):
         warnings.append("--kv-transfer-config: kv_connector_extra_config read; pdmesh's "
                         "pool keys do not depend on the other side's layout")
     return warnings

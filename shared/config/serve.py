@@ -213,11 +213,11 @@ def resolve(config: ServeConfig) -> ServeConfig:
         graphs += ("--cpu-offload-gb: without effect on cpu (the weights are in host memory "
                    "already)" if config.device == "cpu" else "--cpu-offload-gb: decode "
                    "graphs off (each forward copies the offloaded layers over)",)
-    from pdmesh.shared.config.tier_flags import idle_tier_flags
+    from pdmesh.shared.config.tier_flags import idle_pool_flags, idle_tier_flags
 
-    return dataclasses.replace(config, engine=engine,
-                               flag_warnings=(*config.flag_warnings, *graphs,
-                                              *_pooling(config, engine), *idle_tier_flags(f)))
+    return dataclasses.replace(config, engine=engine, flag_warnings=(
+        *config.flag_warnings, *graphs, *_pooling(config, engine), *idle_tier_flags(f),
+        *idle_pool_flags(f, config.role, engine.kv_tiers)))
 
 
 def _pooling(config: ServeConfig, engine: EngineConfig) -> tuple[str, ...]:

@@ -210,6 +210,9 @@ class KVCacheManager:
         # reused, and a group's blocks a prefix hit takes (their ``hits`` counted)
         self.on_evict: Callable[[int, list[KVBlock]], None] | None = None
         self.on_hit: Callable[[int, list[KVBlock]], None] | None = None
+        # a request about to give its blocks back (prompt_saves.PromptSaves: a decode
+        # instance that puts what it finished into the pool pins them here)
+        self.on_free: Callable[[Request], None] | None = None
 
     def _evicting(self, group: int) -> Callable[[list[KVBlock]], None]:
         def evicting(blocks: list[KVBlock]) -> None:
@@ -427,6 +430,8 @@ class KVCacheManager:
             pool.free(blocks)
 
     def free(self, request: Request) -> None:
+        if self.on_free is not None and request.request_id in self._held:
+            self.on_free(request)
         held = self._held.pop(request.request_id, None)
         if held is not None:
             for pool, h in zip(self.pools, held, strict=True):

@@ -114,8 +114,7 @@ def build_engine(config: EngineConfig, kv_pool: KVPool | None = None,
     speculation = None if speculative is None else Speculation(
         speculative, _proposer(speculative, loaded, caches, backend), scheduler,
         caches.runner, spec_stats)
-    saves = PromptSaves(connector, caches.kv) \
-        if connector is not None and connector.save_prompts else None
+    saves = _saves(config, connector, caches.kv)
     step_costs, load_step = StepCosts(), ExpertLoadStep.of(loaded.model.load_recorder)
     pooler = None if pooling is None else Pooler(caches.runner, loaded.model.final_hidden)
     stats = _stats_log(config, scheduler, caches.kv)
@@ -178,8 +177,10 @@ def _scheduler(config: EngineConfig, caches: _Caches, batched: int, max_model_le
                           batched, max_model_len, connector,
                           # pool reads run beside the steps, never inside one (TP: the
                           # ranks get their heads of what was read between two steps)
-                          async_kv_load=pooled, kv_load_timeout_s=_load_timeout(config))
+                          async_kv_load=pooled and config.kv_load_async,
+                          kv_load_timeout_s=_load_timeout(config))
     scheduler.recompute_elsewhere = config.recompute_scheduler
+    scheduler.fail_on_load_error = config.kv_load_failure_policy == "fail"
     return scheduler
 
 
@@ -321,6 +322,17 @@ def _tier_writes(config: EngineConfig, connector: PoolConnector | None,
     return TierWrites(connector, kv, config.kv_tiers.write_policy)
 
 
+def _saves(config: EngineConfig, connector: PoolConnector | None, kv) -> PromptSaves | None:
+    """The pool puts: a prefill instance's prompts, a decode instance's ended requests
+    (consumer_is_to_put); None when there is no pool to put into."""
+    if connector is None or connector.pool is None:
+        return None
+    if not (connector.save_prompts or config.kv_put_finished):
+        return None
+    return PromptSaves(connector, kv, prompts=connector.save_prompts,
+                       finished=config.kv_put_finished)
+
+
 def _load_timeout(config: EngineConfig) -> float | None:
     """How long a pool or tier read may run: --kv-load-timeout, unless the tiers'
     prefetch policy is wait_complete."""
@@ -341,9 +353,10 @@ def _host_tier(tiers: TierConfig, caches: _Caches, kv_pool: KVPool | None) -> Ho
         storage = FilePool(tiers.storage_dir)
     elif tiers.storage == "mooncake":
         if kv_pool is None:
-            raise ValueError("--hicache-storage-backend mooncake: this instance has no "
-                             "Mooncake pool (the mesh's prefill and decode instances do: "
-                             "`pdmesh up`); use file here")
+            raise ValueError("--hicache-storage-backend mooncake: this engine has no "
+                             "Mooncake pool (an instance joins its mesh's kvstore: "
+                             "--kvstore or the registry's; the LLM class has none); use "
+                             "file here")
         storage = kv_pool
     tier = HostTier(groups, tiers.capacity(l1), storage)
     log.info("kv tiers: %s of host memory (%s blocks), %s, storage %s",

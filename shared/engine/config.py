@@ -122,6 +122,15 @@ class EngineConfig:
     # Pool instances: a prompt's pool read still running after this many seconds is
     # given up and the prompt computed here (None or 0: wait for it)
     kv_load_timeout_s: float | None = 10.0
+    # vLLM's kv_load_failure_policy: a request whose pool or tier read fails is
+    # "recompute"d here, or ends with an error ("fail")
+    kv_load_failure_policy: str = "recompute"
+    # vLLM-Ascend's load_async (kv_connector_extra_config): pool and tier reads run
+    # beside the steps (True) or inside the step that admits the request (False)
+    kv_load_async: bool = True
+    # vLLM-Ascend's consumer_is_to_put (a decode instance): each request it finishes puts
+    # its KV (prompt and answer) into the pool, for the conversation's next turn
+    kv_put_finished: bool = False
     # speculative decoding: vLLM's speculative_config (a dict, as `LLM(...,
     # speculative_config={...})` takes it, or a spec_decode.SpeculativeConfig); None: off
     speculative_config: Any = None
@@ -204,6 +213,9 @@ class EngineConfig:
         self.graph_config()
 
     def _validate_tiers(self) -> None:
+        if not self.kv_load_async and self.tensor_parallel_size > 1:
+            raise ValueError("load_async: false is not for tensor_parallel_size > 1 (the "
+                             "ranks take their heads of a read between two steps)")
         if self.kv_tiers is None:
             return
         self.kv_tiers.validate()
@@ -253,6 +265,9 @@ class EngineConfig:
         if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
             raise ValueError(f"pooler_config: must be a JSON object, got "
                              f"{self.pooler_config!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy: must be recompute or fail, got "
+                             f"{self.kv_load_failure_policy!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")

@@ -351,9 +351,10 @@ class EngineCore:
         cache, the counters or the other step hooks."""
         sched = self.scheduler
         kept = (self.hooks, self.saves, self.dyntralb, self.chunk_step_ms, sched.connector,
-                sched.prefix_queries, sched.prefix_hits)
+                sched.prefix_queries, sched.prefix_hits, self.kv.on_free)
         self.hooks, self.saves, self.dyntralb, self.chunk_step_ms = [self.step_costs], None, \
             None, 0.0
+        self.kv.on_free = None
         sched.connector, sched.prompt_cap = None, None
         try:
             n = max(1, min(prompt_tokens, self.max_num_batched_tokens,
@@ -369,7 +370,7 @@ class EngineCore:
                 self.step()
         finally:
             (self.hooks, self.saves, self.dyntralb, self.chunk_step_ms, sched.connector,
-             sched.prefix_queries, sched.prefix_hits) = kept
+             sched.prefix_queries, sched.prefix_hits, self.kv.on_free) = kept
             self._requests.pop("pdmesh-step-costs", None)
             self.kv.reset_prefix_cache()
 
@@ -457,7 +458,8 @@ class EngineCore:
         return [] if self.saves is None else self.saves.finish()
 
     def _handed_back(self) -> list[StepOutput]:
-        """Requests the recompute scheduler gave up this step: finished, no new token."""
+        """Requests the recompute scheduler gave up this step, or whose KV read failed
+        under kv_load_failure_policy "fail": finished, no new token."""
         out = []
         for req in self.scheduler.handed_back:
             self._requests.pop(req.request_id, None)

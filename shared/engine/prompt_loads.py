@@ -3,8 +3,9 @@
 The scheduler allocates the blocks first (for the tokens the pool holds past the local
 prefix-cache hits), then the read runs:
 
-    on the step   ``load_now``: inside ``schedule()``; a failed read leaves the tokens to
-                  compute here, and nothing unfilled stays findable by prefix
+    on the step   ``load_now``: inside ``schedule()``; what a read did not bring (blocks
+                  gone: from the first missing one on) is computed here, and nothing
+                  unfilled stays findable by prefix
     off the step  ``start`` (async_kv_load): on a helper thread while the running
                   requests keep stepping; the request is *loading* until ``collect``
                   finds its read done (it then runs, or, a DyntraLB prefetch, waits for
@@ -60,18 +61,19 @@ class PromptLoads:
         """Seats held by loading requests (all but DyntraLB's prefetches)."""
         return sum(seat for _, _, _, seat, _ in self.loading.values())
 
-    def load_now(self, req: Request, hit_tokens: int, pooled: int) -> None:
-        """Read ``pooled`` tokens past ``hit_tokens`` into ``req``'s blocks, on the step."""
+    def load_now(self, req: Request, hit_tokens: int, pooled: int) -> bool:
+        """Read ``pooled`` tokens past ``hit_tokens`` into ``req``'s blocks, on the step;
+        whether they came."""
         assert self.connector is not None
         t0 = time.monotonic()
         loaded = self.connector.load(
             req, [self.kv.block_ids(req, g) for g in range(len(self.kv.groups))],
             hit_tokens, pooled)
         req.kv_get_time = (t0, time.monotonic())
-        if loaded:
-            req.num_computed_tokens += pooled
-        else:  # recompute from the local hits; nothing unfilled stays findable
-            self.kv.forget_from(req, hit_tokens // self.kv.block_size)
+        req.num_computed_tokens += loaded
+        if loaded < pooled:  # compute from there; nothing unfilled stays findable
+            self.kv.forget_from(req, (hit_tokens + loaded) // self.kv.block_size)
+        return loaded == pooled
 
     def start(self, req: Request, hit_tokens: int, pooled: int, seated: bool) -> None:
         """Read ``pooled`` tokens past ``hit_tokens`` into ``req``'s blocks, off the step;
@@ -80,7 +82,7 @@ class PromptLoads:
         connector = self.connector
         tables = [list(self.kv.block_ids(req, g)) for g in range(len(self.kv.groups))]
 
-        def load() -> bool:
+        def load() -> int:
             t0 = time.monotonic()
             try:
                 return connector.load(req, tables, hit_tokens, pooled, off_step=True)
@@ -96,14 +98,14 @@ class PromptLoads:
             deadline = time.monotonic() + self.timeout_s + nbytes / KV_LOAD_FLOOR_BYTES_PER_S
         self.loading[id(req)] = (req, self._loader.submit(load), pooled, seated, deadline)
 
-    def collect(self) -> tuple[list[tuple[Request, bool]], list[Request]]:
+    def collect(self) -> tuple[list[tuple[Request, bool, bool]], list[Request]]:
         """The reads that ended, in the order they started: ``(done, given_up)``.
 
-        ``done``: each request whose read is done, with whether it holds a seat; its
-        tokens count as computed if the read succeeded (a failed read leaves the prompt
-        to compute). ``given_up``: each request whose read ran past its deadline, its
-        blocks freed and nothing computed, to wait again. An aborted request is in
-        neither: its blocks go back once nothing writes them."""
+        ``done``: each request whose read is done, with whether it holds a seat and
+        whether the read brought all it was to (what it brought counts as computed;
+        the rest of the prompt is computed here). ``given_up``: each request whose read ran past
+        its deadline, its blocks freed and nothing computed, to wait again. An aborted
+        request is in neither: its blocks go back once nothing writes them."""
         if self.connector is not None:
             self.connector.pump()
         if self._abandoned:
@@ -114,7 +116,7 @@ class PromptLoads:
                 else:
                     still.append((fut, held))
             self._abandoned = still
-        done: list[tuple[Request, bool]] = []
+        done: list[tuple[Request, bool, bool]] = []
         given_up: list[Request] = []
         now = time.monotonic()
         for key, (req, fut, pooled, seated, deadline) in list(self.loading.items()):
@@ -132,10 +134,9 @@ class PromptLoads:
                 loaded = fut.result()
             except Exception:  # noqa: BLE001 (a failed load is a recompute, not a crash)
                 log.exception("request %s: pool load failed; recomputing", req.request_id)
-                loaded = False
-            if loaded:
-                req.num_computed_tokens += pooled
-            done.append((req, seated))
+                loaded = 0
+            req.num_computed_tokens += loaded  # (its blocks findable once computed past)
+            done.append((req, seated, loaded == pooled))
         return done, given_up
 
     def _give_up(self, req: Request, fut: Future) -> bool:

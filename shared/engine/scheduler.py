@@ -164,6 +164,11 @@ class Scheduler(LoadBalancing):
         self.recompute_elsewhere = False
         self.handed_back: list[Request] = []
         self.recomputed = 0  # requests handed back, since start
+        # vLLM's kv_load_failure_policy "fail": a request whose pool or tier read failed
+        # (or was given up) ends with an error (FINISHED_ERROR, reported as a hand-back
+        # is) instead of computing its prompt here
+        self.fail_on_load_error = False
+        self.load_failures = 0  # requests so ended, since start
         self.prefix_queries = 0  # prompt tokens looked up in the local prefix cache
         self.prefix_hits = 0  # ... and found there
         # LoRA: the adapters a step may run at most (the device slots; 0: no LoRA). A
@@ -329,9 +334,11 @@ class Scheduler(LoadBalancing):
         if later:
             self.loads.start(req, src.hit_tokens, src.pooled, seated=True)
             return True  # it joins the batch when its blocks are in
-        if src.pooled:
-            self.loads.load_now(req, src.hit_tokens, src.pooled)
+        loaded = not src.pooled or self.loads.load_now(req, src.hit_tokens, src.pooled)
         self._start_running(req)
+        if not loaded and self.fail_on_load_error:
+            self._fail_load(req)
+            return True
         step.take(req, n, chunk)
         return True
 
@@ -409,11 +416,24 @@ class Scheduler(LoadBalancing):
         done, given_up = self.loads.collect()
         for req in given_up:
             self.waiting.readd(req)
-        for req, seated in done:
+            if self.fail_on_load_error:
+                self._fail_load(req)
+        for req, seated, loaded in done:
             if seated:
                 self._start_running(req)
             else:
                 self.ready.append(req)
+            if not loaded and self.fail_on_load_error:
+                self._fail_load(req)
+
+    def _fail_load(self, req: Request) -> None:
+        """kv_load_failure_policy "fail": the request ends with an error, its blocks
+        back, reported with the hand-backs."""
+        log.warning("request %s: its KV read failed; failing it (kv_load_failure_policy "
+                    "fail)", req.request_id)
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        self.load_failures += 1
+        self.handed_back.append(req)
 
     def _start_running(self, req: Request) -> None:
         """An admitted request joins the running (what it brought counts as cached)."""

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from pdmesh.shared.config.serve import ServeConfig
+from pdmesh.shared.engine.config import EngineConfig
 from pdmesh.shared.infra import cluster_auth
 from pdmesh.shared.infra.registry import Registry
 from pdmesh.shared.infra.signals import SignalStop
@@ -93,7 +94,7 @@ def _run(cfg: ServeConfig, role: EngineRole, host: ServiceHost, edge,
     from pdmesh.shared.engine.build import build_engine
 
     pool = None
-    if role.name != "mixed":
+    if wants_pool(role.name, cfg.engine):
         pool = connect_pool(cfg, host.settings.reach, host.signals)
         if pool is None:
             return 0  # stopped before a kvstore came
@@ -205,6 +206,13 @@ def eplb_cadence(config, num_moe_layers: int):
         every = config.eplb_step_interval
         return Cadence(every, first=max(1, every // 4))
     return None
+
+
+def wants_pool(role: str, engine: EngineConfig) -> bool:
+    """Prefill and decode instances join the mesh's KV pool; a mixed one only as its KV
+    tiers' storage (--hicache-storage-backend mooncake)."""
+    tiers = engine.kv_tiers
+    return role != "mixed" or (tiers is not None and tiers.storage == "mooncake")
 
 
 def connect_pool(cfg: ServeConfig, host: str, stop: SignalStop) -> KVPool | None:

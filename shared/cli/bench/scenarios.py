@@ -23,6 +23,12 @@ The shapes follow published serving traces, scaled to what a small CPU box serve
   answer and 32-256 new tokens (ShareGPT conversations; Mooncake's prefix reuse), answers
   32-192, conversations arriving at the Poisson rate.
 - ``long-output``: short prompts (64-256) and long answers (512-1,024), steady rate.
+- ``agent``: agents re-sending long histories (SWE-agent, tool loops; Mooncake's and
+  LMCache's multi-turn traces): each session opens with a context of its own
+  (log-uniform over [max_context / 4, max_context / 2]: files, tool output) and asks
+  ``turns`` turns (default 8), each the history so far, its answers and 32-256 new
+  tokens, answers 32-128; sessions run side by side, so between two turns of one the
+  others' histories pass through the cache (a working set of sessions x max_context).
 - ``random``: ``input_len`` in, ``output_len`` out for every request (the old default).
 
 Arrivals: Poisson at ``request_rate`` (``inf``: every session at once, the box full), or
@@ -37,7 +43,7 @@ import random
 from dataclasses import dataclass
 
 SCENARIOS = ("random", "short-chat", "long-mixed", "burst", "shared-prefix", "multi-turn",
-             "long-output")
+             "long-output", "agent")
 ARRIVALS = ("poisson", "burst")
 
 
@@ -67,6 +73,7 @@ class ScenarioArgs:
     burst_interval_s: float = 10.0
     num_prefixes: int = 4
     arrival: str = "poisson"  # or "burst" (the burst scenario's always)
+    turns: int = 8  # agent only
 
 
 def build(a: ScenarioArgs) -> list[Session]:
@@ -78,13 +85,15 @@ def build(a: ScenarioArgs) -> list[Session]:
         raise ValueError(f"num_prompts: must be >= 1, got {a.num_prompts}")
     if a.max_context < 64:
         raise ValueError(f"max_context: must be >= 64, got {a.max_context}")
+    if a.turns < 1:
+        raise ValueError(f"turns: must be >= 1, got {a.turns}")
     if a.arrival not in ARRIVALS:
         raise ValueError(f"arrival: must be one of {', '.join(ARRIVALS)}, got {a.arrival!r}")
     rng = random.Random(a.seed)
     build_one = {
         "random": _random, "short-chat": _short_chat, "long-mixed": _long_mixed,
         "burst": _burst_shape, "shared-prefix": _shared_prefix(a, rng),
-        "multi-turn": _multi_turn, "long-output": _long_output,
+        "multi-turn": _multi_turn, "long-output": _long_output, "agent": _agent,
     }[a.scenario]
     # arrival times from their own draws: the same seed, the same requests, however they
     # arrive (paced, all at once or in bursts)
@@ -173,18 +182,31 @@ def _shared_prefix(a: ScenarioArgs, rng: random.Random):
 
 
 def _multi_turn(a: ScenarioArgs, rng: random.Random) -> list[Turn]:
+    return _turns(a, rng, [], rng.randint(2, 6), 192) or _one(a, rng, 64, 64)
+
+
+def _agent(a: ScenarioArgs, rng: random.Random) -> list[Turn]:
+    context = tokens(rng, _log_uniform(rng, max(8, a.max_context // 4),
+                                       max(16, a.max_context // 2)), a.vocab_size)
+    return _turns(a, rng, context, a.turns, 128) or _one(a, rng, len(context), 32)
+
+
+def _turns(a: ScenarioArgs, rng: random.Random, history: list[int], count: int,
+           longest_answer: int) -> list[Turn]:
+    """Up to ``count`` turns after ``history``, each the history so far, its answers
+    and 32-256 new tokens, answered in 32-``longest_answer`` tokens; as many as fit the
+    context."""
     turns: list[Turn] = []
-    history: list[int] = []
-    for _ in range(rng.randint(2, 6)):
+    for _ in range(count):
         user = tokens(rng, rng.randint(32, 256), a.vocab_size)
-        out = rng.randint(32, 192)
+        out = rng.randint(32, longest_answer)
         if len(history) + len(user) + out > a.max_context:
             break
         prompt = history + user
         turns.append(Turn(prompt, out))
         # the next turn carries this answer (stand-in ids: the server's answer is text)
         history = prompt + tokens(rng, out, a.vocab_size)
-    return turns or _one(a, rng, 64, 64)
+    return turns
 
 
 def _poisson(a: ScenarioArgs, rng: random.Random) -> list[float]:

@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--scenario", default="random", choices=SCENARIOS)
     p.add_argument("--num-prompts", type=int, default=64,
-                   help="requests (multi-turn: conversations)")
+                   help="requests (multi-turn, agent: conversations)")
     p.add_argument("--input-len", type=int, default=128, help="random scenario")
     p.add_argument("--output-len", type=int, default=128, help="random scenario")
     p.add_argument("--max-context", type=int, default=4096,
@@ -50,6 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-size", type=int, default=16, help="burst arrivals")
     p.add_argument("--burst-interval-s", type=float, default=10.0, help="burst arrivals")
     p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix scenario")
+    p.add_argument("--turns", type=int, default=8, help="agent scenario: turns per session")
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="SLOs a request must meet to count as good: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--request-rate", type=float, default=float("inf"))
@@ -126,7 +127,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int],
 def scenario_args(a: argparse.Namespace) -> ScenarioArgs:
     return ScenarioArgs(a.scenario, a.num_prompts, a.request_rate, a.input_len, a.output_len,
                         a.max_context, a.vocab_size, a.seed, a.burst_size, a.burst_interval_s,
-                        a.num_prefixes, a.arrival)
+                        a.num_prefixes, a.arrival, a.turns)
 
 
 async def _run(a: argparse.Namespace) -> dict:

@@ -59,6 +59,16 @@ def test_the_shapes_are_what_they_say():
         for prev, nxt in zip(c.turns, c.turns[1:], strict=False):
             assert nxt.prompt[:len(prev.prompt)] == prev.prompt
             assert len(nxt.prompt) >= len(prev.prompt) + prev.output_len + 32
+    # agent: a long context of its own, then up to `turns` turns over it
+    agents = build(ScenarioArgs("agent", 40, math.inf, max_context=ctx, turns=8))
+    assert max(len(s.turns) for s in agents) == 8 and {s.start_s for s in agents} == {0.0}
+    firsts = [len(s.turns[0].prompt) for s in agents]
+    assert min(firsts) >= ctx // 4 and max(firsts) <= ctx // 2 + 256
+    assert len({tuple(s.turns[0].prompt[:ctx // 4]) for s in agents}) == 40  # none shared
+    for s in agents:
+        for prev, nxt in zip(s.turns, s.turns[1:], strict=False):
+            assert nxt.prompt[:len(prev.prompt)] == prev.prompt
+            assert len(nxt.prompt) >= len(prev.prompt) + prev.output_len + 32
     # bursts: burst_size sessions at once, every burst_interval_s
     bursts = build(ScenarioArgs("burst", 10, burst_size=4, burst_interval_s=2.5))
     assert [s.start_s for s in bursts] == [0.0] * 4 + [2.5] * 4 + [5.0] * 2
@@ -95,6 +105,8 @@ def test_bad_arguments_name_the_field():
         build(ScenarioArgs("random", num_prompts=0))
     with pytest.raises(ValueError, match="max_context"):
         build(ScenarioArgs("random", max_context=10))
+    with pytest.raises(ValueError, match="turns"):
+        build(ScenarioArgs("agent", turns=0))
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     for bad in (["ttft"], ["itl:5"], ["tpot:x"], ["tpot:-1"]):
         with pytest.raises(ValueError, match="--goodput"):

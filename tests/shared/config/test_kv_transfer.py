@@ -44,6 +44,10 @@ def test_the_seed_line_is_read_and_what_it_cannot_do_is_said():
      "kv_connector_extra_config.decode.tp_size must be a whole number >= 1, got 0"),
     ({"kv_connector_extra_config": {"decode": {"dp_size": "2"}}}, "decode.dp_size"),
     ({"kv_connector_extra_config": []}, "kv_connector_extra_config must be an object"),
+    ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be recompute or fail, "
+                                          "got 'retry'"),
+    ({"kv_connector_extra_config": {"load_async": "yes"}},
+     "kv_connector_extra_config.load_async must be true or false, got 'yes'"),
 ])
 def test_what_pdmesh_cannot_run_is_refused_naming_the_field(kv, message):
     with pytest.raises(ValueError, match="--kv-transfer-config: ") as info:
@@ -60,3 +64,28 @@ def test_keys_pdmesh_does_not_act_on_are_listed_on_every_device():
         assert cfg.inactive_keys == ("mix_placement", "rejection_sampler_config")
         assert cfg.warnings == ("2 key(s) pdmesh does not implement yet; without effect: "
                                 "mix_placement, rejection_sampler_config",)
+
+
+def test_the_pool_keys_that_take_effect_reach_the_engine():
+    """vLLM's kv_load_failure_policy, vLLM-Ascend's load_async and (a decode instance's)
+    consumer_is_to_put take effect (the engine fields the scheduler and the puts read);
+    the Ascend Store's keys pdmesh does not act on are told."""
+    from pdmesh.shared.config.engine_config import serving_engine_config
+
+    default = serving_engine_config(config("decode", {"kv_role": "kv_consumer"}))
+    assert (default.kv_load_failure_policy, default.kv_load_async,
+            default.kv_put_finished) == ("recompute", True, False)
+    extra = {"load_async": False, "consumer_is_to_put": True, "consumer_is_to_load": True}
+    cfg = config("decode", {"kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
+                            "kv_connector_extra_config": extra})
+    engine = serving_engine_config(cfg)
+    assert (engine.kv_load_failure_policy, engine.kv_load_async,
+            engine.kv_put_finished) == ("fail", False, True)
+    warned = " | ".join(cfg.flag_warnings)
+    assert "kv_connector_extra_config.consumer_is_to_load: without effect" in warned
+    for acting in ("kv_load_failure_policy", "load_async", "consumer_is_to_put"):
+        assert acting not in warned
+    prefill = config("prefill", {"kv_role": "kv_producer", "kv_connector_extra_config": extra})
+    assert not serving_engine_config(prefill).kv_put_finished
+    assert "consumer_is_to_put: without effect on a prefill instance" in " | ".join(
+        prefill.flag_warnings)

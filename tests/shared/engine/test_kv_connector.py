@@ -95,12 +95,17 @@ def test_blocks_vanishing_before_load_are_recomputed(qwen3_path, expected):
 
 
 def test_prefill_then_decode_through_mooncake(qwen3_path, expected, mooncake_master):
+    """And the decode instance puts what it finished (vLLM-Ascend's consumer_is_to_put):
+    the conversation's next turn, prompt and answer and more, finds the answer's blocks
+    too, where the prefill instance's own put ends with the prompt."""
     master = mooncake_master
     pools = [MooncakePool(master.ports.master_address, master.ports.metadata_url,
                           segment_bytes=64 << 20, local_buffer_bytes=16 << 20) for _ in range(2)]
     try:
         prefill = engine(qwen3_path, pools[0], True)
-        decode = engine(qwen3_path, pools[1], False)
+        decode = build_engine(EngineConfig(model=str(qwen3_path), device="cpu",
+                                           dtype="float32", block_size=16,
+                                           kv_put_finished=True), kv_pool=pools[1])
         first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         pre = [prefill.add_request(p, first) for p in PROMPTS]
         run(prefill, pre)
@@ -110,6 +115,15 @@ def test_prefill_then_decode_through_mooncake(qwen3_path, expected, mooncake_mas
         run(decode, dec)
         assert [r.output_token_ids for r in dec] == expected
         assert [r.num_cached_tokens for r in dec] == [len(p) for p in PROMPTS]
+        # PROMPTS[2] (60 tokens) and its 12: 71 tokens of KV, 4 whole blocks; the prompt
+        # alone fills 3
+        turn = PROMPTS[2] + dec[2].output_token_ids + [9, 8, 7, 6, 5]
+        want = LLM(str(qwen3_path), device="cpu", dtype="float32", block_size=16).generate(
+            [turn], params)[0].outputs[0].token_ids
+        again = engine(qwen3_path, pools[0], False)  # (a fresh instance: an empty cache)
+        nxt = again.add_request(turn, params)
+        run(again, [nxt])
+        assert nxt.num_cached_tokens == 64 and nxt.output_token_ids == want
     finally:
         for p in pools:
             p.close()

@@ -75,18 +75,52 @@ def test_selective_writes_only_blocks_hit_twice(qwen3_path, expected):
     assert eng.connector.tier.occupancy() == [4]
 
 
-def test_the_file_tier_serves_a_prefix_after_a_restart(qwen3_path, expected, tmp_path):
+@pytest.mark.parametrize("load_async", [True, False])
+def test_the_file_tier_serves_a_prefix_after_a_restart(qwen3_path, expected, tmp_path,
+                                                       load_async):
+    """Read beside the steps (the default) or inside the step that admits it
+    (vLLM-Ascend's load_async false)."""
     tiers = TierConfig(host_bytes=64 << 20, storage="file", storage_dir=str(tmp_path))
     first = tiered(qwen3_path, tiers)
     run_one(first, A)
     first.close()  # (its storage writes done)
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
     assert len(files) == 4  # A's full blocks (70 + 8 tokens: 4 x 16, and a partial one)
-    second = tiered(qwen3_path, tiers)  # a new process's engine: L1 and L2 empty
+    # a new process's engine: L1 and L2 empty
+    second = tiered(qwen3_path, tiers, kv_load_async=load_async)
+    assert second.scheduler.async_kv_load is load_async
     again = run_one(second, A)
     assert again.output_token_ids == expected
     assert again.num_cached_tokens == 64
     assert second.connector.tier.stats.hits["storage"] == 4
+
+
+def test_the_mooncake_store_serves_a_prefix_to_the_next_engine(qwen3_path, expected,
+                                                               mooncake_master):
+    """--hicache-storage-backend mooncake: the blocks host memory takes go on to a real
+    Mooncake pool, where an engine with empty L1 and L2 (another instance, a restart)
+    reads them back."""
+    from pdmesh.shared.kvpool.mooncake import MooncakePool
+
+    pools = [MooncakePool(mooncake_master.ports.master_address,
+                          mooncake_master.ports.metadata_url, segment_bytes=32 << 20,
+                          local_buffer_bytes=16 << 20) for _ in range(2)]
+    tiers = TierConfig(host_bytes=64 << 20, storage="mooncake")
+    config = EngineConfig(model=str(qwen3_path), device="cpu", dtype="float32", block_size=16,
+                          num_kv_blocks=16, kv_tiers=tiers)
+    try:
+        first = build_engine(config, kv_pool=pools[0])
+        run_one(first, A)
+        first.close()  # (its storage writes done)
+        second = build_engine(config, kv_pool=pools[1])
+        again = run_one(second, A)
+        assert again.output_token_ids == expected
+        assert again.num_cached_tokens == 64
+        assert second.connector.tier.stats.hits["storage"] == 4
+        second.close()
+    finally:
+        for pool in pools:
+            pool.close()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
@@ -112,14 +146,45 @@ def test_a_damaged_file_is_recomputed_never_served(qwen3_path, expected, tmp_pat
         again = run_one(second, A)
     assert again.output_token_ids == expected
     store = second.connector.tier.storage
-    if damage == "remove":  # the tiers hold A's first block only: it is read, the rest
-        assert again.num_cached_tokens == 16  # computed
-    else:  # found damaged as it is read: the whole read is given up and computed
-        assert again.num_cached_tokens == 0
+    # A's first block is read; from the damaged one on the prompt is computed (removed:
+    # the tiers never offer it; damaged: found so as it is read, and the read stops there)
+    assert again.num_cached_tokens == 16
+    if damage != "remove":
         assert store.corrupt == 1 and "truncated or altered" in caplog.text
+        assert "1 of 4 blocks missing from the KV tiers; computing from block 1" in caplog.text
     second.close()  # computed again, the block is stored again, whole
     buf, regions = _buffer(block_bytes, 0)
     assert FilePool(tmp_path).get([key], [regions]) == [True]
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_failed_read_fails_the_request_under_the_fail_policy(qwen3_path, expected, tmp_path,
+                                                               load_async):
+    """vLLM's kv_load_failure_policy "fail": a damaged block ends its request with an
+    error (reported once, its blocks back) instead of a recompute; the engine goes on."""
+    from pdmesh.shared.engine.request import RequestStatus
+
+    tiers = TierConfig(host_bytes=64 << 20, storage="file", storage_dir=str(tmp_path))
+    first = tiered(qwen3_path, tiers)
+    req = run_one(first, A)
+    key = first.connector.key(0, req.block_hashes[1])
+    first.close()
+    path = first.connector.tier.storage.path(key)
+    data = bytearray(path.read_bytes())
+    data[HEADER.size + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    second = tiered(qwen3_path, tiers, kv_load_failure_policy="fail", kv_load_async=load_async)
+    failed = second.add_request(A, GREEDY)
+    outputs = []
+    while second.has_unfinished():
+        outputs += second.step()
+    assert failed.status is RequestStatus.FINISHED_ERROR and failed.output_token_ids == []
+    assert [o.finished for o in outputs if o.request is failed] == [True]
+    assert second.scheduler.load_failures == 1
+    assert second.kv.num_free_blocks == second.kv.num_blocks
+    again = run_one(second, A)  # (the damaged file is gone: its first block read, the
+    assert again.output_token_ids == expected  # rest computed)
+    assert again.num_cached_tokens == 16
 
 
 def _buffer(n: int, fill: int) -> tuple[ctypes.Array, list[tuple[int, int]]]:
