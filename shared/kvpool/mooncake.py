@@ -31,6 +31,11 @@ DEFAULT_SEGMENT_BYTES = 512 << 20  # memory this client lends to the pool
 DEFAULT_LOCAL_BUFFER_BYTES = 64 << 20
 PROBE_INTERVAL_S = 0.2  # how long a master liveness probe is trusted
 PROBE_TIMEOUT_S = 0.3
+# keys per native batch call, one call in flight per client: Mooncake's TCP transport
+# refuses transfers past its per-peer queue ("TCP lane queue-full rejection"), and the
+# keys still waiting see their read leases expire, so a prompt of hundreds of blocks read
+# in one call (or several such reads at once) came back with none of them
+BATCH_KEYS = 64
 
 
 class PoolUnavailable(ConnectionError):
@@ -58,6 +63,7 @@ class MooncakePool(KVPool):
                                   f"{master_address} (metadata {metadata_url}): "
                                   f"setup returned {rc}")
         self._registered: set[int] = set()
+        self._transfer_lock = threading.Lock()  # (see BATCH_KEYS)
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
@@ -116,11 +122,8 @@ class MooncakePool(KVPool):
         todo = [i for i, p in enumerate(present) if not p]
         result = list(present)
         if todo:
-            codes = self._store.batch_put_from_multi_buffers(
-                [keys[i] for i in todo],
-                [[addr for addr, _ in regions[i]] for i in todo],
-                [[n for _, n in regions[i]] for i in todo],
-            )
+            codes = self._batched(self._store.batch_put_from_multi_buffers,
+                                  [keys[i] for i in todo], [regions[i] for i in todo])
             for i, code in zip(todo, codes, strict=True):
                 result[i] = code == 0
                 if code != 0:
@@ -133,9 +136,7 @@ class MooncakePool(KVPool):
         if not keys:
             return []
         self._require_master()
-        codes = self._store.batch_get_into_multi_buffers(
-            keys, [[addr for addr, _ in regs] for regs in regions],
-            [[n for _, n in regs] for regs in regions])
+        codes = self._batched(self._store.batch_get_into_multi_buffers, keys, regions)
         ok = [code == sum(n for _, n in regs) for code, regs in zip(codes, regions, strict=True)]
         if any(c < 0 for c in codes):
             self._probe_at = 0.0
@@ -143,6 +144,17 @@ class MooncakePool(KVPool):
             self._hits += sum(ok)
             self._misses += len(ok) - sum(ok)
         return ok
+
+    def _batched(self, call, keys: list[str], regions: list[list[Region]]) -> list[int]:
+        """``call`` (a batch put or get) over ``BATCH_KEYS`` keys at a time, one call of
+        this client's in flight; the codes of all of them, in order."""
+        codes: list[int] = []
+        for lo in range(0, len(keys), BATCH_KEYS):
+            part = regions[lo:lo + BATCH_KEYS]
+            with self._transfer_lock:
+                codes += call(keys[lo:lo + BATCH_KEYS], [[a for a, _ in r] for r in part],
+                              [[n for _, n in r] for r in part])
+        return codes
 
     def clear(self) -> int:
         self._require_master()

@@ -106,6 +106,11 @@ def decode_node_features(ctx: RuleContext, out: Findings) -> None:
             out.error(key, "sparse KV offload does not support Model Runner V2")
         if cfg.enable_sparse_sfa_c8:
             out.error(key, "sparse KV offload cannot be combined with enable_sparse_sfa_c8")
+        out.warn(key, "without effect: pdmesh keeps DeepSeek-V4's compressed history in the "
+                      "engine's device blocks for as long as its request runs; what moves to "
+                      "host memory is whole blocks between requests "
+                      "(--enable-hierarchical-cache, docs/kv-tiers.md), not the per-step "
+                      "top-k fetch this key asks of vLLM-Ascend's sparse attention kernels")
 
 
 def single_switches(ctx: RuleContext, out: Findings) -> None:

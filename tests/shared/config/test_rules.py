@@ -174,6 +174,13 @@ def test_dflash_budgets_mtp_drafts_with_a_warning_saying_so() -> None:
                for w in config.warnings), config.warnings
 
 
+def test_sparse_kv_offload_on_a_decode_node_says_why_it_is_without_effect() -> None:
+    config = parse({"sparse_kv_offload_config": {"enabled": True}}, DECODE)
+    assert any(w.startswith("sparse_kv_offload_config.enabled: without effect: pdmesh keeps "
+                            "DeepSeek-V4's compressed history") and "--enable-hierarchical"
+               in w for w in config.warnings), config.warnings
+
+
 def test_recompute_on_a_prefill_node_is_switched_off_with_a_warning() -> None:
     config = parse(sched(recompute_scheduler_enable=True), PREFILL)
     assert config.scheduler_config.recompute_scheduler_enable is False

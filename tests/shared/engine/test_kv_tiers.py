@@ -96,10 +96,11 @@ def test_the_file_tier_serves_a_prefix_after_a_restart(qwen3_path, expected, tmp
 
 
 def test_the_mooncake_store_serves_a_prefix_to_the_next_engine(qwen3_path, expected,
-                                                               mooncake_master):
+                                                               mooncake_master, caplog):
     """--hicache-storage-backend mooncake: the blocks host memory takes go on to a real
     Mooncake pool, where an engine with empty L1 and L2 (another instance, a restart)
-    reads them back."""
+    reads them back; with the master gone, the prompt is computed (the last test of
+    the module's master)."""
     from pdmesh.shared.kvpool.mooncake import MooncakePool
 
     pools = [MooncakePool(mooncake_master.ports.master_address,
@@ -118,6 +119,13 @@ def test_the_mooncake_store_serves_a_prefix_to_the_next_engine(qwen3_path, expec
         assert again.num_cached_tokens == 64
         assert second.connector.tier.stats.hits["storage"] == 4
         second.close()
+        third = build_engine(config, kv_pool=pools[0])  # (it registers its cache: first)
+        mooncake_master.stop()
+        with caplog.at_level(logging.WARNING):
+            gone = run_one(third, A)
+        assert gone.output_token_ids == expected and gone.num_cached_tokens == 0
+        assert "is down" in caplog.text
+        third.close()
     finally:
         for pool in pools:
             pool.close()

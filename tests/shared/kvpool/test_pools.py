@@ -286,3 +286,41 @@ def test_following_pool_moves_to_a_master_that_came_back_elsewhere(tmp_path):
         for sup in (first, second):
             if sup is not None:
                 sup.stop()
+
+
+def test_many_large_reads_at_once_all_arrive(mooncake_master):
+    """Eight reads of 1,024 blocks each at once (eight long prompts admitted together):
+    every block arrives. In one native call each, Mooncake's TCP transport refused some
+    ("TCP lane queue-full rejection") and the prompts were computed again."""
+    import threading
+
+    n, nbytes, readers = 1024, 32 << 10, 8
+    writer = MooncakePool(mooncake_master.ports.master_address,
+                          mooncake_master.ports.metadata_url, segment_bytes=64 << 20,
+                          local_buffer_bytes=16 << 20)
+    reader = pool_for(mooncake_master)
+    try:
+        src = torch.randn(n * nbytes // 4)
+        dst = [torch.zeros_like(src) for _ in range(readers)]
+        writer.register(src)
+        for d in dst:
+            reader.register(d)
+        keys = [f"many/{i}" for i in range(n)]
+        assert all(writer.put(keys, [[(src.data_ptr() + i * nbytes, nbytes)]
+                                     for i in range(n)]))
+        found: list[list[bool]] = [[] for _ in range(readers)]
+
+        def read(j: int) -> None:
+            found[j] = reader.get(keys, [[(dst[j].data_ptr() + i * nbytes, nbytes)]
+                                         for i in range(n)])
+
+        threads = [threading.Thread(target=read, args=(j,)) for j in range(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [sum(f) for f in found] == [n] * readers
+        assert all(torch.equal(d, src) for d in dst)
+    finally:
+        reader.close()
+        writer.close()
