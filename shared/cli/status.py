@@ -35,6 +35,7 @@ import redis
 
 from pdmesh.shared.infra import cluster_auth
 from pdmesh.shared.infra.registry import ROLES, Instance, Registry
+from pdmesh.shared.infra.signals import SignalStop
 from pdmesh.shared.proto import eplb_pb2, eplb_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 DP_ROLES = ("prefill", "decode", "mixed")
@@ -329,20 +330,21 @@ def run(a: argparse.Namespace) -> int:
             return 2
         print(json.dumps(asdict(s)) if a.json else render(s))
         return 0
-    try:
-        while True:  # a redis outage is shown, not fatal: the operator is watching it
-            try:
-                s = collect(registry, a.redis_url, a.eplb_group, a.rpc_timeout)
-                text = json.dumps(asdict(s)) if a.json else render(s)
-            except redis.RedisError as e:
-                text = _redis_error(a.redis_url, e)
-                text = json.dumps({"error": text}) if a.json else text
-            stamp = time.strftime("%H:%M:%S")
-            print(text if a.json else f"{CLEAR_SCREEN}{stamp}  every {a.watch:g}s\n{text}",
-                  flush=True)
-            time.sleep(a.watch)
-    except KeyboardInterrupt:
-        return 0
+    # Ctrl-C (or SIGTERM) ends the watch between two snapshots: the handler only counts
+    # it, so no redis read or gRPC call is cut off midway and the exit cannot hang there
+    stop = SignalStop().install()
+    while not stop.is_set():  # a redis outage is shown, not fatal: the operator watches it
+        try:
+            s = collect(registry, a.redis_url, a.eplb_group, a.rpc_timeout)
+            text = json.dumps(asdict(s)) if a.json else render(s)
+        except redis.RedisError as e:
+            text = _redis_error(a.redis_url, e)
+            text = json.dumps({"error": text}) if a.json else text
+        stamp = time.strftime("%H:%M:%S")
+        print(text if a.json else f"{CLEAR_SCREEN}{stamp}  every {a.watch:g}s\n{text}",
+              flush=True)
+        stop.wait(a.watch)
+    return 0
 
 
 def _redis_error(url: str, e: redis.RedisError) -> str:
