@@ -32,6 +32,13 @@ from pdmesh.shared.kvpool.base import CacheRegions, KVPool, keep_time
 log = logging.getLogger(__name__)
 
 
+def group_tables(block_ids: list[int] | list[list[int]]) -> list[list[int]]:
+    """A request's block table per cache group, from one table or one per group."""
+    if block_ids and isinstance(block_ids[0], list):
+        return block_ids  # type: ignore[return-value]
+    return [block_ids]  # type: ignore[list-item]
+
+
 class PoolConnector:
     def __init__(self, pool: KVPool | None, regions: CacheRegions | list[CacheRegions],
                  hasher: BlockHasher, fingerprint: str, save_prompts: bool,
@@ -83,8 +90,7 @@ class PoolConnector:
 
     def key(self, group: int, block_hash: bytes) -> str:
         """The pool key of a cache group's block (the same in every tier and instance)."""
-        key = f"{self.prefix}/{block_hash.hex()}"
-        return key if group == 0 else self.in_group(group, key)
+        return self.in_group(group, f"{self.prefix}/{block_hash.hex()}")
 
     def in_group(self, group: int, key: str) -> str:
         """Group 0's key of a block as ``group``'s."""
@@ -156,9 +162,9 @@ class PoolConnector:
         ``block_ids``: the request's table, or one per cache group; ``off_step``: on a
         helper thread beside the steps (``pump`` then runs between them)."""
         bs = self.block_size
-        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
+        tables = group_tables(block_ids)
         first, end = start_token // bs, start_token + num_tokens
-        keys, blocks = self._plan(self.prompt_keys(request, end), tables, first, end)  # type: ignore[arg-type]
+        keys, blocks = self._plan(self.prompt_keys(request, end), tables, first, end)
         t0 = time.perf_counter()
         try:
             ok = self._transfer("get", keys, blocks, off_step)
@@ -191,9 +197,9 @@ class PoolConnector:
         pool already had). ``block_ids``: the request's table, or one per cache group;
         ``num_tokens``: the tokens they hold (default: all the request's - the prompt,
         and any output tokens it came with, a re-prefill)."""
-        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
+        tables = group_tables(block_ids)
         end = request.num_tokens if num_tokens is None else num_tokens
-        keys, blocks = self._plan(self.prompt_keys(request, end), tables, 0, end)  # type: ignore[arg-type]
+        keys, blocks = self._plan(self.prompt_keys(request, end), tables, 0, end)
         t0 = time.perf_counter()
         try:
             stored = self._transfer("put", keys, blocks)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from pdmesh.shared.engine.block_manager import KVBlock, KVCacheManager
-from pdmesh.shared.engine.kv_connector import PoolConnector
+from pdmesh.shared.engine.kv_connector import PoolConnector, group_tables
 from pdmesh.shared.engine.kv_tiers import SELECTIVE_HITS, HostTier
 from pdmesh.shared.engine.request import Request
 from pdmesh.shared.engine.step_hooks import StepHook, StepRecord
@@ -75,7 +75,7 @@ class TierConnector(PoolConnector):
              start_token: int, num_tokens: int, off_step: bool = False) -> int:
         """The tiers' blocks first, then the mesh pool's for the rest; the tokens read
         (``PoolConnector.load``: whole blocks up to the first missing one)."""
-        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
+        tables = group_tables(block_ids)
         local, held = self._counted.pop(request.request_id, (None, 0))
         if local != start_token:
             held = self.tier_tokens(request, start_token)
@@ -83,7 +83,7 @@ class TierConnector(PoolConnector):
         if n:
             first = start_token // self.block_size
             hashes = self.hasher.update(request)[:first + n // self.block_size]
-            keys, blocks = self._tier_plan(hashes, tables, first)  # type: ignore[arg-type]
+            keys, blocks = self._tier_plan(hashes, tables, first)
             read = self.read_tokens(request, "the KV tiers", self.tier.get(keys, blocks), n)
             if read < n:
                 return read
